@@ -1,0 +1,1 @@
+"""jaxllm: a small, readable JAX/Pallas stack for small language models."""

@@ -1,0 +1,1 @@
+"""Data pipeline: GPT-2 tokenizer, text -> token files, batch sampling."""

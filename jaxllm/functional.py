@@ -1,0 +1,184 @@
+"""Pure jnp building blocks: activations, softmax, losses, masks, rotary embeddings.
+
+No Flax, no state: every function maps arrays to arrays. Reductions that need range (softmax,
+logsumexp, losses) run in float32 whatever the input dtype, because bfloat16 sums lose digits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def _atleast_f32(x: jax.Array) -> jax.Array:
+    """Upcast half types to float32; float64 stays float64 (for x64 reference checks)."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+# Large negative logit for masked positions. Finite (unlike -inf) so a fully masked row gives a
+# uniform distribution instead of NaN, and far below any real logit so exp() underflows to 0.
+MASK_VALUE = -1e30
+
+
+def gelu(x: jax.Array, approximate: bool = True) -> jax.Array:
+    """GELU. `approximate=True` is GPT-2's tanh form; False is the exact erf form."""
+    if approximate:
+        c = math.sqrt(2.0 / math.pi)
+        return 0.5 * x * (1.0 + jnp.tanh(c * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1.0 + jax.lax.erf(x / math.sqrt(2.0)))
+
+
+def logsumexp(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """log(sum(exp(x))) along `axis`, computed in float32 as m + log(sum(exp(x - m)))."""
+    x = _atleast_f32(x)
+    m = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # all -inf row: keep -inf instead of NaN
+    out = m + jnp.log(jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True))
+    return out if keepdims else jnp.squeeze(out, axis=axis)
+
+
+def one_hot(ids: jax.Array, n: int, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """(...,) int ids -> (..., n) one-hot; ids outside [0, n) give an all-zero row."""
+    return (ids[..., None] == jnp.arange(n)).astype(dtype)
+
+
+def softmax(x: jax.Array, axis: int = -1, temperature: float = 1.0) -> jax.Array:
+    """softmax(x / temperature) along `axis`, in float32; returns float32."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    z = _atleast_f32(x) / temperature
+    return jnp.exp(z - logsumexp(z, axis=axis, keepdims=True))
+
+
+def softmax_loss(logits: jax.Array, target: jax.Array) -> jax.Array:
+    """Per-example cross-entropy: logits (B, V), target (B,) int -> (B,) = logsumexp(z) - z_y."""
+    logits = _atleast_f32(logits)
+    z_y = jnp.take_along_axis(logits, target[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return logsumexp(logits, axis=-1) - z_y
+
+
+def cross_entropy(
+    logits: jax.Array, targets: jax.Array, ignore_index: int | None = None
+) -> jax.Array:
+    """Mean token cross-entropy. logits (..., V), targets (...) int -> scalar float32.
+
+    Positions whose target equals `ignore_index` (padding, prompt tokens) count neither in the
+    sum nor in the mean; if every position is ignored the result is 0, not NaN.
+    """
+    if ignore_index is None:
+        return jnp.mean(softmax_loss(logits, targets))
+    valid = targets != ignore_index
+    losses = softmax_loss(logits, jnp.where(valid, targets, 0))
+    return jnp.sum(jnp.where(valid, losses, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+
+
+def causal_mask(t: int, additive: bool = False) -> jax.Array:
+    """(T, T) causal mask: query i may see key j iff j <= i.
+
+    Boolean (True = attend) by default; `additive=True` gives float32 0 / MASK_VALUE to add to
+    the attention scores.
+    """
+    allowed = jnp.tril(jnp.ones((t, t), dtype=bool))
+    if additive:
+        return jnp.where(allowed, 0.0, MASK_VALUE).astype(jnp.float32)
+    return allowed
+
+
+def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
+    """Inverted dropout: zero each element with prob `rate`, scale the rest by 1/(1-rate).
+
+    `rng=None` or `rate=0` is the identity (evaluation).
+    """
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+    if rng is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of the rotary angles: positions (..., T) -> two (..., T, head_dim // 2) arrays.
+
+    Pair i rotates by positions * theta^(-2i / head_dim), as in RoFormer and CS336.
+    """
+    if head_dim % 2:
+        raise ValueError(f"rotary embeddings need an even head dim, got {head_dim}")
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # (Dh/2,)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of the last dim (CS336 layout, not halves).
+
+    x (B, T, H, Dh); cos, sin (B or 1, T, Dh/2). Math in float32, returns x's dtype.
+    """
+    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)  # (B, T, H, Dh/2, 2)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
+    out = jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def layer_norm(
+    x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float = 1e-5
+) -> jax.Array:
+    """LayerNorm over the last dim, statistics in float32; returns x's dtype. x (..., D)."""
+    xf = _atleast_f32(x)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps) * scale
+    if bias is not None:
+        y = y + bias
+    return y.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5) -> jax.Array:
+    """RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * scale, in float32. x (..., D)."""
+    xf = _atleast_f32(x)
+    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps) * scale
+    return y.astype(x.dtype)
+
+
+def attention_mask(
+    tq: int, tk: int, offset: jax.Array | int = 0, key_mask: jax.Array | None = None
+) -> jax.Array:
+    """Boolean (B or 1, 1, Tq, Tk) mask, True = attend.
+
+    Query i sits at absolute slot offset + i and may see key slots j <= offset + i (causal);
+    `key_mask` (B, Tk) bool additionally hides padding keys.
+    """
+    allowed = jnp.arange(tk)[None, :] <= (jnp.arange(tq)[:, None] + offset)  # (Tq, Tk)
+    allowed = allowed[None, None]
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :]
+    return allowed
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    probs_fn: Callable[[jax.Array, float], jax.Array] | None = None,
+) -> jax.Array:
+    """softmax(q k^T / sqrt(Dh) + mask) v with scores and softmax in float32.
+
+    q (B, Tq, H, Dh); k, v (B, Tk, H, Dh); mask bool broadcastable to (B, H, Tq, Tk), True =
+    attend. `probs_fn(scores, scale) -> probs` replaces the masked softmax (a fused kernel that
+    applies its own mask). Returns (B, Tq, H, Dh) in v's dtype.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    if probs_fn is None:
+        probs = softmax(jnp.where(mask, scores * scale, MASK_VALUE), axis=-1)  # (B, H, Tq, Tk)
+    else:
+        probs = probs_fn(scores, scale)
+    probs = dropout(probs, dropout_rate, dropout_rng)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)

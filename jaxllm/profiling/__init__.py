@@ -1,0 +1,1 @@
+"""Device timing helpers and the Pallas kernel benchmark behind `python profile.py kernels`."""

@@ -1,0 +1,87 @@
+"""Config parsing: presets, overrides, and clear errors for unknown keys and bad values."""
+
+from pathlib import Path
+
+import pytest
+
+from jaxllm.config import Config, ConfigError, load_config, parse_overrides, save_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_preset_loads(preset):
+    assert isinstance(load_config(CONFIGS / preset), Config)
+
+
+def test_overrides_apply_with_types():
+    cfg = load_config(
+        CONFIGS / "ar.yaml",
+        [
+            "--model.n_layers=1",
+            "--optim.lr",
+            "3e-3",
+            "--model.compute_dtype=bfloat16",
+            "--train.progress=false",
+            "--model.d_ff=null",
+        ],
+    )
+    assert cfg.model.n_layers == 1 and cfg.optim.lr == 3e-3
+    assert cfg.model.compute_dtype == "bfloat16" and cfg.train.progress is False
+    assert cfg.model.d_ff is None and isinstance(cfg.optim.lr, float)
+
+
+def test_unknown_key_lists_valid_ones():
+    with pytest.raises(ConfigError, match=r"'n_layer' is not in model; valid: \[.*'n_layers'"):
+        load_config(None, ["--model.n_layer=2"])
+    with pytest.raises(ConfigError, match="not in top level"):
+        load_config(None, ["--modle.n_layers=2"])
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model:\n  d_modle: 64\n")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['d_modle'\] at model"):
+        load_config(p)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--model.n_layers=two", "model.n_layers must be an integer"),
+        ("--model.n_layers=2.5", "model.n_layers must be an integer"),
+        ("--model.compute_dtype=float16", r"must be one of \['float32', 'bfloat16'\]"),
+        ("--model.d_model=30", "divisible by model.n_heads"),
+        ("--model.dropout=1.0", r"dropout must be in \[0, 1\)"),
+        ("--optim.lr=-1", "optim.lr must be > 0"),
+        ("--train.steps=0", "train.steps must be > 0"),
+        ("--optim.warmup_steps=5000", "warmup_steps"),
+        ("--train.progress=maybe", "true or false"),
+        (
+            "--data.associative_recall.num_pairs=17",
+            r"num_pairs must be in \[1, vocab_size/2 = 16\]",
+        ),
+        ("--model.context_length=9", "2 \\* num_pairs \\+ 1 = 17"),
+    ],
+)
+def test_bad_values_name_the_key_and_range(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(CONFIGS / "ar.yaml", [override])
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="expected an override"):
+        parse_overrides(["model.n_layers=2"])
+    with pytest.raises(ConfigError, match="has no value"):
+        parse_overrides(["--train.steps"])
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        load_config(None, ["--train.steps.x=1"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("/nonexistent.yaml")
+
+
+def test_save_and_reload_round_trip(tmp_path):
+    cfg = load_config(CONFIGS / "ar.yaml", ["--train.steps=123"])
+    save_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg
+    assert not list(tmp_path.glob("*.tmp"))

@@ -1,0 +1,193 @@
+"""Model shapes, parameter counts, causality, dtype handling and input errors."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm import functional as F
+from jaxllm.config import ModelConfig
+from jaxllm.layers import Linear, MultiHeadAttention
+from jaxllm.models import build_model
+
+TINY = dict(vocab_size=61, context_length=16, d_model=32, n_layers=2, n_heads=4)
+ARCHS = {
+    "gpt2": ModelConfig(arch="gpt2", **TINY),
+    "transformer_lm": ModelConfig(
+        arch="transformer_lm", d_ff=48, bias=False, qkv_bias=False, tie_embeddings=False, **TINY
+    ),
+}
+
+
+def init(cfg, t=8, seed=0):
+    model = build_model(cfg)
+    params = model.init(jax.random.PRNGKey(seed), jnp.zeros((2, t), jnp.int32))
+    return model, params
+
+
+def n_params(tree):
+    return sum(x.size for x in jax.tree_util.tree_leaves(tree))
+
+
+def test_gpt2_small_has_124_439_808_parameters():
+    cfg = ModelConfig()  # the GPT-2 small defaults
+    shapes = jax.eval_shape(
+        build_model(cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)
+    )
+    assert n_params(shapes) == 124_439_808
+
+
+def test_untied_head_adds_vocab_by_dmodel():
+    tied, untied = ModelConfig(**TINY), ModelConfig(tie_embeddings=False, **TINY)
+
+    def count(c):
+        return n_params(
+            jax.eval_shape(
+                build_model(c).init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32)
+            )
+        )
+
+    assert count(untied) - count(tied) == 61 * 32
+
+
+def test_transformer_lm_layout():
+    _, params = init(ARCHS["transformer_lm"])
+    p = params["params"]
+    assert set(p) == {"embed", "h0", "h1", "ln_f", "lm_head"}
+    mlp = p["h0"]["mlp"]
+    assert mlp["w1"]["kernel"].shape == (32, 48) and mlp["w2"]["kernel"].shape == (48, 32)
+    assert not any(
+        "bias" in "/".join(map(str, k)) for k in jax.tree_util.tree_flatten_with_path(p)[0]
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shapes_and_float32_logits(arch):
+    model, params = init(ARCHS[arch])
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 11), 0, 61)
+    logits = model.apply(params, tokens)
+    assert logits.shape == (3, 11, 61) and logits.dtype == jnp.float32
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda x: x.dtype == jnp.float32, params))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_causality(arch):
+    """Changing tokens after position t never changes logits at positions <= t."""
+    model, params = init(ARCHS[arch])
+    apply = jax.jit(model.apply)
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 61, size=(2, 16))
+    ref = np.asarray(apply(params, jnp.asarray(base)))
+    for t in (0, 5, 14):
+        changed = base.copy()
+        changed[:, t + 1 :] = rng.integers(0, 61, size=(2, 15 - t))
+        out = np.asarray(apply(params, jnp.asarray(changed)))
+        np.testing.assert_allclose(out[:, : t + 1], ref[:, : t + 1], atol=1e-5)
+        assert not np.allclose(out[:, t + 1 :], ref[:, t + 1 :])  # the future did change
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bfloat16_compute_close_to_float32(arch):
+    cfg = ARCHS[arch]
+    model, params = init(cfg)
+    bf16 = build_model(ModelConfig(**{**cfg.__dict__, "compute_dtype": "bfloat16"}))
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 16), 0, 61)
+    a, b = model.apply(params, tokens), bf16.apply(params, tokens)
+    assert b.dtype == jnp.float32
+    assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) < 3e-2
+
+
+def test_padding_mask_hides_keys():
+    model, params = init(ARCHS["gpt2"])
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (1, 8), 0, 61)
+    key_mask = jnp.array([[True] * 5 + [False] * 3])
+    other = tokens.at[:, 5:].set((tokens[:, 5:] + 7) % 61)
+    # position 7 attends to 0..7, but 5..7 are padding: only its own input embedding differs
+    a = model.apply(params, tokens, key_mask=key_mask)
+    b = model.apply(params, other, key_mask=key_mask)
+    np.testing.assert_allclose(a[:, :5], b[:, :5], atol=1e-5)
+
+
+def test_fused_qkv_is_concatenation_of_separate_projections():
+    """The llmsys model's bias-free q/k/v: fused kernel = [Wq | Wk | Wv]."""
+    d, h, t = 16, 2, 5
+    rng = np.random.default_rng(0)
+    wq, wk, wv, wo = (rng.normal(size=(d, d)).astype(np.float32) * 0.3 for _ in range(4))
+    x = rng.normal(size=(1, t, d)).astype(np.float32)
+    mha = MultiHeadAttention(n_heads=h, qkv_bias=False, out_bias=False)
+    params = {
+        "params": {"qkv": {"kernel": np.concatenate([wq, wk, wv], axis=1)}, "out": {"kernel": wo}}
+    }
+    pos = jnp.arange(t)[None]
+    y, _ = mha.apply(params, jnp.asarray(x), pos)
+    q, k, v = ((x @ w).reshape(1, t, h, d // h) for w in (wq, wk, wv))
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // h)
+    s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref = np.einsum("bhqk,bkhd->bqhd", p, v).reshape(1, t, d) @ wo
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_llmsys_config_is_expressible():
+    cfg = ModelConfig(
+        vocab_size=10003,
+        context_length=40,
+        d_model=256,
+        n_heads=8,
+        n_layers=4,
+        d_ff=256,
+        qkv_bias=False,
+        tie_embeddings=False,
+    )
+    shapes = jax.eval_shape(
+        build_model(cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32)
+    )["params"]
+    assert "bias" not in shapes["h0"]["attn"]["qkv"]
+    assert shapes["h0"]["mlp"]["fc"]["kernel"].shape == (256, 256)
+
+
+def test_linear_init_and_dtype():
+    lin = Linear(512, compute_dtype=jnp.bfloat16)
+    p = lin.init(jax.random.PRNGKey(0), jnp.ones((1, 256)))
+    assert p["params"]["kernel"].dtype == jnp.float32
+    assert abs(float(p["params"]["kernel"].std()) - 0.02) < 2e-3
+    assert lin.apply(p, jnp.ones((1, 256))).dtype == jnp.bfloat16
+
+
+def test_input_errors():
+    model, params = init(ARCHS["gpt2"])
+    with pytest.raises(ValueError, match="exceeds the model's context_length 16"):
+        model.apply(params, jnp.zeros((1, 17), jnp.int32))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 60\]"):
+        model.apply(params, jnp.full((1, 4), 61, jnp.int32))
+    with pytest.raises(ValueError, match="token ids"):
+        model.apply(params, jnp.full((1, 4), -1, jnp.int32))
+    with pytest.raises(ValueError, match="integers"):
+        model.apply(params, jnp.zeros((1, 4), jnp.float32))
+    # the length check also fires under jit (shapes are static)
+    with pytest.raises(ValueError, match="context_length"):
+        jax.jit(model.apply)(params, jnp.zeros((1, 17), jnp.int32))
+    with pytest.raises(ValueError, match="divisible"):
+        build_model(ModelConfig(d_model=30, n_heads=4))
+
+
+def test_dropout_only_in_training_mode():
+    cfg = ModelConfig(dropout=0.5, **TINY)
+    model, params = init(cfg)
+    tokens = jnp.ones((1, 8), jnp.int32)
+    a = model.apply(params, tokens)
+    np.testing.assert_array_equal(a, model.apply(params, tokens))
+    b = model.apply(params, tokens, deterministic=False, rngs={"dropout": jax.random.PRNGKey(0)})
+    assert not np.allclose(a, b)
+
+
+def test_attention_impls_agree():
+    cfg = ARCHS["transformer_lm"]
+    model, params = init(cfg)
+    dpa = build_model(ModelConfig(**{**cfg.__dict__, "attention_impl": "dot_product_attention"}))
+    tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 12), 0, 61)
+    np.testing.assert_allclose(model.apply(params, tokens), dpa.apply(params, tokens), atol=1e-4)
+    assert F.MASK_VALUE < -1e29
