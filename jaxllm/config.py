@@ -34,6 +34,7 @@ class ModelConfig:
     bias: bool = True  # biases of the linear layers and LayerNorms (gpt2 only)
     qkv_bias: bool = True  # bias of the fused q/k/v projection (gpt2 only)
     tie_embeddings: bool = True  # LM head shares the token embedding matrix
+    init_std: float = 0.02  # gpt2 weight init; ~1/sqrt(d_model) suits small models better
     rope_theta: float = 10000.0  # transformer_lm only
     norm_eps: float = 1e-5
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # matmul dtype; params stay f32
@@ -56,6 +57,7 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        _positive("model.init_std", self.init_std)
         if self.norm_eps <= 0:
             raise ConfigError(f"model.norm_eps must be > 0, got {self.norm_eps}")
         if self.arch == "transformer_lm":

@@ -196,12 +196,13 @@ class FeedForward(nn.Module):
     d_ff: int
     use_bias: bool = True
     dropout: float = 0.0
+    init_std: float = 0.02
     out_std: float = 0.02
     compute_dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
-        hid = Linear(self.d_ff, self.use_bias, name="fc", compute_dtype=self.compute_dtype)(x)
+        hid = Linear(self.d_ff, self.use_bias, self.init_std, self.compute_dtype, name="fc")(x)
         y = Linear(
             x.shape[-1],
             self.use_bias,
@@ -271,7 +272,7 @@ class TransformerBlock(nn.Module):
         dtype = jnp.dtype(cfg.compute_dtype)
         gpt2 = cfg.arch == "gpt2"
         # GPT-2 scales the init of the projections that write into the residual stream.
-        out_std = 0.02 / math.sqrt(2 * cfg.n_layers) if gpt2 else None
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if gpt2 else None
         if gpt2:
             norm1 = LayerNorm(cfg.norm_eps, cfg.bias, cfg.kernels, name="ln1")
             norm2 = LayerNorm(cfg.norm_eps, cfg.bias, cfg.kernels, name="ln2")
@@ -283,7 +284,7 @@ class TransformerBlock(nn.Module):
             out_bias=cfg.bias,
             dropout=cfg.dropout,
             rope_theta=None if gpt2 else cfg.rope_theta,
-            init_std=0.02 if gpt2 else None,
+            init_std=cfg.init_std if gpt2 else None,
             out_std=out_std,
             compute_dtype=dtype,
             kernels=cfg.kernels,
@@ -293,7 +294,9 @@ class TransformerBlock(nn.Module):
         h, cache = attn(norm1(x), positions, key_mask, cache, cache_index, deterministic)
         x = x + h
         if gpt2:
-            ffn = FeedForward(cfg.ffn_dim, cfg.bias, cfg.dropout, out_std, dtype, name="mlp")
+            ffn = FeedForward(
+                cfg.ffn_dim, cfg.bias, cfg.dropout, cfg.init_std, out_std, dtype, name="mlp"
+            )
         else:
             ffn = SwiGLU(cfg.ffn_dim, dtype, name="mlp")
         return x + ffn(norm2(x), deterministic), cache

@@ -167,7 +167,10 @@ def test_layer_norm_and_rms_norm_vs_float64():
     s, b = RNG.normal(size=48), RNG.normal(size=48)
     mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
     ref = (x - mu) / np.sqrt(var + 1e-5) * s + b
-    f32 = lambda a: jnp.asarray(a, jnp.float32)
+
+    def f32(a):
+        return jnp.asarray(a, jnp.float32)
+
     assert rel_err(F.layer_norm(f32(x), f32(s), f32(b)), ref) < 1e-5
     ref_rms = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-5) * s
     assert rel_err(F.rms_norm(f32(x), f32(s)), ref_rms) < 1e-5

@@ -44,9 +44,7 @@ def test_untied_head_adds_vocab_by_dmodel():
 
     def count(c):
         return n_params(
-            jax.eval_shape(
-                build_model(c).init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32)
-            )
+            jax.eval_shape(build_model(c).init, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
         )
 
     assert count(untied) - count(tied) == 61 * 32

@@ -120,3 +120,11 @@ def test_cli_rejects_bad_override(tmp_path):
 @pytest.mark.parametrize("cfg", [Config()])
 def test_default_config_is_valid(cfg):
     cfg.validate()
+
+
+def test_ar_preset_reaches_90_percent(tmp_path):
+    """The README's main job: the 2-layer preset solves associative recall (>= 90%)."""
+    cfg = load_config(
+        ROOT / "configs" / "ar.yaml", ["--train.progress=false", f"--train.run_dir={tmp_path}"]
+    )
+    assert train(cfg).eval_accuracy >= 0.9

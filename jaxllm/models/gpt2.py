@@ -34,8 +34,8 @@ class GPT2(nn.Module):
         b, t = tokens.shape
         if positions is None:
             positions = default_positions(b, t, cache_index)
-        wte = Embedding(cfg.vocab_size, cfg.d_model, name="wte")
-        wpe = Embedding(cfg.context_length, cfg.d_model, name="wpe")
+        wte = Embedding(cfg.vocab_size, cfg.d_model, cfg.init_std, name="wte")
+        wpe = Embedding(cfg.context_length, cfg.d_model, cfg.init_std, name="wpe")
         x = wte(tokens) + wpe(positions)  # (B, T, D) float32 residual stream
         x = Dropout(cfg.dropout)(x, deterministic)
         new_cache = []
@@ -50,6 +50,6 @@ class GPT2(nn.Module):
         if cfg.tie_embeddings:
             logits = wte.attend(x, dtype)
         else:
-            logits = Linear(cfg.vocab_size, use_bias=False, compute_dtype=dtype, name="lm_head")(x)
+            logits = Linear(cfg.vocab_size, False, cfg.init_std, dtype, name="lm_head")(x)
         logits = logits.astype(jnp.float32)  # (B, T, V)
         return logits if cache is None else (logits, new_cache)

@@ -51,7 +51,7 @@ def train_step(state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainSt
     metrics = {
         "loss": loss,
         "accuracy": aux["correct"] / jnp.maximum(aux["count"], 1),
-        "grad_norm": optax.tree_utils.tree_l2_norm(grads),
+        "grad_norm": optax.tree_utils.tree_norm(grads),
     }
     return state, metrics
 
