@@ -149,7 +149,8 @@ class TrainConfig:
     log_every: int = 10
     run_dir: str = "runs/default"
     checkpoint_every: int = 0  # 0: only at the end
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 3  # the last K; the best by eval loss is kept apart
+    resume: bool = True  # continue from run_dir's latest checkpoint if there is one
     progress: bool = True  # tqdm bar
 
     def validate(self) -> None:

@@ -1,22 +1,27 @@
-"""The training loop: steps, periodic evaluation, progress bar and a JSON-lines metrics log."""
+"""The training loop: steps, evaluation, logs, checkpoints, resume, and a NaN guard."""
 
 from __future__ import annotations
 
-import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
 from jaxllm.config import Config, save_config
 from jaxllm.data.sources import BatchSource, make_source
 from jaxllm.models import build_model
+from jaxllm.train.checkpoint import Checkpointer
+from jaxllm.train.metrics_log import MetricsLog, truncate_metrics
 from jaxllm.train.optim import lr_schedule, make_optimizer
 from jaxllm.train.state import create_state, eval_step, train_step
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or inf; the run stopped at the last good checkpoint."""
 
 
 @dataclass
@@ -26,7 +31,8 @@ class TrainResult:
     eval_loss: float
     eval_accuracy: float
     wall_time_s: float
-    losses: list[float]  # training loss at every logged step
+    losses: list[float]  # training loss at every logged step of this process
+    tokens_per_s: float  # mean over this process's logged intervals (compile excluded)
 
 
 def evaluate(state, source: BatchSource) -> dict[str, float]:
@@ -40,81 +46,139 @@ def evaluate(state, source: BatchSource) -> dict[str, float]:
     return {"loss": totals["loss_sum"] / n, "accuracy": totals["correct"] / n}
 
 
-class MetricsLog:
-    """Appends one JSON object per line to run_dir/metrics.jsonl (flushed each write)."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = path.open("a")
-
-    def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
+@jax.jit
+def _first_bad(bad: jax.Array, loss: jax.Array, step: jax.Array) -> jax.Array:
+    # Device-side record of the first step with a non-finite loss: no host sync per step.
+    return jnp.where((bad < 0) & ~jnp.isfinite(loss), step, bad)
 
 
 def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
-    """Train `cfg.model` on `cfg.data` for `cfg.train.steps` steps; returns the final metrics."""
+    """Train `cfg.model` on `cfg.data` for `cfg.train.steps` steps; returns the final metrics.
+
+    With `train.resume` (the default) a run dir that holds checkpoints continues from the
+    latest one: batches and dropout depend only on (seed, step), so the loss curve is the one
+    an uninterrupted run would give.
+    """
     cfg.validate()
     tc = cfg.train
     run_dir = Path(tc.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
     source = source or make_source(cfg)
     model = build_model(cfg.model)
     schedule = lr_schedule(cfg.optim, tc.steps)
-    tx = make_optimizer(cfg.optim, tc.steps)
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(tc.seed))
     example = jnp.asarray(source.train_batch(0)["inputs"])
-    state = create_state(model, tx, init_rng, example)
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+    state = create_state(model, make_optimizer(cfg.optim, tc.steps), init_rng, example)
 
-    log = MetricsLog(run_dir / "metrics.jsonl")
-    log.write({"event": "start", "params": n_params, "config": cfg.to_dict()})
-    bar = tqdm(total=tc.steps, desc="train", disable=not tc.progress, dynamic_ncols=True)
-    start = last_time = time.perf_counter()
-    last_step, tokens_per_batch = 0, example.size
-    losses: list[float] = []
-    metrics, ev = None, {"loss": float("nan"), "accuracy": float("nan")}
-    for step in range(tc.steps):
-        batch = source.train_batch(step)
-        state, metrics = train_step(state, batch, dropout_rng)
-        done = step + 1
-        if done % tc.log_every == 0 or done == tc.steps:
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            now = time.perf_counter()
-            rec = {
-                "step": done,
-                "loss": m["loss"],
-                "accuracy": m["accuracy"],
-                "grad_norm": m["grad_norm"],
-                "lr": float(schedule(step)),
-                "tokens_per_s": tokens_per_batch * (done - last_step) / (now - last_time),
-                "wall_time": now - start,
-            }
-            log.write(rec)
-            losses.append(m["loss"])
-            last_step, last_time = done, now
-            bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{rec['lr']:.2e}")
-        if done % tc.eval_every == 0 or done == tc.steps:
-            ev = evaluate(state, source)
-            log.write(
-                {"step": done, "split": "eval", **ev, "wall_time": time.perf_counter() - start}
+    ckpt = Checkpointer(run_dir, tc.keep_checkpoints)
+    start_step, best_eval = 0, math.inf
+    if ckpt.latest_step() is not None:
+        if not tc.resume:
+            raise FileExistsError(
+                f"{run_dir} already holds checkpoints (latest step {ckpt.latest_step()}); "
+                "pass --train.resume=true to continue it or choose another --train.run_dir"
             )
-            bar.write(f"step {done}: eval loss {ev['loss']:.4f}  accuracy {ev['accuracy']:.4f}")
-            last_time = time.perf_counter()  # keep eval time out of tokens/s
-        bar.update(1)
-    bar.close()
+        state, meta = ckpt.restore(state)
+        start_step, best_eval = int(state.step), meta.get("best_eval_loss", math.inf)
+        truncate_metrics(run_dir / "metrics.jsonl", start_step)
+    save_config(cfg, run_dir / "config.yaml")
+
+    log = MetricsLog(run_dir)
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+    log.write(
+        {
+            "event": "resume" if start_step else "start",
+            "step": start_step,
+            "params": n_params,
+            "config": cfg.to_dict(),
+        }
+    )
+    bar = tqdm(
+        total=tc.steps,
+        initial=start_step,
+        desc="train",
+        disable=not tc.progress,
+        dynamic_ncols=True,
+    )
+    tokens_per_batch = example.size
+    bad = jnp.int32(-1)
+    losses, rates = [], []
+    ev = {"loss": math.nan, "accuracy": math.nan}
+    start = last_time = time.perf_counter()
+    last_step = start_step
+
+    def save(step: int, best: bool = False) -> None:
+        if int(bad) >= 0:  # never checkpoint a diverged state
+            return
+        meta = {
+            "config": cfg.to_dict(),
+            "sampler": {"seed": tc.seed, "next_step": step},
+            "best_eval_loss": best_eval,
+        }
+        ckpt.save(state, meta, best=best)
+
+    try:
+        for step in range(start_step, tc.steps):
+            state, metrics = train_step(state, source.train_batch(step), dropout_rng)
+            bad = _first_bad(bad, metrics["loss"], step + 1)
+            done = step + 1
+            if done % tc.log_every == 0 or done == tc.steps:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                if int(bad) >= 0:
+                    raise NonFiniteLossError(
+                        f"loss became {m['loss'] if int(bad) == done else 'non-finite'} at step "
+                        f"{int(bad)}; stopped. The last good checkpoint (step "
+                        f"{ckpt.latest_step()}) is kept in {run_dir}. Try a lower optim.lr or "
+                        "a stricter optim.grad_clip."
+                    )
+                now = time.perf_counter()
+                rate = tokens_per_batch * (done - last_step) / (now - last_time)
+                if last_step > start_step:  # the first interval includes compilation
+                    rates.append(rate)
+                rec = {
+                    "step": done,
+                    "loss": m["loss"],
+                    "accuracy": m["accuracy"],
+                    "grad_norm": m["grad_norm"],
+                    "lr": float(schedule(step)),
+                    "tokens_per_s": rate,
+                    "wall_time": now - start,
+                }
+                log.write(rec, prefix="train")
+                losses.append(m["loss"])
+                last_step, last_time = done, now
+                bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{rec['lr']:.2e}")
+            if done % tc.eval_every == 0 or done == tc.steps:
+                ev = evaluate(state, source)
+                log.write(
+                    {"step": done, "split": "eval", **ev, "wall_time": time.perf_counter() - start},
+                    prefix="eval",
+                )
+                bar.write(f"step {done}: eval loss {ev['loss']:.4f}  accuracy {ev['accuracy']:.4f}")
+                improved = ev["loss"] < best_eval
+                best_eval = min(best_eval, ev["loss"])
+                if (
+                    improved
+                    or done == tc.steps
+                    or (tc.checkpoint_every and done % tc.checkpoint_every == 0)
+                ):
+                    save(done, best=improved)
+                last_time = time.perf_counter()  # keep eval and saving out of tokens/s
+            elif tc.checkpoint_every and done % tc.checkpoint_every == 0:
+                save(done)
+                last_time = time.perf_counter()
+            bar.update(1)
+    finally:
+        bar.close()
+        log.close()
+        ckpt.close()
     wall = time.perf_counter() - start
-    log.write({"event": "end", "step": tc.steps, "wall_time": wall})
-    log.close()
     return TrainResult(
         final_step=tc.steps,
-        train_loss=float(np.mean(losses[-1:])),
+        train_loss=losses[-1] if losses else math.nan,
         eval_loss=ev["loss"],
         eval_accuracy=ev["accuracy"],
         wall_time_s=wall,
         losses=losses,
+        tokens_per_s=sum(rates) / len(rates) if rates else math.nan,
     )
