@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax.training.train_state import TrainState
@@ -83,3 +84,34 @@ class Checkpointer:
     def close(self) -> None:
         self.latest.close()
         self.best.close()
+
+
+def load_run(run_dir: str | Path, which: str = "latest") -> tuple[Any, Any, int]:
+    """(config, model variables {'params': ...}, step) of a train.py run dir's checkpoint.
+
+    `which` is 'latest' or 'best' (lowest eval loss). The optimizer state is restored into an
+    abstract template and dropped, so nothing is allocated twice.
+    """
+    from jaxllm.config import load_config
+    from jaxllm.models import build_model
+    from jaxllm.train.optim import make_optimizer
+    from jaxllm.train.state import create_state
+
+    run_dir = Path(run_dir)
+    if which not in ("latest", "best"):
+        raise ValueError(f"which must be 'latest' or 'best', got {which!r}")
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a train.py run dir (no config.yaml)")
+    cfg = load_config(run_dir / "config.yaml")
+    model = build_model(cfg.model)
+    example = jnp.zeros((1, 1), jnp.int32)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    abstract = jax.eval_shape(lambda: create_state(model, tx, jax.random.PRNGKey(0), example))
+    ckpt = Checkpointer(run_dir, cfg.train.keep_checkpoints)
+    try:
+        if (ckpt.latest if which == "latest" else ckpt.best).latest_step() is None:
+            raise FileNotFoundError(f"no {which} checkpoint in {run_dir}")
+        state, meta = ckpt.restore(abstract, which=which)
+    finally:
+        ckpt.close()
+    return cfg, {"params": state.params}, meta["step"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -38,7 +39,7 @@ def _loss_and_metrics(params: Any, apply_fn, batch: Batch, rng: jax.Array | None
     return loss, {"loss_sum": loss_sum, "correct": correct, "count": count}
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=0)  # update params/opt state in place
 def train_step(state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainState, dict]:
     """One AdamW update. `rng` drives dropout (folded with the step, so each step differs).
 
