@@ -1,0 +1,67 @@
+"""Sample text from a trained run: `python generate.py --run-dir R --prompt "Once upon a time"`.
+
+Loads the run's config and its latest (or best) checkpoint, encodes the prompt(s) with the
+GPT-2 tokenizer, and decodes with a KV cache until <|endoftext|> or --max-new-tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxllm.data.tokenizer import load_gpt2_tokenizer
+from jaxllm.generate import generate_text
+from jaxllm.models import build_model
+from jaxllm.train.checkpoint import load_run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run-dir", required=True, help="a train.py run dir with checkpoints")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        required=True,
+        help="prompt text; repeat the flag for a batch of prompts",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", choices=["latest", "best"], default="latest")
+    p.add_argument("--bpe-dir", default=None, help="GPT-2 BPE files (else $JAXLLM_BPE_DIR)")
+    args = p.parse_args(argv)
+    try:
+        cfg, params, step = load_run(args.run_dir, args.checkpoint)
+        budget = cfg.model.context_length
+        tokenizer = load_gpt2_tokenizer(args.bpe_dir or cfg.data.tokens.bpe_dir)
+        longest = max(len(tokenizer.encode(t)) for t in args.prompt)
+        max_new = min(args.max_new_tokens, budget - longest)
+        if max_new < 1:
+            raise ValueError(f"the prompt ({longest} tokens) fills the context ({budget})")
+        if max_new < args.max_new_tokens:
+            print(f"note: max-new-tokens cut to {max_new} (context {budget})", file=sys.stderr)
+        texts = generate_text(
+            build_model(cfg.model),
+            params,
+            cfg.model,
+            tokenizer,
+            args.prompt,
+            max_new,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+    except (FileNotFoundError, ValueError) as e:
+        p.error(str(e))
+    print(f"# {args.run_dir} step {step} ({args.checkpoint} checkpoint)", file=sys.stderr)
+    for prompt, text in zip(args.prompt, texts, strict=True):
+        print(prompt + text)
+        print("-" * 40)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Sampling rules, cached vs uncached decoding, padding, eos, seeds and input errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.config import ModelConfig
+from jaxllm.generate import (
+    generate,
+    generate_text,
+    generate_uncached,
+    resolve_eos_id,
+    sample_next,
+)
+from jaxllm.models import build_model
+
+TINY = dict(vocab_size=61, context_length=32, d_model=32, n_layers=2, n_heads=4)
+ARCHS = {
+    # init_std 0.3 spreads GPT-2's logits (std ~1.7) so greedy ties and near-ties are unlikely.
+    "gpt2": ModelConfig(arch="gpt2", init_std=0.3, **TINY),
+    "transformer_lm": ModelConfig(
+        arch="transformer_lm", d_ff=48, bias=False, qkv_bias=False, tie_embeddings=False, **TINY
+    ),
+}
+# One batch shape (3 prompts, longest 5) and one length for most tests, so the decoder compiles
+# once per arch; the sampling knobs, seed and eos_id are traced and do not recompile.
+PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 10, 11]]
+N = 8
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def lm(request):
+    cfg = ARCHS[request.param]
+    model = build_model(cfg)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
+    return model, params, cfg
+
+
+def run(lm, prompts=PROMPTS, n=N, **kw):
+    return generate(*lm, prompts, n, **kw)
+
+
+# ----------------------------------------------------------------------------- sample_next
+
+
+def hand_logits(probs, perm_seed=0):
+    """(V,) logits with the given probabilities, placed at shuffled ids; returns (logits, ids by
+    decreasing probability)."""
+    probs = np.asarray(probs, np.float64)
+    ids = np.random.default_rng(perm_seed).permutation(probs.size)
+    logits = np.empty(probs.size, np.float32)
+    logits[ids] = np.log(probs)
+    return jnp.asarray(logits), ids
+
+
+def draw(logits, n=4000, seed=0, **kw):
+    """n independent draws (one per batch row) from the same (V,) logits."""
+    batch = jnp.broadcast_to(logits, (n, logits.size))
+    return np.asarray(sample_next(batch, jax.random.PRNGKey(seed), **kw))
+
+
+PROBS = [0.5, 0.3, 0.1, 0.06, 0.04]
+
+
+@pytest.mark.parametrize(
+    ("kw", "nucleus"),
+    [
+        (dict(top_p=0.75), [0.5, 0.3]),  # 0.5 < 0.75 <= 0.8
+        (dict(top_p=0.85), [0.5, 0.3, 0.1]),  # 0.8 < 0.85 <= 0.9
+        (dict(top_p=0.4), [0.5]),  # the top token alone already holds >= p
+        (dict(top_k=2), [0.5, 0.3]),
+        # top_k first, then top_p on the renormalized top 3: [.556, .333, .111], .889 >= .85
+        (dict(top_k=3, top_p=0.85), [0.5, 0.3]),
+        (dict(), PROBS),
+    ],
+)
+def test_sample_next_draws_only_from_the_nucleus_in_proportion(kw, nucleus):
+    logits, ids = hand_logits(PROBS)
+    toks = draw(logits, **kw)
+    allowed = ids[: len(nucleus)]
+    assert np.isin(toks, allowed).all()
+    want = np.asarray(nucleus) / np.sum(nucleus)
+    got = np.array([(toks == i).mean() for i in allowed])
+    # 4000 draws: binomial std <= 0.008, so 0.03 is ~4 sigma
+    np.testing.assert_allclose(got, want, atol=0.03)
+
+
+def test_sample_next_temperature_sharpens_and_flattens():
+    logits, ids = hand_logits(PROBS)
+    for t in (0.5, 2.0):
+        toks = draw(logits, temperature=t)
+        want = np.asarray(PROBS) ** (1 / t)
+        want /= want.sum()
+        got = np.array([(toks == i).mean() for i in ids])
+        np.testing.assert_allclose(got, want, atol=0.03)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=0.0),
+        dict(temperature=0.0, top_k=5, top_p=0.5),  # greedy ignores the filters
+        dict(temperature=1e-6),
+        dict(top_k=1),
+        dict(top_p=1e-9),
+        dict(temperature=3.0, top_p=1e-9),
+    ],
+)
+def test_sample_next_limits_equal_argmax(kw):
+    logits = jax.random.normal(jax.random.PRNGKey(1), (256, 61)) * 2.0
+    want = np.asarray(jnp.argmax(logits, axis=-1))
+    for seed in range(3):
+        got = np.asarray(sample_next(logits, jax.random.PRNGKey(seed), **kw))
+        assert got.dtype == np.int32 and got.shape == (256,)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_sample_next_greedy_breaks_ties_like_argmax():
+    logits = jnp.array([[0.0, 3.0, 1.0, 3.0]])
+    assert int(sample_next(logits, jax.random.PRNGKey(0), top_k=1)[0]) == 1
+    assert int(sample_next(logits, jax.random.PRNGKey(0), temperature=0.0)[0]) == 1
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def test_cached_equals_uncached_greedy_on_a_padded_batch(lm):
+    cached = run(lm, temperature=0.0, eos_id=None)
+    assert cached == generate_uncached(*lm, PROMPTS, N, temperature=0.0, eos_id=None)
+    assert all(len(row) == N for row in cached)
+    assert len({tuple(r) for r in cached}) > 1  # the rows really differ
+
+
+def test_padded_row_equals_that_prompt_alone(lm):
+    # The uncached reference above already decodes each row unpadded; this checks the cached
+    # path itself on the most padded row (4 pad slots), at its own batch shape.
+    batch = run(lm, temperature=0.0, eos_id=None)
+    assert run(lm, [PROMPTS[1]], temperature=0.0, eos_id=None) == [batch[1]]
+
+
+def test_cached_equals_uncached_when_sampling(lm):
+    kw = dict(temperature=0.9, top_k=40, top_p=0.95, seed=5, eos_id=None)
+    assert run(lm, **kw) == generate_uncached(*lm, PROMPTS, N, **kw)
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(temperature=1e-6), dict(top_k=1), dict(top_p=1e-9), dict(temperature=0.0)]
+)
+def test_decoding_limits_equal_greedy(lm, kw):
+    greedy = generate_uncached(*lm, PROMPTS, N, temperature=0.0, eos_id=None)
+    assert run(lm, eos_id=None, seed=3, **kw) == greedy
+
+
+def test_same_seed_same_output_other_seed_differs(lm):
+    kw = dict(temperature=1.5, eos_id=None)
+    a, b, c = run(lm, seed=0, **kw), run(lm, seed=0, **kw), run(lm, seed=1, **kw)
+    assert a == b
+    assert a != c
+    assert run(lm, seed=jax.random.PRNGKey(0), **kw) == a  # a key works as the seed too
+
+
+def test_output_never_exceeds_max_new_tokens(lm):
+    # N = 8 is covered by every test above; n = 1 is prefill only, no decode step.
+    out = run(lm, n=1, temperature=1.0, eos_id=None)
+    assert [len(r) for r in out] == [1] * len(PROMPTS)
+
+
+def last_new_token(row):
+    """Index j of the last token that does not occur before it (0 if the row repeats one)."""
+    return max(j for j in range(len(row)) if row[j] not in row[:j])
+
+
+def test_stops_at_eos_and_excludes_it(lm):
+    full = run(lm, temperature=0.0, eos_id=None)
+    for i, row in enumerate(full):
+        j = last_new_token(row)
+        out = run(lm, temperature=0.0, eos_id=row[j])
+        assert out[i] == row[:j]  # cut before the first eos
+        assert generate_uncached(*lm, PROMPTS, N, temperature=0.0, eos_id=row[j]) == out
+        for other, got in zip(full, out, strict=True):  # other rows stop at their own eos, if any
+            assert got == (other[: other.index(row[j])] if row[j] in other else other)
+
+
+def test_first_token_eos_gives_empty_rows(lm):
+    first = run(lm, temperature=0.0, eos_id=None)[0][0]
+    assert run(lm, [PROMPTS[0]] * 3, temperature=0.0, eos_id=first) == [[], [], []]
+
+
+def test_stops_at_eos_when_sampling(lm):
+    # Step i's randomness does not depend on eos_id, so the run with eos is a prefix of the one
+    # without: every row stops exactly before its first sampled eos.
+    kw = dict(temperature=1.0, seed=7)
+    full = run(lm, eos_id=None, **kw)
+    eos = full[2][last_new_token(full[2])]
+    out = run(lm, eos_id=eos, **kw)
+    assert out == [r[: r.index(eos)] if eos in r else r for r in full]
+    assert out == generate_uncached(*lm, PROMPTS, N, eos_id=eos, **kw)
+    assert len(out[2]) < N
+
+
+def test_eos_auto_is_endoftext_only_for_gpt2_vocab():
+    assert resolve_eos_id(ModelConfig(), "auto") == 50256
+    assert resolve_eos_id(ARCHS["gpt2"], "auto") is None
+    assert resolve_eos_id(ARCHS["gpt2"], 7) == 7 and resolve_eos_id(ARCHS["gpt2"], None) is None
+
+
+class CharTokenizer:
+    """a..z <-> 0..25."""
+
+    def encode(self, text):
+        return [ord(c) - ord("a") for c in text]
+
+    def decode(self, tokens):
+        return "".join(chr(ord("a") + t % 26) for t in tokens)
+
+
+def test_generate_text_round_trips_through_the_tokenizer(lm):
+    tok = CharTokenizer()
+    texts = ["bcdef", "h", "jkl"]  # encodes to PROMPTS
+    assert [tok.encode(t) for t in texts] == PROMPTS
+    out = generate_text(*lm[:2], lm[2], tok, texts, N, temperature=0.0, seed=0, top_k=None)
+    assert out == [tok.decode(r) for r in run(lm, temperature=0.0)]
+    with pytest.raises(ValueError, match="prompt 1 encodes to no tokens"):
+        generate_text(*lm, tok, ["ab", ""], N)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("prompts", "kw", "match"),
+    [
+        ([], {}, "prompts is empty"),
+        ([[1, 2], []], {}, r"prompt 1 must be a non-empty list"),
+        ([[1, 61]], {}, r"outside \[0, 60\]"),
+        ([[-1]], {}, r"outside \[0, 60\]"),
+        ([[1]], dict(n=0), "max_new_tokens must be >= 1"),
+        ([[1] * 30], dict(n=3), r"\(30 tokens\) \+ max_new_tokens \(3\) = 33 exceeds .* 32"),
+        ([[1]], dict(temperature=-0.1), r"temperature must be finite and >= 0"),
+        ([[1]], dict(temperature=float("nan")), r"temperature must be finite and >= 0"),
+        ([[1]], dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        ([[1]], dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        ([[1]], dict(top_k=0), "top_k must be None or an int >= 1"),
+        ([[1]], dict(eos_id=61), r"eos_id must be None, 'auto' or an int in \[0, 60\]"),
+    ],
+)
+@pytest.mark.parametrize("fn", [generate, generate_uncached])
+def test_bad_requests_raise(lm, fn, prompts, kw, match):
+    kw = dict(kw)  # the parametrized dict is shared with the other `fn`
+    n = kw.pop("n", 4)
+    with pytest.raises(ValueError, match=match):
+        fn(*lm, prompts, n, **kw)
+
+
+def test_config_must_match_the_model(lm):
+    model, params, cfg = lm
+    other = ModelConfig(**{**cfg.__dict__, "context_length": 64})
+    with pytest.raises(ValueError, match="cfg differs from model.cfg"):
+        generate(model, params, other, PROMPTS, N)

@@ -1,0 +1,91 @@
+"""Text -> tokens -> TransformerLM training -> checkpoint -> generate.py, end to end on CPU."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxllm.config import load_config
+from jaxllm.data.tokens import prepare_text_files
+from jaxllm.plot import plot_run
+from jaxllm.train.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+BPE_DIR = ROOT.parent / "shared/data/gpt2_bpe"
+needs_bpe = pytest.mark.skipif(not BPE_DIR.is_dir(), reason=f"no GPT-2 BPE files at {BPE_DIR}")
+
+STORY = (
+    "Once upon a time there was a little cat named Tom. Tom liked to play in the sun. "
+    "One day he saw a big red ball and ran after it. He was very happy.\n"
+)
+
+
+@needs_bpe
+def test_tokens_train_generate(tmp_path, monkeypatch):
+    text = tmp_path / "stories.txt"
+    text.write_text("<|endoftext|>\n".join(STORY * (i % 3 + 1) for i in range(40)))
+    prepare_text_files(
+        [text],
+        tmp_path / "train.bin",
+        val_out_path=tmp_path / "val.bin",
+        val_fraction=0.1,
+        bpe_dir=BPE_DIR,
+        workers=1,
+    )
+    monkeypatch.setenv("JAXLLM_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("JAXLLM_BPE_DIR", str(BPE_DIR))
+    run = tmp_path / "run"
+    cfg = load_config(
+        ROOT / "configs/tinystories.yaml",
+        [
+            "--model.d_model=32",
+            "--model.d_ff=64",
+            "--model.n_layers=1",
+            "--model.n_heads=2",
+            "--model.context_length=32",
+            "--model.compute_dtype=float32",
+            "--model.dropout=0.0",
+            "--model.attention_impl=xla",
+            "--train.batch_size=8",
+            "--train.steps=60",
+            "--train.eval_every=30",
+            "--train.eval_batches=2",
+            "--optim.warmup_steps=5",
+            "--optim.lr=1e-2",
+            "--train.progress=false",
+            f"--train.run_dir={run}",
+            "--data.tokens.train_path=train.bin",
+            "--data.tokens.val_path=val.bin",
+        ],
+    )
+    res = train(cfg)
+    assert res.losses[-1] < 0.5 * res.losses[0]  # memorises the repeated story
+    assert plot_run(run).is_file()
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "generate.py"),
+            "--run-dir",
+            str(run),
+            "--prompt",
+            "Once upon a time",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env={**__import__("os").environ, "JAXLLM_BPE_DIR": str(BPE_DIR)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("Once upon a time") and "there was" in out.stdout
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "generate.py"), "--run-dir", str(tmp_path), "--prompt", "x"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "not a train.py run dir" in bad.stderr
