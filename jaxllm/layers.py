@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
 from jaxllm import functional as F
 from jaxllm.config import ModelConfig
 
@@ -72,8 +73,6 @@ class LayerNorm(nn.Module):
         scale = self.param("scale", nn.initializers.ones, (d,))
         bias = self.param("bias", nn.initializers.zeros, (d,)) if self.use_bias else None
         if self.kernels == "pallas":
-            import pallas_kernels
-
             bias = jnp.zeros((d,), jnp.float32) if bias is None else bias
             return pallas_kernels.layer_norm(x, scale, bias, self.eps)
         return F.layer_norm(x, scale, bias, self.eps)
@@ -106,7 +105,10 @@ class Embedding(nn.Module):
         return jnp.take(self.table, ids, axis=0)  # (..., D)
 
     def attend(self, x: jax.Array, compute_dtype: Dtype = jnp.float32) -> jax.Array:
-        return jnp.dot(x.astype(compute_dtype), self.table.T.astype(compute_dtype))  # (..., N)
+        """Float32 logits x @ table^T (..., N); operands in compute_dtype, f32 accumulation
+        written out directly (no half-precision round trip before the loss)."""
+        w = self.table.T.astype(compute_dtype)
+        return jnp.dot(x.astype(compute_dtype), w, preferred_element_type=jnp.float32)
 
 
 class MultiHeadAttention(nn.Module):
@@ -162,12 +164,18 @@ class MultiHeadAttention(nn.Module):
 
         rng = None if deterministic or self.dropout == 0.0 else self.make_rng("dropout")
         if cache is None and self.attention_impl == "dot_product_attention" and rng is None:
-            # jax.nn.dot_product_attention picks cuDNN flash attention on GPU when it can.
+            # cuDNN's fused flash attention needs a GPU, half precision and no padding mask;
+            # jax's default (implementation=None) is the unfused XLA path, so ask for cuDNN.
+            fused = (
+                jax.default_backend() == "gpu"
+                and key_mask is None
+                and q.dtype in (jnp.bfloat16, jnp.float16)
+            )
             pad = None if key_mask is None else key_mask[:, None, None, :]
-            y = jax.nn.dot_product_attention(q, k, v, mask=pad, is_causal=True)
+            y = jax.nn.dot_product_attention(
+                q, k, v, mask=pad, is_causal=True, implementation="cudnn" if fused else None
+            )
         elif cache is None and self.kernels == "pallas":
-            import pallas_kernels
-
             additive = None
             if key_mask is not None:
                 additive = jnp.where(key_mask, 0.0, F.MASK_VALUE)[:, None, None, :]  # (B,1,1,T)
@@ -239,8 +247,6 @@ class DepthwiseConv1d(nn.Module):
 
     @nn.compact
     def __call__(self, u: jax.Array) -> jax.Array:
-        import pallas_kernels
-
         d = u.shape[-1]
         w = self.param("kernel", scaled_normal(None, self.kernel_size, 1), (d, self.kernel_size))
         b = self.param("bias", nn.initializers.zeros, (d,))

@@ -51,5 +51,5 @@ class GPT2(nn.Module):
             logits = wte.attend(x, dtype)
         else:
             logits = Linear(cfg.vocab_size, False, cfg.init_std, dtype, name="lm_head")(x)
-        logits = logits.astype(jnp.float32)  # (B, T, V)
+        logits = logits.astype(jnp.float32)  # (B, T, V); a no-op for the tied head
         return logits if cache is None else (logits, new_cache)
