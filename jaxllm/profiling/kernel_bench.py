@@ -1,0 +1,378 @@
+"""Benchmark of the Pallas kernels against XLA's jit of the jnp reference and PyTorch's op.
+
+For each kernel, direction, shape and dtype: the median device time of the best of a few block
+configurations (and of the default one), achieved GB/s over the minimal bytes (each input read
+once, each output written once; pallas_kernels/*.py docstrings), its share of the measured copy
+bandwidth, and speed-ups over XLA (same run) and PyTorch (if importable). Backward rows time the
+VJP function alone (residuals computed beforehand), for Pallas and XLA alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import attention_softmax, depthwise_conv1d, layer_norm
+from pallas_kernels.attention_softmax import Config as SoftmaxConfig
+from pallas_kernels.depthwise_conv1d import Config as ConvConfig
+from pallas_kernels.layer_norm import Config as LayerNormConfig
+from pallas_kernels.reference import attention_softmax_ref, depthwise_conv1d_ref, layer_norm_ref
+
+from .timing import chained_median_seconds, rotation_count, torch_median_seconds
+
+SOFTMAX_SHAPES = [((64, 16, 128, 128), "causal"), ((8, 12, 1024, 1024), "keypad"),
+                  ((8, 16, 2048, 2048), "causal")]  # fmt: skip
+LN_SHAPES = [(16384, 768), (65536, 1024), (16384, 8192)]
+CONV_SHAPES = [((1, 8192, 8192), 3), ((8, 2048, 2048), 3)]
+DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+@dataclasses.dataclass
+class Row:
+    kernel: str
+    direction: str
+    shape: str
+    dtype: str
+    config: str
+    ms: float
+    gbps: float
+    pct_copy: float
+    default_ms: float
+    xla_ms: float
+    torch_ms: float | None
+    rel_err: float
+
+
+@dataclasses.dataclass
+class Case:
+    """One kernel x direction x shape x dtype: how to build its timed steps."""
+
+    kernel: str
+    direction: str
+    shape: tuple
+    dtype: Any
+    bytes: int
+    states: Callable[[Callable], list]  # impl -> rotated states
+    step: Callable[[Callable], Callable]  # impl -> (state -> state)
+    output: Callable[[Any], jax.Array]  # state -> the array compared between impls
+    pallas: Callable[[Any], Callable]  # config (None: default) -> impl
+    xla: Callable
+    configs: list
+    torch: Callable[[], Callable[[], Any]] | None
+
+
+def _rel_err(a, b) -> float:
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def copy_bandwidth() -> dict[str, float]:
+    """Device copy bandwidth in GB/s (bytes read + written) of a 1 GiB float32 buffer."""
+    n = 2**28
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    out = {"jax_negate": 2 * 4 * n / chained_median_seconds(lambda x: -x, [x]) / 1e9}
+    torch = _torch()
+    if torch is not None:
+        a = torch.randn(n, device="cuda")
+        b = torch.empty_like(a)
+        out["torch_copy"] = 2 * 4 * n / torch_median_seconds(lambda: b.copy_(a)) / 1e9
+        del a, b
+        torch.cuda.empty_cache()
+    return out
+
+
+def _fwd_bwd_cases(
+    kernel, shape, dtype, nbytes, make_args, pallas, xla, configs, torch_ops, n_diff=3
+):
+    """Forward (chain: out -> first arg) and backward (chain: dx -> cotangent) cases.
+
+    The backward differentiates the first `n_diff` arguments (the rest, e.g. a mask, are held).
+    """
+    n_fwd, n_bwd = nbytes
+
+    def fwd_states(impl):
+        args = make_args()
+        return [args] + [make_args(seed) for seed in range(1, rotation_count(n_fwd))]
+
+    def fwd_step(impl):
+        return lambda args: (impl(*args), *args[1:])
+
+    def bwd_states(impl):
+        out = []
+        for seed in range(rotation_count(n_bwd)):
+            args = make_args(seed)
+            held = args[n_diff:]
+            y, vjp = jax.vjp(lambda *diff, held=held: impl(*diff, *held), *args[:n_diff])
+            dy = jax.random.normal(jax.random.key(100 + seed), y.shape, y.dtype)
+            out.append((vjp, dy, jnp.zeros((), jnp.float32)))
+        return out
+
+    def bwd_step(impl):
+        def step(state):
+            vjp, dy, acc = state
+            grads = vjp(dy)
+            extra = sum(jnp.sum(g.astype(jnp.float32)) for g in grads[1:] if g is not None)
+            return vjp, grads[0], acc + extra  # parameter grads kept live, not DCE'd
+
+        return step
+
+    fwd_torch, bwd_torch = torch_ops if torch_ops else (None, None)
+    yield Case(kernel, "fwd", shape, dtype, n_fwd, fwd_states, fwd_step, lambda s: s[0],
+               pallas, xla, configs, fwd_torch)  # fmt: skip
+    yield Case(kernel, "bwd", shape, dtype, n_bwd, bwd_states, bwd_step, lambda s: s[1],
+               pallas, xla, configs, bwd_torch)  # fmt: skip
+
+
+def softmax_cases(shapes=SOFTMAX_SHAPES, dtypes=DTYPES) -> Iterator[Case]:
+    for shape, kind in shapes:
+        for dtype in dtypes:
+            b, h, tq, tk = shape
+            s = jnp.dtype(dtype).itemsize
+            n = b * h * tq * tk
+            causal = kind == "causal"
+            # scores of std 0.1/Tk scaled by Tk: probabilities stay near 1/Tk and the chained
+            # backward (dx = Tk * y * (dy - dot)) keeps its magnitude: no drift to zeros or inf.
+            scale = float(tk)
+
+            def make_args(seed=0, shape=shape, dtype=dtype, causal=causal, tk=tk):
+                key = jax.random.key(seed)
+                x = (0.1 / tk * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+                if causal:
+                    return (x,)
+                lens = jax.random.randint(jax.random.key(seed + 50), (shape[0],), tk // 2, tk + 1)
+                mask = jnp.where(jnp.arange(tk) < lens[:, None], 0.0, -jnp.inf)
+                return x, mask[:, None, None, :].astype(jnp.float32)  # (B, 1, 1, Tk) key padding
+
+            def pallas(cfg, causal=causal, scale=scale):
+                return lambda x, mask=None: attention_softmax(
+                    x, mask, causal=causal, scale=scale, config=cfg
+                )
+
+            def xla(x, mask=None, causal=causal, scale=scale):
+                return attention_softmax_ref(x, mask, causal=causal, scale=scale)
+
+            width = min(1 << (tk - 1).bit_length(), 4096)
+            configs = sorted({SoftmaxConfig(max(1, rows // width), nw, 4096)
+                              for rows in (1024, 4096) for nw in (4, 8)})  # fmt: skip
+            mask_bytes = 0 if causal else b * tk * 4
+            yield from _fwd_bwd_cases(
+                "softmax", shape, dtype, (2 * n * s + mask_bytes, 3 * n * s), make_args,
+                pallas, xla, configs, _softmax_torch(shape, dtype), n_diff=1,
+            )  # fmt: skip
+
+
+def _softmax_torch(shape, dtype):
+    torch = _torch()
+    if torch is None:
+        return None
+    tdtype = torch.float32 if dtype == jnp.float32 else torch.bfloat16
+
+    def fwd():
+        x = torch.randn(shape, device="cuda", dtype=tdtype)
+        return lambda: torch.softmax(x, -1)  # torch's fused op; no mask (it has none in-op)
+
+    def bwd():
+        y = torch.softmax(torch.randn(shape, device="cuda", dtype=tdtype), -1)
+        dy = torch.randn_like(y)
+        return lambda: torch._softmax_backward_data(dy, y, -1, tdtype)
+
+    return fwd, bwd
+
+
+def layer_norm_cases(shapes=LN_SHAPES, dtypes=DTYPES) -> Iterator[Case]:
+    for shape in shapes:
+        for dtype in dtypes:
+            n_rows, d = shape
+            s = jnp.dtype(dtype).itemsize
+
+            def make_args(seed=0, shape=shape, dtype=dtype, d=d):
+                k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+                x = jax.random.normal(k1, shape, jnp.float32).astype(dtype)
+                gamma = 1 + 0.1 * jax.random.normal(k2, (d,), jnp.float32)
+                beta = 0.1 * jax.random.normal(k3, (d,), jnp.float32)
+                return x, gamma, beta
+
+            def pallas(cfg):
+                return lambda x, g, b: layer_norm(x, g, b, config=cfg)
+
+            width = 1 << (d - 1).bit_length()
+            tiles = (
+                (2048, 4, 528, 1),
+                (2048, 4, 1056, 1),
+                (2048, 4, 528, 3),
+                (8192, 8, 528, 1),
+                (8192, 8, 528, 3),
+                (8192, 16, 528, 3),
+            )  # (elements, warps, programs, stages)
+            configs = sorted({LayerNormConfig(max(1, e // width), nw, p, st)
+                              for e, nw, p, st in tiles})  # fmt: skip
+            yield from _fwd_bwd_cases(
+                "layer_norm", shape, dtype, (2 * n_rows * d * s, 3 * n_rows * d * s),
+                make_args, pallas, layer_norm_ref, configs, _ln_torch(shape, dtype),
+            )  # fmt: skip
+
+
+def _ln_torch(shape, dtype):
+    torch = _torch()
+    if torch is None:
+        return None
+    tdtype = torch.float32 if dtype == jnp.float32 else torch.bfloat16
+    d = shape[1]
+
+    def inputs():
+        x = torch.randn(shape, device="cuda", dtype=tdtype)
+        return x, torch.ones(d, device="cuda"), torch.zeros(d, device="cuda")
+
+    def fwd():
+        x, g, b = inputs()
+        return lambda: torch.nn.functional.layer_norm(x, (d,), g.to(tdtype), b.to(tdtype))
+
+    def bwd():
+        x, g, b = inputs()
+        g, b = g.to(tdtype), b.to(tdtype)
+        _, mean, rstd = torch.ops.aten.native_layer_norm(x, [d], g, b, 1e-5)
+        dy = torch.randn_like(x)
+        mask = [True, True, True]
+        return lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [d], mean, rstd, g, b, mask)
+
+    return fwd, bwd
+
+
+def conv_cases(shapes=CONV_SHAPES, dtypes=DTYPES, mode="same") -> Iterator[Case]:
+    for shape, k_size in shapes:
+        for dtype in dtypes:
+            n_b, n_l, n_d = shape
+            s = jnp.dtype(dtype).itemsize
+
+            def make_args(seed=0, shape=shape, dtype=dtype, k_size=k_size):
+                k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+                u = jax.random.normal(k1, shape, jnp.float32).astype(dtype)
+                # positive taps summing to 1: chained calls average, never blow up or vanish
+                w = jax.nn.softmax(jax.random.normal(k2, (shape[2], k_size)), -1).astype(dtype)
+                b = (0.01 * jax.random.normal(k3, (shape[2],))).astype(dtype)
+                return u, w, b
+
+            def pallas(cfg, mode=mode):
+                return lambda u, w, b: depthwise_conv1d(u, w, b, mode, config=cfg)
+
+            def xla(u, w, b, mode=mode):
+                return depthwise_conv1d_ref(u, w, b, mode)
+
+            tiles = ((16, 256, 4, 528, 1), (32, 128, 4, 528, 1), (8, 512, 4, 528, 1),
+                     (16, 256, 4, 1056, 1), (16, 256, 4, 528, 3), (32, 128, 4, 528, 3))  # fmt: skip
+            configs = [ConvConfig(*tile) for tile in tiles]  # (T, D, warps, programs, stages)
+            n = n_b * n_l * n_d * s
+            yield from _fwd_bwd_cases(
+                "conv1d", shape + (k_size,), dtype, (2 * n, 3 * n), make_args, pallas, xla,
+                configs, _conv_torch(shape, k_size, dtype),
+            )  # fmt: skip
+
+
+def _conv_torch(shape, k_size, dtype):
+    torch = _torch()
+    if torch is None:
+        return None
+    tdtype = torch.float32 if dtype == jnp.float32 else torch.bfloat16
+    n_b, n_l, n_d = shape
+    pad = (k_size - 1) // 2
+
+    def inputs():
+        u = torch.randn(n_b, n_d, n_l, device="cuda", dtype=tdtype)  # torch's (B, C, L) layout
+        return (
+            u,
+            torch.randn(n_d, 1, k_size, device="cuda", dtype=tdtype),
+            torch.randn(n_d, device="cuda", dtype=tdtype),
+        )
+
+    def fwd():
+        u, w, b = inputs()
+        return lambda: torch.nn.functional.conv1d(u, w, b, padding=pad, groups=n_d)
+
+    def bwd():
+        u, w, _ = inputs()
+        g = torch.randn_like(u)
+        mask = [True, True, True]
+        return lambda: torch.ops.aten.convolution_backward(
+            g, u, w, [n_d], [1], [pad], [1], False, [0], n_d, mask
+        )
+
+    return fwd, bwd
+
+
+def _time_impl(case: Case, impl) -> tuple[float, jax.Array]:
+    states = case.states(impl)
+    seconds = chained_median_seconds(case.step(impl), states)
+    first = case.step(impl)(case.states(impl)[0])  # one call on fresh inputs, for the error
+    return seconds, case.output(first)
+
+
+def run_case(case: Case, copy_gbps: float, tune: bool) -> Row:
+    xla_s, ref = _time_impl(case, case.xla)
+    default_s, out = _time_impl(case, case.pallas(None))
+    best_s, best_cfg = default_s, "default"
+    for cfg in case.configs if tune else []:
+        try:
+            sec, _ = _time_impl(case, case.pallas(cfg))
+        except Exception as e:  # a config the compiler rejects (e.g. too many registers)
+            print(f"# {case.kernel} {case.direction} {cfg}: {type(e).__name__}: {e}"[:300])
+            continue
+        if sec < best_s:
+            best_s, best_cfg = sec, str(tuple(cfg))
+    torch_ms = None
+    if case.torch is not None:
+        torch_ms = torch_median_seconds(case.torch()) * 1e3
+        _torch().cuda.empty_cache()
+    gbps = case.bytes / best_s / 1e9
+    return Row(case.kernel, case.direction, "x".join(map(str, case.shape)),
+               jnp.dtype(case.dtype).name, best_cfg, best_s * 1e3, gbps, 100 * gbps / copy_gbps,
+               default_s * 1e3, xla_s * 1e3, torch_ms, _rel_err(out, ref))  # fmt: skip
+
+
+HEADER = (
+    "| kernel | dir | shape | dtype | best config | ms | GB/s | % copy | default ms "
+    "| XLA ms | x XLA | torch ms | x torch | rel err vs XLA |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def format_row(r: Row) -> str:
+    torch = "-" if r.torch_ms is None else f"{r.torch_ms:.3f} | {r.torch_ms / r.ms:.2f}"
+    torch = torch if r.torch_ms is not None else "- | -"
+    return (
+        f"| {r.kernel} | {r.direction} | {r.shape} | {r.dtype} | {r.config} | {r.ms:.3f} "
+        f"| {r.gbps:.0f} | {r.pct_copy:.0f} | {r.default_ms:.3f} | {r.xla_ms:.3f} "
+        f"| {r.xla_ms / r.ms:.2f} | {torch} | {r.rel_err:.1e} |"
+    )
+
+
+def run(kernels: list[str], tune: bool, jsonl_path: str | None = None) -> list[Row]:
+    """Print the copy bandwidth, then one table row per case as it finishes."""
+    bw = copy_bandwidth()
+    copy_gbps = bw.get("torch_copy", bw["jax_negate"])
+    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
+    print("copy bandwidth GB/s: " + ", ".join(f"{k} {v:.0f}" for k, v in bw.items()))
+    print(HEADER, flush=True)
+    makers = {"softmax": softmax_cases, "layer_norm": layer_norm_cases, "conv1d": conv_cases}
+    rows = []
+    for name in kernels:
+        for case in makers[name]():
+            row = run_case(case, copy_gbps, tune)
+            rows.append(row)
+            print(format_row(row), flush=True)
+            if jsonl_path:
+                with open(jsonl_path, "a") as f:
+                    f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+    return rows

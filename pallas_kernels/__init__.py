@@ -1,0 +1,18 @@
+"""Pallas GPU kernels (fused attention softmax, layer norm, depthwise conv1d) with custom VJPs.
+
+On a GPU they compile (Triton lowering); elsewhere `interpret=None` runs them in interpret mode.
+"""
+
+from .attention_softmax import attention_softmax
+from .depthwise_conv1d import depthwise_conv1d
+from .layer_norm import layer_norm
+from .reference import attention_softmax_ref, depthwise_conv1d_ref, layer_norm_ref
+
+__all__ = [
+    "attention_softmax",
+    "attention_softmax_ref",
+    "depthwise_conv1d",
+    "depthwise_conv1d_ref",
+    "layer_norm",
+    "layer_norm_ref",
+]

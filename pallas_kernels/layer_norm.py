@@ -1,0 +1,203 @@
+"""Fused LayerNorm over the last axis: forward and backward Pallas kernels tied by a custom VJP.
+
+x (..., D) is viewed as N rows of D. A program walks `steps` blocks of `block_rows` whole rows
+(padded to a power of two of columns and masked), so each row's statistics stay in registers (one
+read of x) and gamma/beta are read once per program, not once per row (at D = 8192 a per-row
+re-read of float32 gamma/beta is 4x the bf16 row itself in L2 traffic). Backward recomputes xhat
+from the saved float32 mean/rstd; dgamma/dbeta are summed per program in registers, written as
+per-program partials (G, D) float32 and reduced by one small jnp.sum (no atomics).
+
+Minimal memory traffic, N rows of D, s bytes per element of x:
+  forward : read x, write y       = 2 * N * D * s  (+ 8 N for mean/rstd, + gamma/beta)
+  backward: read x, dy; write dx  = 3 * N * D * s  (+ 8 N for mean/rstd, + 8 G D for partials)
+Backend: Triton lowering (pallas_kernels/triton_backend.py says why).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from .triton_backend import compiler_params, resolve_interpret
+
+DTYPES = (jnp.float32, jnp.bfloat16)
+MAX_HIDDEN = 16384  # one row lives in registers; 16k float32 over 16 warps is 32 per thread
+
+
+class Config(NamedTuple):
+    block_rows: int  # rows per loop step
+    num_warps: int
+    programs: int  # target number of programs; each loops over ceil(blocks / programs) steps
+    num_stages: int = 1  # Triton software pipelining of the row loop
+
+
+def default_configs(n_cols: int) -> tuple[Config, Config]:
+    """(forward, backward) block sizes by padded row length, from the H100 sweep in
+    benchmarks/RESULTS.md: 2048-element row blocks; the forward wants more programs (it keeps
+    no partials), the backward fewer programs (smaller dgamma/dbeta partials) and pipelining."""
+    width = pl.next_power_of_2(n_cols)
+    block_rows = max(1, 2048 // width)
+    fwd = Config(block_rows, 4 if width <= 2048 else 8, programs=8 * 132)
+    bwd = Config(block_rows, 4 if width <= 2048 else 16, programs=4 * 132, num_stages=3)
+    return fwd, bwd
+
+
+def _grid(n_rows: int, cfg: Config) -> tuple[int, int]:
+    """(programs, steps per program) covering n_rows in blocks of cfg.block_rows."""
+    n_blocks = pl.cdiv(n_rows, cfg.block_rows)
+    steps = pl.cdiv(n_blocks, cfg.programs)
+    return pl.cdiv(n_blocks, steps), steps
+
+
+def _row_block(pid, block_rows: int, block_cols: int, n_rows: int, n_cols: int):
+    rows = pl.ds(pid * block_rows, block_rows)
+    row_ok = pid * block_rows + jnp.arange(block_rows) < n_rows  # (R,)
+    col_ok = jnp.arange(block_cols) < n_cols  # (C,)
+    return rows, row_ok, col_ok
+
+
+def _fwd_kernel(
+    x_ref, g_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps: float, block_rows: int, steps: int
+):
+    n_rows, n_cols = x_ref.shape
+    block_cols = pl.next_power_of_2(n_cols)
+    cols = pl.ds(0, block_cols)
+    col_ok = jnp.arange(block_cols) < n_cols
+    g = pltriton.load(g_ref.at[cols], mask=col_ok, other=0.0).astype(jnp.float32)
+    b = pltriton.load(b_ref.at[cols], mask=col_ok, other=0.0).astype(jnp.float32)
+    part = pl.program_id(0)  # read outside the loop: interpret mode cannot lower it inside
+
+    @pl.loop(0, steps)
+    def step(i):
+        rows, row_ok, _ = _row_block(part * steps + i, block_rows, block_cols, n_rows, n_cols)
+        valid = row_ok[:, None] & col_ok[None, :]
+        x = pltriton.load(x_ref.at[rows, cols], mask=valid, other=0.0).astype(jnp.float32)
+        mean = jnp.sum(x, axis=1) / n_cols  # (R,)
+        xc = jnp.where(col_ok[None, :], x - mean[:, None], 0.0)
+        rstd = jax.lax.rsqrt(jnp.sum(xc * xc, axis=1) / n_cols + eps)
+        y = xc * rstd[:, None] * g[None, :] + b[None, :]
+        pltriton.store(y_ref.at[rows, cols], y.astype(y_ref.dtype), mask=valid)
+        pltriton.store(mean_ref.at[rows], mean, mask=row_ok)
+        pltriton.store(rstd_ref.at[rows], rstd, mask=row_ok)
+
+
+def _bwd_kernel(
+    x_ref, g_ref, dy_ref, mean_ref, rstd_ref, dx_ref, dg_ref, db_ref, *, block_rows: int, steps: int
+):
+    n_rows, n_cols = x_ref.shape
+    block_cols = pl.next_power_of_2(n_cols)
+    cols = pl.ds(0, block_cols)
+    col_ok = jnp.arange(block_cols) < n_cols
+    g = pltriton.load(g_ref.at[cols], mask=col_ok, other=0.0).astype(jnp.float32)
+    part = pl.program_id(0)  # read outside the loop: interpret mode cannot lower it inside
+
+    def step(i, acc):
+        rows, row_ok, _ = _row_block(part * steps + i, block_rows, block_cols, n_rows, n_cols)
+        valid = row_ok[:, None] & col_ok[None, :]
+        x = pltriton.load(x_ref.at[rows, cols], mask=valid, other=0.0).astype(jnp.float32)
+        dy = pltriton.load(dy_ref.at[rows, cols], mask=valid, other=0.0).astype(jnp.float32)
+        mean = pltriton.load(mean_ref.at[rows], mask=row_ok, other=0.0)
+        rstd = pltriton.load(rstd_ref.at[rows], mask=row_ok, other=0.0)
+        xhat = jnp.where(valid, (x - mean[:, None]) * rstd[:, None], 0.0)  # (R, C)
+        gdy = g[None, :] * dy
+        c1 = jnp.sum(xhat * gdy, axis=1) / n_cols
+        c2 = jnp.sum(gdy, axis=1) / n_cols
+        dx = (gdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        pltriton.store(dx_ref.at[rows, cols], dx.astype(dx_ref.dtype), mask=valid)
+        dg_acc, db_acc = acc
+        return dg_acc + dy * xhat, db_acc + dy
+
+    zeros = jnp.zeros((block_rows, block_cols), jnp.float32)
+    dg_acc, db_acc = jax.lax.fori_loop(0, steps, step, (zeros, zeros))
+    pltriton.store(dg_ref.at[part, cols], jnp.sum(dg_acc, axis=0), mask=col_ok)
+    pltriton.store(db_ref.at[part, cols], jnp.sum(db_acc, axis=0), mask=col_ok)
+
+
+def _forward(x, gamma, beta, eps: float, interpret: bool, cfg: Config):
+    n_rows, n_cols = x.shape  # (N, D)
+    n_programs, steps = _grid(n_rows, cfg)
+    stats = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, eps=eps, block_rows=cfg.block_rows, steps=steps),
+        out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), stats, stats),
+        grid=(n_programs,),
+        compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name="layer_norm_fwd",
+    )(x, gamma, beta)
+
+
+def _backward(x, gamma, dy, mean, rstd, interpret: bool, cfg: Config):
+    n_rows, n_cols = x.shape
+    n_programs, steps = _grid(n_rows, cfg)
+    part = jax.ShapeDtypeStruct((n_programs, n_cols), jnp.float32)
+    dx, dg_part, db_part = pl.pallas_call(
+        functools.partial(_bwd_kernel, block_rows=cfg.block_rows, steps=steps),
+        out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), part, part),
+        grid=(n_programs,),
+        compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name="layer_norm_bwd",
+    )(x, gamma, dy, mean, rstd)
+    return dx, jnp.sum(dg_part, axis=0), jnp.sum(db_part, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _layer_norm(x, gamma, beta, eps, interpret, cfgs):
+    return _forward(x, gamma, beta, eps, interpret, cfgs[0])[0]
+
+
+def _layer_norm_fwd(x, gamma, beta, eps, interpret, cfgs):
+    y, mean, rstd = _forward(x, gamma, beta, eps, interpret, cfgs[0])
+    return y, (x, gamma, beta, mean, rstd)
+
+
+def _layer_norm_bwd(eps, interpret, cfgs, res, dy):
+    x, gamma, beta, mean, rstd = res
+    dx, dg, db = _backward(x, gamma, dy, mean, rstd, interpret, cfgs[1])
+    return dx, dg.astype(gamma.dtype), db.astype(beta.dtype)
+
+
+_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+def _check(x, gamma, beta) -> None:
+    if x.ndim < 1:
+        raise ValueError(f"x must have at least 1 dim (..., D), got shape {x.shape}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x dtype must be one of float32, bfloat16, got {x.dtype}")
+    n_cols = x.shape[-1]
+    if not 1 <= n_cols <= MAX_HIDDEN:
+        raise ValueError(f"hidden size D must be in [1, {MAX_HIDDEN}], got {n_cols}")
+    for name, p in (("gamma", gamma), ("beta", beta)):
+        if p.shape != (n_cols,):
+            raise ValueError(f"{name} must have shape ({n_cols},) to match x, got {p.shape}")
+        if not jnp.issubdtype(p.dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating point, got {p.dtype}")
+
+
+def layer_norm(
+    x: jax.Array,
+    gamma: jax.Array,
+    beta: jax.Array,
+    eps: float = 1e-5,
+    interpret: bool | None = None,
+    *,
+    config: Config | None = None,
+) -> jax.Array:
+    """LayerNorm over the last axis: x (..., D), gamma/beta (D,) -> (..., D) in x's dtype.
+
+    Statistics are float32. `config` overrides the tuned block sizes of both directions
+    (benchmarks use it).
+    """
+    _check(x, gamma, beta)
+    cfgs = (config, config) if config else default_configs(x.shape[-1])
+    y = _layer_norm(
+        x.reshape(-1, x.shape[-1]), gamma, beta, float(eps), resolve_interpret(interpret), cfgs
+    )
+    return y.reshape(x.shape)

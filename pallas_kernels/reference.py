@@ -1,0 +1,80 @@
+"""Pure-jnp references for the Pallas kernels: the oracle the tests and benchmarks compare with.
+
+Math runs in float32 (float64 when given float64, which the tests use for the exact oracle);
+results come back in the input's dtype. All three are differentiable with jax.grad.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+CONV_MODES = ("same", "causal", "full")
+
+
+def _compute_dtype(dtype) -> jnp.dtype:
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def attention_softmax_ref(
+    scores: jax.Array, mask: jax.Array | None = None, *, causal: bool = False, scale=None
+) -> jax.Array:
+    """softmax(scale * scores + mask) over the last axis; scores (B, H, Tq, Tk).
+
+    causal: key j is allowed for query i iff j <= i + (Tk - Tq). Rows with no allowed key (all
+    masked by -inf or by causality) give zeros.
+    """
+    ct = _compute_dtype(scores.dtype)
+    x = scores.astype(ct)
+    if scale is not None:
+        x = x * scale
+    if mask is not None:
+        x = x + mask.astype(ct)
+    if causal:
+        tq, tk = x.shape[-2:]
+        q = jnp.arange(tq)[:, None]
+        k = jnp.arange(tk)[None, :]
+        x = jnp.where(k <= q + (tk - tq), x, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isneginf(m), 0.0, m)  # fully masked row: exp(-inf) = 0 below, no NaN
+    e = jnp.exp(x - m)
+    s = jnp.sum(e, axis=-1, keepdims=True)
+    return (e / jnp.where(s > 0, s, 1.0)).astype(scores.dtype)
+
+
+def layer_norm_ref(x: jax.Array, gamma: jax.Array, beta: jax.Array, eps: float = 1e-5) -> jax.Array:
+    """LayerNorm over the last axis of x (..., D) with gamma, beta (D,)."""
+    ct = _compute_dtype(x.dtype)
+    xf = x.astype(ct)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    return (y * gamma.astype(ct) + beta.astype(ct)).astype(x.dtype)
+
+
+def conv1d_padding(kernel_size: int, mode: str) -> tuple[int, int]:
+    """(left, right) zero padding of a depthwise conv1d; output length L + left + right - K + 1."""
+    if mode == "same":
+        left = (kernel_size - 1) // 2
+        return left, kernel_size - 1 - left
+    if mode == "causal":
+        return kernel_size - 1, 0
+    if mode == "full":
+        return kernel_size - 1, kernel_size - 1
+    raise ValueError(f"mode must be one of {CONV_MODES}, got {mode!r}")
+
+
+def depthwise_conv1d_ref(u: jax.Array, w: jax.Array, b: jax.Array, mode: str = "same") -> jax.Array:
+    """out[:, t, d] = b[d] + sum_k w[d, k] * u_padded[:, t + k, d]; u (B, L, D), w (D, K), b (D,).
+
+    A cross-correlation (as torch.nn.functional.conv1d). 'full' pads K-1 zeros on both ends, so
+    out[:, 0] = u[:, 0] * w[:, K-1] + b.
+    """
+    ct = _compute_dtype(u.dtype)
+    k_size = w.shape[1]
+    left, right = conv1d_padding(k_size, mode)
+    up = jnp.pad(u.astype(ct), ((0, 0), (left, right), (0, 0)))  # (B, L + left + right, D)
+    out_len = up.shape[1] - k_size + 1
+    wf = w.astype(ct)
+    out = b.astype(ct) + sum(up[:, k : k + out_len] * wf[:, k] for k in range(k_size))
+    return out.astype(u.dtype)

@@ -1,0 +1,98 @@
+"""pallas_kernels.layer_norm against the float64 reference: values, gradients, jit, vmap.
+
+On CPU the kernels run in interpret mode; on a GPU the same tests check the compiled kernels.
+Tolerances: float32 within 1e-5 (rel and abs, on unit-scale outputs) of float64; bfloat16 outputs
+within about one bfloat16 rounding (2e-2 rel + abs).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from pallas_kernels import layer_norm, layer_norm_ref
+from pallas_kernels.layer_norm import Config
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def make(shape, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=shape) * 2 + 0.5, dtype)
+    gamma = jnp.asarray(rng.normal(size=shape[-1:]), jnp.float32)
+    beta = jnp.asarray(rng.normal(size=shape[-1:]), jnp.float32)
+    return x, gamma, beta
+
+
+CASES = [  # shape, dtype, config
+    ((3, 5, 100), jnp.float32, None),
+    ((37, 64), jnp.float32, Config(block_rows=4, num_warps=4, programs=3)),
+    ((2, 1000), jnp.bfloat16, None),
+    ((9, 768), jnp.float32, Config(block_rows=2, num_warps=4, programs=2)),
+    ((3, 8192), jnp.float32, None),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,cfg", CASES)
+def test_values_match_float64_reference(float64_ref, shape, dtype, cfg):
+    x, gamma, beta = make(shape, dtype)
+    y = layer_norm(x, gamma, beta, config=cfg)
+    assert y.dtype == dtype and y.shape == shape
+    ref = float64_ref(layer_norm_ref, x, gamma, beta)
+    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("shape,dtype,cfg", [c for c in CASES if c[1] == jnp.float32][:3])
+def test_grads_match_float64_reference(float64_ref, shape, dtype, cfg):
+    x, gamma, beta = make(shape, dtype, seed=1)
+    dy = jnp.asarray(np.random.default_rng(2).normal(size=shape), dtype)
+
+    def loss(fn, **kw):
+        return lambda x, g, b, dy: jnp.sum(fn(x, g, b, **kw) * dy)
+
+    grads = jax.grad(loss(layer_norm, config=cfg), argnums=(0, 1, 2))(x, gamma, beta, dy)
+    refs = float64_ref(jax.grad(loss(layer_norm_ref), argnums=(0, 1, 2)), x, gamma, beta, dy)
+    for g, r in zip(grads, refs, strict=True):
+        scale = np.abs(r).max()
+        np.testing.assert_allclose(np.asarray(g, np.float64), r, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_bfloat16_grads_close_to_reference(float64_ref):
+    x, gamma, beta = make((6, 200), jnp.bfloat16, seed=3)
+    dy = jnp.asarray(np.random.default_rng(4).normal(size=x.shape), jnp.bfloat16)
+    dx = jax.grad(lambda x: jnp.sum(layer_norm(x, gamma, beta) * dy))(x)
+    assert dx.dtype == jnp.bfloat16
+    ref = float64_ref(jax.grad(lambda x, dy: jnp.sum(layer_norm_ref(x, gamma, beta) * dy)), x, dy)
+    err = np.linalg.norm(np.asarray(dx, np.float64) - ref) / np.linalg.norm(ref)
+    assert err < 1e-2
+
+
+def test_check_grads():
+    x, gamma, beta = make((4, 33), jnp.float32, seed=5)
+    check_grads(
+        layer_norm, (x, gamma, beta), order=1, modes=["rev"], atol=1e-2, rtol=1e-2, eps=1e-3
+    )
+
+
+def test_jit_and_vmap():
+    x, gamma, beta = make((3, 4, 50), jnp.float32, seed=6)
+    y = jax.jit(jax.vmap(lambda x: layer_norm(x, gamma, beta, eps=1e-6)))(x)
+    np.testing.assert_allclose(y, layer_norm_ref(x, gamma, beta, eps=1e-6), rtol=1e-5, atol=1e-5)
+    g = jax.jit(jax.grad(lambda g: jnp.sum(jax.vmap(lambda x: layer_norm(x, g, beta))(x) ** 2)))
+    gr = jax.grad(lambda g: jnp.sum(layer_norm_ref(x, g, beta) ** 2))
+    np.testing.assert_allclose(g(gamma), gr(gamma), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "x_shape,dtype,g_shape,match",
+    [
+        ((), jnp.float32, (1,), "at least 1 dim"),
+        ((2, 8), jnp.int32, (8,), "dtype"),
+        ((2, 8), jnp.float32, (7,), "gamma must have shape"),
+        ((1, 20000), jnp.float32, (20000,), "hidden size"),
+    ],
+)
+def test_bad_inputs_raise(x_shape, dtype, g_shape, match):
+    with pytest.raises(ValueError, match=match):
+        layer_norm(jnp.zeros(x_shape, dtype), jnp.ones(g_shape), jnp.zeros(g_shape))
