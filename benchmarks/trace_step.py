@@ -1,0 +1,69 @@
+"""Top GPU kernels of a GPT-2 124M train step: python benchmarks/trace_step.py OUT_DIR [overrides]
+
+Records 3 steps with jax.profiler (a Perfetto trace, also viewable in TensorBoard's profile
+plugin) and prints the kernels that take the most device time per step.
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jaxllm.config import load_config  # noqa: E402
+from jaxllm.models import build_model  # noqa: E402
+from jaxllm.train.optim import make_optimizer  # noqa: E402
+from jaxllm.train.state import create_state, train_step  # noqa: E402
+
+STEPS = 3
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    cfg = load_config("configs/gpt2_124m.yaml", sys.argv[2:])
+    b, t = cfg.train.batch_size, cfg.model.context_length
+    tok = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (b, t + 1))
+    batch = {
+        "inputs": jnp.asarray(tok[:, :-1], jnp.int32),
+        "targets": jnp.asarray(tok[:, 1:], jnp.int32),
+    }
+    model = build_model(cfg.model)
+    state = create_state(
+        model, make_optimizer(cfg.optim, 1000), jax.random.PRNGKey(0), batch["inputs"]
+    )
+    key = jax.random.PRNGKey(1)
+    for _ in range(3):
+        state, m = train_step(state, batch, key)
+    jax.block_until_ready(m)
+    with jax.profiler.trace(str(out / "trace"), create_perfetto_trace=True):
+        for _ in range(STEPS):
+            state, m = train_step(state, batch, key)
+        jax.block_until_ready(m)
+    trace = next((out / "trace").rglob("*.trace.json.gz"))
+    with gzip.open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    gpu_pids = {
+        e["pid"]
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "process_name"
+        and "GPU" in str(e.get("args", {}).get("name", ""))
+    }
+    total = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
+            total[e["name"][:90]] += e.get("dur", 0) / 1e3 / STEPS  # ms per step
+    print(f"device time per step: {sum(total.values()):.1f} ms (kernels, summed)")
+    for name, ms in total.most_common(30):
+        print(f"{ms:8.2f} ms  {name}")
+
+
+if __name__ == "__main__":
+    main()
