@@ -105,10 +105,10 @@ class Embedding(nn.Module):
         return jnp.take(self.table, ids, axis=0)  # (..., D)
 
     def attend(self, x: jax.Array, compute_dtype: Dtype = jnp.float32) -> jax.Array:
-        """Float32 logits x @ table^T (..., N); operands in compute_dtype, f32 accumulation
-        written out directly (no half-precision round trip before the loss)."""
-        w = self.table.T.astype(compute_dtype)
-        return jnp.dot(x.astype(compute_dtype), w, preferred_element_type=jnp.float32)
+        # Output in compute_dtype, as under torch autocast: asking for float32 output makes the
+        # backward matmuls take the float32 cotangent and run as fp32 GEMMs (an sm80 fp32
+        # CUTLASS kernel led an H100 trace of the GPT-2 step). Callers upcast for the loss.
+        return jnp.dot(x.astype(compute_dtype), self.table.T.astype(compute_dtype))  # (..., N)
 
 
 class MultiHeadAttention(nn.Module):
