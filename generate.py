@@ -13,9 +13,11 @@ from jaxllm.data.tokenizer import load_gpt2_tokenizer
 from jaxllm.generate import generate_text
 from jaxllm.models import build_model
 from jaxllm.train.checkpoint import load_run
+from jaxllm.xla_flags import apply_default_xla_flags
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_default_xla_flags()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", required=True, help="a train.py run dir with checkpoints")
     p.add_argument(

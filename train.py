@@ -11,11 +11,13 @@ from pathlib import Path
 
 from jaxllm.config import ConfigError, load_config
 from jaxllm.train.loop import train
+from jaxllm.xla_flags import apply_default_xla_flags
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "ar.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_default_xla_flags()
     parser = argparse.ArgumentParser(
         description=__doc__,
         epilog="Any config field can be overridden: --model.n_layers=4 --train.steps 500",

@@ -1,0 +1,23 @@
+"""XLA flags the CLIs set before JAX starts its backend (read once, at backend start).
+
+`--xla_gpu_enable_triton_gemm=false`: XLA otherwise fuses the float32 -> bfloat16 weight casts
+into Triton GEMMs that run far below cuBLAS on the H100 (GPT-2 124M train step, batch 16:
+47.3 ms with them, 40.6 ms without; benchmarks/RESULTS.md). Flags the user already put in
+XLA_FLAGS win.
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_FLAGS = {"--xla_gpu_enable_triton_gemm": "false"}
+
+
+def apply_default_xla_flags() -> None:
+    """Append our defaults to $XLA_FLAGS unless the user set the same flag. Call before the
+    first JAX computation; a no-op on CPU (XLA ignores GPU flags there)."""
+    current = os.environ.get("XLA_FLAGS", "")
+    names = {f.split("=", 1)[0] for f in current.split()}
+    extra = [f"{k}={v}" for k, v in DEFAULT_FLAGS.items() if k not in names]
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
