@@ -6,6 +6,10 @@ GPT-2 tokenizer, and decodes with a KV cache until <|endoftext|> or --max-new-to
 
 from __future__ import annotations
 
+from jaxllm.xla_flags import apply_default_xla_flags
+
+apply_default_xla_flags()  # before jax is imported: XLA reads its flags then
+
 import argparse
 import sys
 
@@ -13,11 +17,9 @@ from jaxllm.data.tokenizer import load_gpt2_tokenizer
 from jaxllm.generate import generate_text
 from jaxllm.models import build_model
 from jaxllm.train.checkpoint import load_run
-from jaxllm.xla_flags import apply_default_xla_flags
 
 
 def main(argv: list[str] | None = None) -> int:
-    apply_default_xla_flags()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", required=True, help="a train.py run dir with checkpoints")
     p.add_argument(

@@ -5,19 +5,21 @@ With no arguments it runs the associative-recall preset (configs/ar.yaml) on the
 
 from __future__ import annotations
 
+from jaxllm.xla_flags import apply_default_xla_flags
+
+apply_default_xla_flags()  # before jax is imported: XLA reads its flags then
+
 import argparse
 import sys
 from pathlib import Path
 
 from jaxllm.config import ConfigError, load_config
 from jaxllm.train.loop import train
-from jaxllm.xla_flags import apply_default_xla_flags
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "ar.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    apply_default_xla_flags()
     parser = argparse.ArgumentParser(
         description=__doc__,
         epilog="Any config field can be overridden: --model.n_layers=4 --train.steps 500",

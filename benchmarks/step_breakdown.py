@@ -11,16 +11,19 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jaxllm.xla_flags import apply_default_xla_flags
+
+apply_default_xla_flags()  # before jax is imported: XLA reads its flags then
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxllm.config import load_config  # noqa: E402
-from jaxllm.models import build_model  # noqa: E402
-from jaxllm.train.optim import make_optimizer  # noqa: E402
-from jaxllm.train.state import _loss_and_metrics, create_state, train_step  # noqa: E402
-from jaxllm.xla_flags import apply_default_xla_flags  # noqa: E402
+from jaxllm.config import load_config
+from jaxllm.models import build_model
+from jaxllm.train.optim import make_optimizer
+from jaxllm.train.state import _loss_and_metrics, create_state, train_step
 
 
 def timeit(fn, *args, n=10, repeats=5):
@@ -37,7 +40,6 @@ def timeit(fn, *args, n=10, repeats=5):
 
 
 def main() -> None:
-    apply_default_xla_flags()
     overrides = sys.argv[1:]
     cfg = load_config("configs/gpt2_124m.yaml", overrides)
     b, t = cfg.train.batch_size, cfg.model.context_length

@@ -16,16 +16,19 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jaxllm.xla_flags import apply_default_xla_flags
+
+apply_default_xla_flags()  # before jax is imported: XLA reads its flags then
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxllm.config import load_config  # noqa: E402
-from jaxllm.models import build_model  # noqa: E402
-from jaxllm.train.optim import make_optimizer  # noqa: E402
-from jaxllm.train.state import create_state, train_step  # noqa: E402
-from jaxllm.xla_flags import apply_default_xla_flags  # noqa: E402
+from jaxllm.config import load_config
+from jaxllm.models import build_model
+from jaxllm.train.optim import make_optimizer
+from jaxllm.train.state import create_state, train_step
 
 PEAK_BF16 = 989e12
 
@@ -70,7 +73,6 @@ def bench(cfg, batch: int, steps: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    apply_default_xla_flags()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/gpt2_124m.yaml")
     p.add_argument("--batch", type=int, nargs="+", default=[16, 32])

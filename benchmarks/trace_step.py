@@ -12,22 +12,24 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jaxllm.xla_flags import apply_default_xla_flags
+
+apply_default_xla_flags()  # before jax is imported: XLA reads its flags then
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxllm.config import load_config  # noqa: E402
-from jaxllm.models import build_model  # noqa: E402
-from jaxllm.train.optim import make_optimizer  # noqa: E402
-from jaxllm.train.state import create_state, train_step  # noqa: E402
-from jaxllm.xla_flags import apply_default_xla_flags  # noqa: E402
+from jaxllm.config import load_config
+from jaxllm.models import build_model
+from jaxllm.train.optim import make_optimizer
+from jaxllm.train.state import create_state, train_step
 
 STEPS = 3
 
 
 def main() -> None:
-    apply_default_xla_flags()
     out = Path(sys.argv[1])
     cfg = load_config("configs/gpt2_124m.yaml", sys.argv[2:])
     b, t = cfg.train.batch_size, cfg.model.context_length

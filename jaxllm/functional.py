@@ -53,11 +53,34 @@ def softmax(x: jax.Array, axis: int = -1, temperature: float = 1.0) -> jax.Array
     return jnp.exp(z - logsumexp(z, axis=axis, keepdims=True))
 
 
+@jax.custom_vjp
 def softmax_loss(logits: jax.Array, target: jax.Array) -> jax.Array:
-    """Per-example cross-entropy: logits (B, V), target (B,) int -> (B,) = logsumexp(z) - z_y."""
-    logits = _atleast_f32(logits)
-    z_y = jnp.take_along_axis(logits, target[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return logsumexp(logits, axis=-1) - z_y
+    """Per-example cross-entropy: logits (..., V), target (...) int -> (...) float32 =
+    logsumexp(z) - z_y, computed in float32.
+
+    The custom VJP keeps the logits in their own dtype as the saved residual and recomputes
+    softmax in the backward: for a (B*T, 50257) bf16 LM head this avoids writing and re-reading
+    a float32 copy of the logits.
+    """
+    return _softmax_loss_fwd(logits, target)[0]
+
+
+def _softmax_loss_fwd(logits: jax.Array, target: jax.Array):
+    lse = logsumexp(logits, axis=-1)  # (...,) float32
+    idx = target[..., None].astype(jnp.int32)
+    z_y = _atleast_f32(jnp.take_along_axis(logits, idx, axis=-1)[..., 0])
+    return lse - z_y, (logits, idx, lse)
+
+
+def _softmax_loss_bwd(res, g: jax.Array):
+    logits, idx, lse = res
+    p = jnp.exp(_atleast_f32(logits) - lse[..., None])  # softmax, (..., V)
+    hit = jnp.arange(logits.shape[-1]) == idx  # one-hot of the target
+    dlogits = (p - hit) * g[..., None].astype(p.dtype)
+    return dlogits.astype(logits.dtype), None
+
+
+softmax_loss.defvjp(_softmax_loss_fwd, _softmax_loss_bwd)
 
 
 def cross_entropy(

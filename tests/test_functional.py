@@ -107,8 +107,17 @@ def test_softmax_loss_gradient_vs_float64():
     np.testing.assert_allclose(g, ref, atol=1e-6)
     with jax.enable_x64():
         check_grads(
-            lambda z: F.softmax_loss(z, jnp.asarray(target)), (jnp.asarray(logits),), order=2
+            lambda z: F.softmax_loss(z, jnp.asarray(target)),
+            (jnp.asarray(logits),),
+            order=2,
+            modes=["rev"],  # custom_vjp: reverse mode only
         )
+    # bf16 logits: the gradient comes back in bf16 and matches the float64 reference
+    gb = jax.grad(lambda z: F.softmax_loss(z, jnp.asarray(target)).sum())(
+        jnp.asarray(logits, jnp.bfloat16)
+    )
+    assert gb.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(gb, np.float64), ref, atol=2e-2)
 
 
 def test_cross_entropy_ignores_padding():

@@ -23,9 +23,9 @@ def test_gpt2_pallas_matches_xla(dtype, tol):
     params = xla.init(jax.random.PRNGKey(1), tokens)["params"]
 
     def loss(model):
-        return jax.value_and_grad(
-            lambda p: _loss_and_metrics(p, model.apply, batch, None)[0]
-        )(params)
+        return jax.value_and_grad(lambda p: _loss_and_metrics(p, model.apply, batch, None)[0])(
+            params
+        )
 
     (l_x, g_x), (l_p, g_p) = loss(xla), loss(pallas)
     np.testing.assert_allclose(l_p, l_x, rtol=tol)

@@ -24,7 +24,10 @@ class GPT2(nn.Module):
         cache_index: jax.Array | int = 0,
         deterministic: bool = True,
     ) -> jax.Array | tuple[jax.Array, list[KVCache]]:
-        """tokens (B, T) int -> logits (B, T, V) float32; with `cache`, (logits, new cache).
+        """tokens (B, T) int -> logits (B, T, V); with `cache`, (logits, new cache).
+
+        Logits are in compute_dtype (as under torch autocast); the loss and the sampler upcast
+        to float32, so a bf16 model never writes a float32 copy of the (B, T, V) logits.
 
         positions (B, T) default to cache_index + arange(T); key_mask (B, T or S) marks real
         (non-padding) keys.
@@ -51,5 +54,4 @@ class GPT2(nn.Module):
             logits = wte.attend(x, dtype)
         else:
             logits = Linear(cfg.vocab_size, False, cfg.init_std, dtype, name="lm_head")(x)
-        logits = logits.astype(jnp.float32)  # (B, T, V); a no-op for the tied head
         return logits if cache is None else (logits, new_cache)

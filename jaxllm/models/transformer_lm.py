@@ -24,7 +24,10 @@ class TransformerLM(nn.Module):
         cache_index: jax.Array | int = 0,
         deterministic: bool = True,
     ) -> jax.Array | tuple[jax.Array, list[KVCache]]:
-        """tokens (B, T) int -> logits (B, T, V) float32; with `cache`, (logits, new cache)."""
+        """tokens (B, T) int -> logits (B, T, V); with `cache`, (logits, new cache).
+
+        Logits are in compute_dtype (as under torch autocast); the loss and the sampler upcast
+        to float32, so a bf16 model never writes a float32 copy of the (B, T, V) logits."""
         cfg = self.cfg
         check_tokens(tokens, cfg, cache is not None)
         b, t = tokens.shape
@@ -47,5 +50,4 @@ class TransformerLM(nn.Module):
             logits = Linear(
                 cfg.vocab_size, use_bias=False, std=None, compute_dtype=dtype, name="lm_head"
             )(x)
-        logits = logits.astype(jnp.float32)  # (B, T, V)
         return logits if cache is None else (logits, new_cache)
