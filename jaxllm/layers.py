@@ -306,3 +306,24 @@ class TransformerBlock(nn.Module):
         else:
             ffn = SwiGLU(cfg.ffn_dim, dtype, name="mlp")
         return x + ffn(norm2(x), deterministic), cache
+
+
+def transformer_blocks(
+    cfg: ModelConfig,
+    x: jax.Array,
+    positions: jax.Array,
+    key_mask: jax.Array | None,
+    cache: list[KVCache] | None,
+    cache_index: jax.Array | int,
+    deterministic: bool,
+) -> tuple[jax.Array, list[KVCache | None]]:
+    """The n_layers blocks h0, h1, ... of a model; call from inside its compact __call__
+    (the blocks become its children). Returns (x (B, T, D), per-layer caches)."""
+    new_cache = []
+    for i in range(cfg.n_layers):
+        layer_cache = None if cache is None else cache[i]
+        x, layer_cache = TransformerBlock(cfg, name=f"h{i}")(
+            x, positions, key_mask, layer_cache, cache_index, deterministic
+        )
+        new_cache.append(layer_cache)
+    return x, new_cache

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
-from jaxllm.layers import Dropout, Embedding, KVCache, LayerNorm, Linear, TransformerBlock
+from jaxllm.layers import Dropout, Embedding, KVCache, LayerNorm, Linear, transformer_blocks
 from jaxllm.models.interface import check_tokens, default_positions
 
 
@@ -41,13 +41,9 @@ class GPT2(nn.Module):
         wpe = Embedding(cfg.context_length, cfg.d_model, cfg.init_std, name="wpe")
         x = wte(tokens) + wpe(positions)  # (B, T, D) float32 residual stream
         x = Dropout(cfg.dropout)(x, deterministic)
-        new_cache = []
-        for i in range(cfg.n_layers):
-            layer_cache = None if cache is None else cache[i]
-            x, layer_cache = TransformerBlock(cfg, name=f"h{i}")(
-                x, positions, key_mask, layer_cache, cache_index, deterministic
-            )
-            new_cache.append(layer_cache)
+        x, new_cache = transformer_blocks(
+            cfg, x, positions, key_mask, cache, cache_index, deterministic
+        )
         x = LayerNorm(cfg.norm_eps, cfg.bias, cfg.kernels, name="ln_f")(x)
         dtype = jnp.dtype(cfg.compute_dtype)
         if cfg.tie_embeddings:

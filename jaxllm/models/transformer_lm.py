@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
-from jaxllm.layers import Embedding, KVCache, Linear, RMSNorm, TransformerBlock
+from jaxllm.layers import Embedding, KVCache, Linear, RMSNorm, transformer_blocks
 from jaxllm.models.interface import check_tokens, default_positions
 
 
@@ -35,13 +35,9 @@ class TransformerLM(nn.Module):
             positions = default_positions(b, t, cache_index)
         embed = Embedding(cfg.vocab_size, cfg.d_model, std=1.0, name="embed")
         x = embed(tokens)  # (B, T, D)
-        new_cache = []
-        for i in range(cfg.n_layers):
-            layer_cache = None if cache is None else cache[i]
-            x, layer_cache = TransformerBlock(cfg, name=f"h{i}")(
-                x, positions, key_mask, layer_cache, cache_index, deterministic
-            )
-            new_cache.append(layer_cache)
+        x, new_cache = transformer_blocks(
+            cfg, x, positions, key_mask, cache, cache_index, deterministic
+        )
         x = RMSNorm(cfg.norm_eps, name="ln_f")(x)
         dtype = jnp.dtype(cfg.compute_dtype)
         if cfg.tie_embeddings:
