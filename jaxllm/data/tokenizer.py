@@ -6,15 +6,14 @@ them on a machine with internet). A directory may hold `gpt2.tiktoken` (same byt
 `r50k_base.tiktoken`) or the original pair `vocab.bpe` + `encoder.json`.
 """
 
-import base64
 import hashlib
-import json
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import tiktoken
+from tiktoken.load import data_gym_to_mergeable_bpe_ranks, load_tiktoken_bpe
 from tiktoken_ext.openai_public import r50k_pat_str
 
 TOKENIZER_NAME = "gpt2"
@@ -121,26 +120,16 @@ def _read_verified(path: Path, expected_sha256: str) -> bytes:
     return data
 
 
-def _gpt2_unicode_to_byte() -> dict[str, int]:
-    # GPT-2 writes each byte as a printable character: printable non-space Latin-1 bytes as
-    # themselves, the other 68 as chr(256 + n) in byte order (as data_gym_to_mergeable_bpe_ranks).
-    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
-    others = [b for b in range(256) if b not in printable]
-    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
-
-
 def _mergeable_ranks(files: BPEFiles) -> dict[bytes, int]:
-    # tiktoken's own loaders copy local files into its download cache (keyed by path) and
-    # re-read them; reading once here parses exactly the bytes whose hash was checked.
+    # Check the hashes first for an error that names our file; tiktoken's loaders check again.
     if files.tiktoken is not None:
-        data = _read_verified(files.tiktoken, TIKTOKEN_SHA256)
-        return {
-            base64.b64decode(tok): int(rank) for tok, rank in map(bytes.split, data.splitlines())
-        }
-    _read_verified(files.vocab, VOCAB_BPE_SHA256)  # merges order == ranks order in encoder.json
-    encoder = json.loads(_read_verified(files.encoder, ENCODER_JSON_SHA256))
-    to_byte = _gpt2_unicode_to_byte()
-    return {bytes(to_byte[c] for c in tok): r for tok, r in encoder.items() if tok != EOT_TEXT}
+        _read_verified(files.tiktoken, TIKTOKEN_SHA256)
+        return load_tiktoken_bpe(str(files.tiktoken), expected_hash=TIKTOKEN_SHA256)
+    _read_verified(files.vocab, VOCAB_BPE_SHA256)
+    _read_verified(files.encoder, ENCODER_JSON_SHA256)
+    return data_gym_to_mergeable_bpe_ranks(
+        str(files.vocab), str(files.encoder), VOCAB_BPE_SHA256, ENCODER_JSON_SHA256
+    )
 
 
 def gpt2_encoding(files: BPEFiles) -> tiktoken.Encoding:
