@@ -111,6 +111,19 @@ class Embedding(nn.Module):
         return jnp.dot(x.astype(compute_dtype), self.table.T.astype(compute_dtype))  # (..., N)
 
 
+class RotaryEmbedding(nn.Module):
+    """RoPE with base `theta`: rotates adjacent pairs (x[2i], x[2i+1]) by position * theta^(-2i/Dh).
+
+    No parameters; x (B, T, H, Dh), positions (B, T) int -> same shape and dtype as x.
+    """
+
+    theta: float = 10000.0
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cos, sin = F.rope_angles(positions, x.shape[-1], self.theta)
+        return F.apply_rope(x, cos, sin)
+
+
 class MultiHeadAttention(nn.Module):
     """Causal self-attention: one fused q/k/v projection, optional RoPE, optional KV cache.
 
@@ -149,8 +162,8 @@ class MultiHeadAttention(nn.Module):
         qkv = Linear(3 * d, use_bias=self.qkv_bias, name="qkv", **lin)(x)  # (B, T, 3D)
         q, k, v = (a.reshape(b, t, h, dh) for a in jnp.split(qkv, 3, axis=-1))  # (B, T, H, Dh)
         if self.rope_theta is not None:
-            cos, sin = F.rope_angles(positions, dh, self.rope_theta)
-            q, k = F.apply_rope(q, cos, sin), F.apply_rope(k, cos, sin)
+            rope = RotaryEmbedding(self.rope_theta)
+            q, k = rope(q, positions), rope(k, positions)
 
         offset: jax.Array | int = 0
         if cache is not None:

@@ -190,3 +190,22 @@ def test_attention_impls_agree():
     tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 12), 0, 61)
     np.testing.assert_allclose(model.apply(params, tokens), dpa.apply(params, tokens), atol=1e-4)
     assert F.MASK_VALUE < -1e29
+
+
+def test_rotary_module_theta_and_relative_positions():
+    """RoPE makes q.k depend only on the position difference; theta changes the rotation."""
+    from jaxllm.layers import RotaryEmbedding
+
+    rng = np.random.default_rng(1)
+    q, k = (jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32) for _ in range(2))
+    rope = RotaryEmbedding(theta=100.0)
+
+    def score(pq, pk):
+        a = rope.apply({}, q, jnp.array([[pq]]))
+        b = rope.apply({}, k, jnp.array([[pk]]))
+        return float(jnp.sum(a * b))
+
+    np.testing.assert_allclose(score(3, 1), score(12, 10), rtol=1e-5)
+    assert abs(score(3, 1) - score(3, 2)) > 1e-4
+    other = RotaryEmbedding(theta=10000.0).apply({}, q, jnp.array([[3]]))
+    assert not np.allclose(other, rope.apply({}, q, jnp.array([[3]])))
