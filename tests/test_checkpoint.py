@@ -20,10 +20,10 @@ ARGS = [
     "--data.associative_recall.num_train=640",
     "--data.associative_recall.num_test=64",
     "--model.dropout=0.1",  # dropout rng must resume too
-    "--train.steps=150",
+    "--train.steps=60",
     "--train.log_every=5",
-    "--train.eval_every=50",
-    "--train.checkpoint_every=10",
+    "--train.eval_every=30",
+    "--train.checkpoint_every=20",
     "--optim.warmup_steps=5",
     "--train.progress=false",
 ]
@@ -42,14 +42,14 @@ def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path):
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     ckpts = run_dir / "checkpoints"
-    while time.time() < deadline:  # kill once a few checkpoints exist, mid-run
-        if ckpts.is_dir() and len([p for p in ckpts.iterdir() if p.name.isdigit()]) >= 2:
+    while time.time() < deadline:  # kill once a checkpoint exists, mid-run
+        if ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir()):
             break
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     killed_at = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
-    assert killed_at < 150, "the run finished before it could be killed"
+    assert killed_at < 60, "the run finished before it could be killed"
 
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
