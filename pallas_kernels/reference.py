@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxllm import functional as F
+
 CONV_MODES = ("same", "causal", "full")
 
 
@@ -43,13 +45,10 @@ def attention_softmax_ref(
 
 
 def layer_norm_ref(x: jax.Array, gamma: jax.Array, beta: jax.Array, eps: float = 1e-5) -> jax.Array:
-    """LayerNorm over the last axis of x (..., D) with gamma, beta (D,)."""
-    ct = _compute_dtype(x.dtype)
-    xf = x.astype(ct)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps)
-    return (y * gamma.astype(ct) + beta.astype(ct)).astype(x.dtype)
+    """LayerNorm over the last axis of x (..., D) with gamma, beta (D,): the model's own jnp
+    LayerNorm (statistics in float32, or float64 for float64 inputs), so kernel and XLA path
+    are checked against one definition."""
+    return F.layer_norm(x, gamma, beta, eps)
 
 
 def conv1d_padding(kernel_size: int, mode: str) -> tuple[int, int]:
