@@ -27,15 +27,11 @@ import numpy as np
 
 from jaxllm.config import load_config
 from jaxllm.models import build_model
+from jaxllm.profiling.flops import train_flops_per_token
 from jaxllm.train.optim import make_optimizer
 from jaxllm.train.state import create_state, train_step
 
 PEAK_BF16 = 989e12
-
-
-def flops_per_token(cfg, n_params: int) -> float:
-    n_matmul = n_params - cfg.context_length * cfg.d_model  # drop wpe
-    return 6 * n_matmul + 12 * cfg.n_layers * cfg.d_model * cfg.context_length
 
 
 def bench(cfg, batch: int, steps: int, repeats: int) -> dict:
@@ -66,7 +62,7 @@ def bench(cfg, batch: int, steps: int, repeats: int) -> dict:
     return {
         "step_ms": 1e3 * step_s,
         "tokens_per_s": tps,
-        "mfu": tps * flops_per_token(cfg.model, n_params) / PEAK_BF16,
+        "mfu": tps * train_flops_per_token(cfg.model, n_params) / PEAK_BF16,
         "loss": float(m["loss"]),
         "spread_ms": 1e3 * (max(times) - min(times)),
     }
