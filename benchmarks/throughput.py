@@ -73,35 +73,36 @@ def main() -> None:
     p.add_argument("--config", default="configs/gpt2_124m.yaml")
     p.add_argument("--batch", type=int, nargs="+", default=[16, 32])
     p.add_argument("--attention", nargs="+", default=["dot_product_attention", "xla"])
-    p.add_argument("--kernels", nargs="+", default=["xla", "pallas"])
+    p.add_argument("--kernels", nargs="+", default=["xla"], help="LayerNorm (+ xla softmax)")
+    p.add_argument("--loss", nargs="+", default=["xla", "pallas"], help="model.loss_impl")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     rows = []
-    for b, attn, kern in itertools.product(args.batch, args.attention, args.kernels):
-        if kern == "pallas" and attn != "xla":
-            continue  # the Pallas softmax lives in the explicit (xla) attention path
+    variants = itertools.product(args.batch, args.attention, args.kernels, args.loss)
+    for b, attn, kern, loss in variants:
         cfg = load_config(
             args.config,
             [
                 f"--train.batch_size={b}",
                 f"--model.attention_impl={attn}",
                 f"--model.kernels={kern}",
+                f"--model.loss_impl={loss}",
             ],
         )
         try:
             r = bench(cfg, b, args.steps, args.repeats)
         except Exception as e:  # report OOM etc. in the table, keep going
-            print(f"batch {b} {attn} {kern}: failed: {type(e).__name__}: {str(e)[:200]}")
+            print(f"batch {b} {attn} {kern} {loss}: failed: {type(e).__name__}: {str(e)[:200]}")
             continue
-        rows.append((b, attn, kern, r))
-        print(f"batch {b} {attn} {kern}: {r}", flush=True)
-    print("\n| batch | attention | kernels | step ms | tokens/s | MFU | spread ms |")
-    print("|---|---|---|---|---|---|---|")
-    for b, attn, kern, r in rows:
+        rows.append((b, attn, kern, loss, r))
+        print(f"batch {b} {attn} {kern} {loss}: {r}", flush=True)
+    print("\n| batch | attention | kernels | loss | step ms | tokens/s | MFU | spread ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b, attn, kern, loss, r in rows:
         print(
-            f"| {b} | {attn} | {kern} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"| {b} | {attn} | {kern} | {loss} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
             f"{100 * r['mfu']:.1f}% | {r['spread_ms']:.2f} |"
         )
 

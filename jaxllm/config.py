@@ -40,6 +40,9 @@ class ModelConfig:
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # matmul dtype; params stay f32
     kernels: Literal["xla", "pallas"] = "xla"  # softmax + LayerNorm through pallas_kernels
     attention_impl: Literal["xla", "dot_product_attention"] = "xla"
+    # Training loss: "xla" = logits, then softmax_loss; "pallas" = the fused LM head +
+    # cross-entropy kernel (pallas_kernels.linear_cross_entropy), which never keeps the logits.
+    loss_impl: Literal["xla", "pallas"] = "xla"
 
     @property
     def ffn_dim(self) -> int:

@@ -26,9 +26,32 @@ MASK_VALUE = -1e30
 def gelu(x: jax.Array, approximate: bool = True) -> jax.Array:
     """GELU. `approximate=True` is GPT-2's tanh form; False is the exact erf form."""
     if approximate:
-        c = math.sqrt(2.0 / math.pi)
-        return 0.5 * x * (1.0 + jnp.tanh(c * (x + 0.044715 * x**3)))
+        return _gelu_tanh(x)
     return 0.5 * x * (1.0 + jax.lax.erf(x / math.sqrt(2.0)))
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+@jax.custom_vjp
+def _gelu_tanh(x: jax.Array) -> jax.Array:
+    return 0.5 * x * (1.0 + jnp.tanh(_GELU_C * (x + 0.044715 * x**3)))
+
+
+def _gelu_tanh_fwd(x: jax.Array):
+    # Save only x (the MLP's matmul output, kept anyway) and recompute tanh in the backward:
+    # autodiff would save tanh as well, one more (B, T, 4D) tensor written and read per layer.
+    return _gelu_tanh(x), x
+
+
+def _gelu_tanh_bwd(x: jax.Array, g: jax.Array):
+    u = _GELU_C * (x + 0.044715 * x**3)
+    t = jnp.tanh(u)
+    du = _GELU_C * (1.0 + 3 * 0.044715 * x * x)
+    return (g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du),)
+
+
+_gelu_tanh.defvjp(_gelu_tanh_fwd, _gelu_tanh_bwd)
 
 
 def logsumexp(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:

@@ -39,15 +39,25 @@ class Linear(nn.Module):
     compute_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, splits: int = 1) -> jax.Array | tuple[jax.Array, ...]:
+        """x (..., D_in) -> (..., D_out); `splits=n` returns the n equal column blocks of the
+        output as a tuple, each from its own matmul on a slice of W (for a fused q/k/v kernel:
+        one (..., 3D) output split afterwards costs a copy forward and a concat backward)."""
         d_in = x.shape[-1]
         w = self.param(
             "kernel", scaled_normal(self.std, d_in, self.features), (d_in, self.features)
         )
-        y = jnp.dot(x.astype(self.compute_dtype), w.astype(self.compute_dtype))
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(y.dtype)
-        return y
+        b = self.param("bias", nn.initializers.zeros, (self.features,)) if self.use_bias else None
+        xc = x.astype(self.compute_dtype)
+        ys = []
+        for wi, bi in zip(
+            jnp.split(w, splits, axis=1),
+            jnp.split(b, splits) if b is not None else [None] * splits,
+            strict=True,
+        ):
+            y = jnp.dot(xc, wi.astype(self.compute_dtype))
+            ys.append(y if bi is None else y + bi.astype(y.dtype))
+        return ys[0] if splits == 1 else tuple(ys)
 
 
 class Dropout(nn.Module):
@@ -111,6 +121,26 @@ class Embedding(nn.Module):
         return jnp.dot(x.astype(compute_dtype), self.table.T.astype(compute_dtype))  # (..., N)
 
 
+class LMHead(nn.Module):
+    """Untied output projection: kernel (D, V) float32, logits = x @ kernel in compute_dtype.
+
+    Parameters come from `setup`, so `.kernel` is readable without calling the module (the
+    fused training loss takes the matrix itself)."""
+
+    vocab_size: int
+    features: int  # D
+    std: float | None = 0.02
+    compute_dtype: Dtype = jnp.float32
+
+    def setup(self) -> None:
+        init = scaled_normal(self.std, self.features, self.vocab_size)
+        self.kernel = self.param("kernel", init, (self.features, self.vocab_size))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # Output in compute_dtype, as Embedding.attend says why.
+        return jnp.dot(x.astype(self.compute_dtype), self.kernel.astype(self.compute_dtype))
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE with base `theta`: rotates adjacent pairs (x[2i], x[2i+1]) by position * theta^(-2i/Dh).
 
@@ -159,8 +189,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"d_model ({d}) must be divisible by n_heads ({self.n_heads})")
         h, dh = self.n_heads, d // self.n_heads
         lin = dict(std=self.init_std, compute_dtype=self.compute_dtype)
-        qkv = Linear(3 * d, use_bias=self.qkv_bias, name="qkv", **lin)(x)  # (B, T, 3D)
-        q, k, v = (a.reshape(b, t, h, dh) for a in jnp.split(qkv, 3, axis=-1))  # (B, T, H, Dh)
+        qkv = Linear(3 * d, use_bias=self.qkv_bias, name="qkv", **lin)(x, splits=3)  # 3x (B,T,D)
+        q, k, v = (a.reshape(b, t, h, dh) for a in qkv)  # (B, T, H, Dh)
         if self.rope_theta is not None:
             rope = RotaryEmbedding(self.rope_theta)
             q, k = rope(q, positions), rope(k, positions)

@@ -1,12 +1,19 @@
-"""Pallas GPU kernels (fused attention softmax, layer norm, depthwise conv1d) with custom VJPs.
+"""Pallas GPU kernels (fused attention softmax, layer norm, depthwise conv1d, LM-head
+cross-entropy) with custom VJPs.
 
 On a GPU they compile (Triton lowering); elsewhere `interpret=None` runs them in interpret mode.
 """
 
 from .attention_softmax import attention_softmax
+from .cross_entropy import linear_cross_entropy
 from .depthwise_conv1d import depthwise_conv1d
 from .layer_norm import layer_norm
-from .reference import attention_softmax_ref, depthwise_conv1d_ref, layer_norm_ref
+from .reference import (
+    attention_softmax_ref,
+    depthwise_conv1d_ref,
+    layer_norm_ref,
+    linear_cross_entropy_ref,
+)
 
 __all__ = [
     "attention_softmax",
@@ -15,4 +22,6 @@ __all__ = [
     "depthwise_conv1d_ref",
     "layer_norm",
     "layer_norm_ref",
+    "linear_cross_entropy",
+    "linear_cross_entropy_ref",
 ]

@@ -77,3 +77,22 @@ def depthwise_conv1d_ref(u: jax.Array, w: jax.Array, b: jax.Array, mode: str = "
     wf = w.astype(ct)
     out = b.astype(ct) + sum(up[:, k : k + out_len] * wf[:, k] for k in range(k_size))
     return out.astype(u.dtype)
+
+
+def linear_cross_entropy_ref(
+    x: jax.Array,
+    w: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    compute_dtype=jnp.bfloat16,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The unfused LM-head loss: logits = x W^T in compute_dtype, then F.softmax_loss.
+
+    x (N, D), w (V, D), targets (N,) int, weights (N,) -> (sum_i w_i ce_i, ce (N,), hit (N,)),
+    as `pallas_kernels.linear_cross_entropy` (ce and hit without gradient)."""
+    logits = jnp.dot(x.astype(compute_dtype), w.astype(compute_dtype).T)  # (N, V)
+    ce = F.softmax_loss(logits, targets)  # (N,) float32
+    z = logits.astype(_compute_dtype(logits.dtype))
+    z_t = jnp.take_along_axis(z, targets[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    hit = z_t >= jnp.max(z, axis=-1)
+    return jnp.sum(weights * ce), jax.lax.stop_gradient(ce), hit

@@ -53,3 +53,36 @@ def test_depthwise_conv_layer_switch(mode):
     np.testing.assert_allclose(pallas.apply(params, u), xla.apply(params, u), atol=1e-5)
     if mode != "full":
         assert xla.apply(params, u).shape == u.shape
+
+
+@pytest.mark.parametrize(
+    "arch, dtype, tol",
+    [("gpt2", "float32", 1e-5), ("transformer_lm", "float32", 1e-5), ("gpt2", "bfloat16", 2e-2)],
+)
+def test_fused_loss_matches_xla_loss(arch, dtype, tol):
+    """loss_impl: pallas (fused head + cross-entropy) = the logits path, with ignored targets,
+    for a tied (gpt2) and an untied (transformer_lm) head."""
+    extra = {"bias": False, "qkv_bias": False, "tie_embeddings": False}
+    base = dict(TINY, arch=arch, compute_dtype=dtype, **(extra if arch != "gpt2" else {}))
+    xla, fused = (build_model(ModelConfig(**base, loss_impl=impl)) for impl in ("xla", "pallas"))
+    tokens = jax.random.randint(jax.random.PRNGKey(6), (3, 8), 0, 37)
+    targets = jnp.roll(tokens, -1, axis=1).at[:, :3].set(-1)  # IGNORE the first three
+    batch = {"inputs": tokens, "targets": targets}
+    params = xla.init(jax.random.PRNGKey(7), tokens)["params"]
+    outs = [
+        jax.value_and_grad(lambda p, m=m: _loss_and_metrics(p, m.apply, batch, None), has_aux=True)(
+            params
+        )
+        for m in (xla, fused)
+    ]
+    ((l_x, aux_x), g_x), ((l_p, aux_p), g_p) = outs
+    np.testing.assert_allclose(l_p, l_x, rtol=tol)
+    np.testing.assert_allclose(aux_p["loss_sum"], aux_x["loss_sum"], rtol=tol)
+    assert int(aux_p["count"]) == int(aux_x["count"]) == 3 * 5
+    assert int(aux_p["correct"]) == int(aux_x["correct"])
+    # the mean loss is loss_sum / count
+    np.testing.assert_allclose(l_x, aux_x["loss_sum"] / 15, rtol=1e-6)
+    gx, gp = jax.tree_util.tree_leaves(g_x), jax.tree_util.tree_leaves(g_p)
+    num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(gx, gp, strict=True))
+    den = sum(float(jnp.sum(a**2)) for a in gx)
+    assert (num / den) ** 0.5 < tol

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
-from jaxllm.layers import Dropout, Embedding, KVCache, LayerNorm, Linear, transformer_blocks
-from jaxllm.models.interface import check_tokens, default_positions
+from jaxllm.layers import Dropout, Embedding, KVCache, LayerNorm, LMHead, transformer_blocks
+from jaxllm.models.interface import check_tokens, default_positions, lm_loss
 
 
 class GPT2(nn.Module):
@@ -23,8 +25,11 @@ class GPT2(nn.Module):
         cache: list[KVCache] | None = None,
         cache_index: jax.Array | int = 0,
         deterministic: bool = True,
-    ) -> jax.Array | tuple[jax.Array, list[KVCache]]:
-        """tokens (B, T) int -> logits (B, T, V); with `cache`, (logits, new cache).
+        targets: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, Any]:
+        """tokens (B, T) int -> logits (B, T, V); with `cache`, (logits, new cache); with
+        `targets` (B, T) int (IGNORE = -1: no loss), (mean loss, sums) from `lm_loss`, which
+        may never form the logits (model.loss_impl: pallas).
 
         Logits are in compute_dtype (as under torch autocast); the loss and the sampler upcast
         to float32, so a bf16 model never writes a float32 copy of the (B, T, V) logits.
@@ -33,7 +38,7 @@ class GPT2(nn.Module):
         (non-padding) keys.
         """
         cfg = self.cfg
-        check_tokens(tokens, cfg, cache is not None)
+        check_tokens(tokens, cfg, cache is not None, targets)
         b, t = tokens.shape
         if positions is None:
             positions = default_positions(b, t, cache_index)
@@ -46,8 +51,10 @@ class GPT2(nn.Module):
         )
         x = LayerNorm(cfg.norm_eps, cfg.bias, cfg.kernels, name="ln_f")(x)
         dtype = jnp.dtype(cfg.compute_dtype)
-        if cfg.tie_embeddings:
-            logits = wte.attend(x, dtype)
-        else:
-            logits = Linear(cfg.vocab_size, False, cfg.init_std, dtype, name="lm_head")(x)
+        if not cfg.tie_embeddings:
+            lm_head = LMHead(cfg.vocab_size, cfg.d_model, cfg.init_std, dtype, name="lm_head")
+        if targets is not None:
+            head = wte.table if cfg.tie_embeddings else lm_head.kernel.T  # (V, D)
+            return lm_loss(x, head, targets, cfg)
+        logits = wte.attend(x, dtype) if cfg.tie_embeddings else lm_head(x)
         return logits if cache is None else (logits, new_cache)

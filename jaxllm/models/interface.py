@@ -1,4 +1,4 @@
-"""What every language model here shares: input checks and the KV-cache layout."""
+"""What every language model here shares: input checks, the KV-cache layout, the training loss."""
 
 from __future__ import annotations
 
@@ -6,12 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from jaxllm.config import ModelConfig
 from jaxllm.layers import KVCache
 
+IGNORE = -1  # target id of positions that carry no loss (padding, prompts)
 
-def check_tokens(tokens: jax.Array, cfg: ModelConfig, cached: bool) -> None:
-    """Raise ValueError for inputs the model cannot take.
+
+def check_tokens(
+    tokens: jax.Array, cfg: ModelConfig, cached: bool, targets: jax.Array | None = None
+) -> None:
+    """Raise ValueError for inputs the model cannot take (tokens, and training targets).
 
     Shapes are static, so length is checked at trace time; ids are checked only when the
     array is concrete (outside jit), since a traced value has no contents yet.
@@ -20,6 +25,13 @@ def check_tokens(tokens: jax.Array, cfg: ModelConfig, cached: bool) -> None:
         raise ValueError(f"tokens must have shape (batch, time), got {tokens.shape}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+    if targets is not None:
+        if cached:
+            raise ValueError("targets (the training loss) cannot be combined with a KV cache")
+        if targets.shape != tokens.shape:
+            raise ValueError(
+                f"targets shape {targets.shape} must equal tokens shape {tokens.shape}"
+            )
     t = tokens.shape[1]
     if t > cfg.context_length:
         raise ValueError(
@@ -54,3 +66,31 @@ def init_kv_cache(cfg: ModelConfig, batch: int, length: int) -> list[KVCache]:
 def default_positions(batch: int, t: int, cache_index: jax.Array | int) -> jax.Array:
     """(B, T) absolute positions cache_index, ..., cache_index + T - 1."""
     return jnp.broadcast_to(jnp.arange(t) + cache_index, (batch, t))
+
+
+def lm_loss(
+    x: jax.Array, head: jax.Array, targets: jax.Array, cfg: ModelConfig
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean next-token cross-entropy over the targets that are not IGNORE.
+
+    x (B, T, D) final hidden states; head (V, D) the LM-head matrix (logits = x head^T, in
+    cfg.compute_dtype); targets (B, T) int. Returns (loss, {loss_sum, correct, count}): sums
+    over the batch, so metrics of several batches add up exactly; "correct" counts targets whose
+    logit is the row's maximum. cfg.loss_impl picks the fused Pallas kernel or the XLA path.
+    """
+    d = x.shape[-1]
+    valid = (targets != IGNORE).reshape(-1)  # (N,)
+    count = jnp.sum(valid)
+    weights = valid / jnp.maximum(count, 1).astype(jnp.float32)
+    safe = jnp.where(valid, targets.reshape(-1), 0)
+    fn = (
+        pallas_kernels.linear_cross_entropy
+        if cfg.loss_impl == "pallas"
+        else pallas_kernels.linear_cross_entropy_ref
+    )
+    loss, ce, hit = fn(x.reshape(-1, d), head, safe, weights, jnp.dtype(cfg.compute_dtype))
+    return loss, {
+        "loss_sum": jnp.sum(jnp.where(valid, ce, 0.0)),
+        "correct": jnp.sum(valid & hit),
+        "count": count,
+    }

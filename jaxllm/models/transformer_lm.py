@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
-from jaxllm.layers import Embedding, KVCache, Linear, RMSNorm, transformer_blocks
-from jaxllm.models.interface import check_tokens, default_positions
+from jaxllm.layers import Embedding, KVCache, LMHead, RMSNorm, transformer_blocks
+from jaxllm.models.interface import check_tokens, default_positions, lm_loss
 
 
 class TransformerLM(nn.Module):
@@ -23,13 +25,15 @@ class TransformerLM(nn.Module):
         cache: list[KVCache] | None = None,
         cache_index: jax.Array | int = 0,
         deterministic: bool = True,
-    ) -> jax.Array | tuple[jax.Array, list[KVCache]]:
-        """tokens (B, T) int -> logits (B, T, V); with `cache`, (logits, new cache).
+        targets: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, Any]:
+        """tokens (B, T) int -> logits (B, T, V); with `cache`, (logits, new cache); with
+        `targets` (B, T) int (IGNORE = -1: no loss), (mean loss, sums) from `lm_loss`.
 
         Logits are in compute_dtype (as under torch autocast); the loss and the sampler upcast
         to float32, so a bf16 model never writes a float32 copy of the (B, T, V) logits."""
         cfg = self.cfg
-        check_tokens(tokens, cfg, cache is not None)
+        check_tokens(tokens, cfg, cache is not None, targets)
         b, t = tokens.shape
         if positions is None:
             positions = default_positions(b, t, cache_index)
@@ -40,10 +44,10 @@ class TransformerLM(nn.Module):
         )
         x = RMSNorm(cfg.norm_eps, name="ln_f")(x)
         dtype = jnp.dtype(cfg.compute_dtype)
-        if cfg.tie_embeddings:
-            logits = embed.attend(x, dtype)
-        else:
-            logits = Linear(
-                cfg.vocab_size, use_bias=False, std=None, compute_dtype=dtype, name="lm_head"
-            )(x)
+        if not cfg.tie_embeddings:
+            lm_head = LMHead(cfg.vocab_size, cfg.d_model, None, dtype, name="lm_head")
+        if targets is not None:
+            head = embed.table if cfg.tie_embeddings else lm_head.kernel.T  # (V, D)
+            return lm_loss(x, head, targets, cfg)
+        logits = embed.attend(x, dtype) if cfg.tie_embeddings else lm_head(x)
         return logits if cache is None else (logits, new_cache)

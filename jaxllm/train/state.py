@@ -11,10 +11,7 @@ import jax.numpy as jnp
 import optax
 from flax.training.train_state import TrainState
 
-from jaxllm import functional as F
-
 Batch = dict[str, jax.Array]  # inputs (B, T) int32, targets (B, T) int32 (IGNORE = -1)
-IGNORE = -1
 
 
 def create_state(
@@ -26,17 +23,16 @@ def create_state(
 
 
 def _loss_and_metrics(params: Any, apply_fn, batch: Batch, rng: jax.Array | None):
+    """The model's mean loss over non-IGNORE targets and its sums {loss_sum, correct, count}."""
     deterministic = rng is None
     rngs = None if deterministic else {"dropout": rng}
-    logits = apply_fn({"params": params}, batch["inputs"], deterministic=deterministic, rngs=rngs)
-    targets = batch["targets"]
-    valid = targets != IGNORE
-    losses = F.softmax_loss(logits, jnp.where(valid, targets, 0))  # (B, T)
-    count = jnp.sum(valid)
-    loss_sum = jnp.sum(jnp.where(valid, losses, 0.0))
-    correct = jnp.sum(valid & (jnp.argmax(logits, axis=-1) == targets))
-    loss = loss_sum / jnp.maximum(count, 1)
-    return loss, {"loss_sum": loss_sum, "correct": correct, "count": count}
+    return apply_fn(
+        {"params": params},
+        batch["inputs"],
+        targets=batch["targets"],
+        deterministic=deterministic,
+        rngs=rngs,
+    )
 
 
 @functools.partial(jax.jit, donate_argnums=0)  # update params/opt state in place

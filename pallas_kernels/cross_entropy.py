@@ -1,0 +1,196 @@
+"""Fused LM head + cross-entropy: one Pallas kernel makes the loss and dlogits, a custom VJP
+ties it to the head's two backward GEMMs.
+
+For hidden states x (N, D), a head W (V, D), targets t (N,) and row weights w (N,):
+
+    z = x W^T (compute dtype),   ce_i = logsumexp_j z_ij - z_i,t_i,   loss = sum_i w_i ce_i
+
+The weights are an input (the training step passes valid / count), so dloss/dz = w_i (softmax(z_i)
+- onehot(t_i)) is known in the forward: the kernel sweeps each row of z twice in `block_cols`
+chunks, an online max/sum pass, then a pass that overwrites z in place with dz. The forward then
+runs dx = dz W and dW = dz^T x, and the VJP's backward only scales them by the scalar cotangent.
+z never outlives the forward and no float32 copy of it is made.
+
+The vocabulary is padded to a multiple of 128 inside (50257 -> 50304) so the GEMMs see aligned
+shapes; padded columns are masked out of the softmax and get zero gradient.
+
+Memory traffic beyond the GEMMs, N rows of Vp columns, s bytes per element of z:
+  forward (with gradient): read z, write dz = 2 * N * Vp * s  (+ the second read of each row,
+  which hits L2 when few rows are in flight: `Config.programs` bounds them)
+  primal only (no gradient): read z      = N * Vp * s
+against about five passes in XLA (max, argmax, sum-exp, then softmax - onehot and its pad).
+Backend: Triton lowering (pallas_kernels/triton_backend.py says why).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from .triton_backend import compiler_params, resolve_interpret
+
+VOCAB_ALIGN = 128  # pad the vocabulary to a multiple of this for the GEMMs
+_MASKED = -1e30  # finite: exp(_MASKED - m) underflows to 0 without inf - inf = NaN
+
+
+class Config(NamedTuple):
+    block_rows: int  # rows per program step
+    block_cols: int  # columns per chunk of the row sweep
+    num_warps: int
+    programs: int  # programs in the grid; each walks ceil(row blocks / programs) steps
+    num_stages: int = 1
+
+
+def default_config() -> Config:
+    """Tuned on the H100 (benchmarks/RESULTS.md): 2 programs per SM keep the rows in flight
+    small enough for the second sweep of each row to come from L2."""
+    return Config(block_rows=1, block_cols=4096, num_warps=8, programs=2 * 132)
+
+
+def _kernel(z_ref, t_ref, w_ref, *out_refs, vocab: int, cfg: Config, steps: int):
+    if len(out_refs) == 3:
+        ce_ref, hit_ref, dz_ref = out_refs
+    else:
+        (ce_ref, hit_ref), dz_ref = out_refs, None
+    n_rows, width = z_ref.shape
+    r, c = cfg.block_rows, cfg.block_cols
+    part = pl.program_id(0)  # read outside the loops: interpret mode cannot lower it inside
+
+    @pl.loop(0, steps)
+    def row_block(i):
+        row0 = (part * steps + i) * r
+        rows = pl.ds(row0, r)
+        row_ok = row0 + jnp.arange(r) < n_rows  # (R,)
+        t = pltriton.load(t_ref.at[rows], mask=row_ok, other=0)  # (R,)
+
+        def chunk(j):
+            cols = j * c + jnp.arange(c)  # (C,)
+            ok = row_ok[:, None] & (cols < vocab)[None, :]
+            z = pltriton.load(z_ref.at[rows, pl.ds(j * c, c)], mask=ok, other=_MASKED)
+            return cols, z.astype(jnp.float32)  # (C,), (R, C)
+
+        def stats(j, carry):  # online max, rescaled sum and the target's logit
+            m, s, z_t = carry
+            cols, z = chunk(j)
+            m_new = jnp.maximum(m, jnp.max(z, axis=1))
+            s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
+            z_t = z_t + jnp.sum(jnp.where(cols[None, :] == t[:, None], z, 0.0), axis=1)
+            return m_new, s, z_t
+
+        zeros = jnp.zeros((r,), jnp.float32)
+        init = (jnp.full((r,), _MASKED, jnp.float32), zeros, zeros)
+        m, s, z_t = jax.lax.fori_loop(0, pl.cdiv(vocab, c), stats, init)
+        lse = m + jnp.log(s)
+        pltriton.store(ce_ref.at[rows], lse - z_t, mask=row_ok)
+        pltriton.store(hit_ref.at[rows], (z_t >= m).astype(jnp.int32), mask=row_ok)
+        if dz_ref is None:
+            return
+        w = pltriton.load(w_ref.at[rows], mask=row_ok, other=0.0).astype(jnp.float32)
+
+        @pl.loop(0, pl.cdiv(width, c))  # padded columns too: they get dz = 0
+        def grad(j):
+            cols, z = chunk(j)
+            onehot = (cols[None, :] == t[:, None]).astype(jnp.float32)
+            dz = (jnp.exp(z - lse[:, None]) - onehot) * w[:, None]
+            ok = row_ok[:, None] & (cols < width)[None, :]
+            pltriton.store(dz_ref.at[rows, pl.ds(j * c, c)], dz.astype(dz_ref.dtype), mask=ok)
+
+
+def _ce_call(z, targets, weights, vocab: int, with_grad: bool, interpret: bool, cfg: Config):
+    """(ce (N,) f32, hit (N,) int32[, dz like z, written over z])."""
+    n_rows = z.shape[0]
+    n_blocks = pl.cdiv(n_rows, cfg.block_rows)
+    steps = pl.cdiv(n_blocks, cfg.programs)
+    row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
+    out_shape = [row, jax.ShapeDtypeStruct((n_rows,), jnp.int32)]
+    if with_grad:
+        out_shape.append(jax.ShapeDtypeStruct(z.shape, z.dtype))
+    return pl.pallas_call(
+        functools.partial(_kernel, vocab=vocab, cfg=cfg, steps=steps),
+        out_shape=tuple(out_shape),
+        grid=(pl.cdiv(n_blocks, steps),),
+        input_output_aliases={0: 2} if with_grad else {},
+        compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name="cross_entropy_fwd_bwd" if with_grad else "cross_entropy_fwd",
+    )(z, targets.astype(jnp.int32), weights.astype(jnp.float32))
+
+
+def _padded_head(x, w, compute_dtype):
+    """x, W in compute dtype, W's rows padded to a multiple of VOCAB_ALIGN; z = x W^T (N, Vp)."""
+    vocab = w.shape[0]
+    pad = -vocab % VOCAB_ALIGN
+    xc = x.astype(compute_dtype)
+    wc = jnp.pad(w.astype(compute_dtype), ((0, pad), (0, 0)))
+    return xc, wc, jnp.dot(xc, wc.T)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _linear_ce(x, w, targets, weights, compute_dtype, interpret, cfg):
+    _, _, z = _padded_head(x, w, compute_dtype)
+    ce, hit = _ce_call(z, targets, weights, w.shape[0], False, interpret, cfg)
+    return jnp.sum(weights * ce), ce, hit
+
+
+def _linear_ce_fwd(x, w, targets, weights, compute_dtype, interpret, cfg):
+    vocab = w.shape[0]
+    xc, wc, z = _padded_head(x, w, compute_dtype)
+    ce, hit, dz = _ce_call(z, targets, weights, vocab, True, interpret, cfg)
+    f32 = jnp.float32
+    dx = jnp.dot(dz, wc, preferred_element_type=f32).astype(x.dtype)  # (N, D)
+    dw = jnp.dot(dz.T, xc, preferred_element_type=f32)[:vocab].astype(w.dtype)  # (V, D)
+    return (jnp.sum(weights * ce), ce, hit), (dx, dw)
+
+
+def _linear_ce_bwd(compute_dtype, interpret, cfg, res, cts):
+    dx, dw = res
+    g = cts[0]  # cotangent of the loss; ce and hit leave the public function without gradient
+    return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None
+
+
+_linear_ce.defvjp(_linear_ce_fwd, _linear_ce_bwd)
+
+
+def _check(x, w, targets, weights) -> None:
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"need x (N, D) and w (V, D) with the same D, got {x.shape}, {w.shape}")
+    n = x.shape[0]
+    if targets.shape != (n,) or not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(
+            f"targets must be integers of shape ({n},), got {targets.dtype}{targets.shape}"
+        )
+    if weights.shape != (n,):
+        raise ValueError(f"weights must have shape ({n},), got {weights.shape}")
+    if not 1 <= w.shape[0] < 2**31:
+        raise ValueError(f"vocabulary size must be in [1, 2^31), got {w.shape[0]}")
+
+
+def linear_cross_entropy(
+    x: jax.Array,
+    w: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    compute_dtype=jnp.bfloat16,
+    interpret: bool | None = None,
+    *,
+    config: Config | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Weighted cross-entropy of the head z = x W^T, without keeping z.
+
+    x (N, D), w (V, D) float; targets (N,) int in [0, V); weights (N,) float (use 0 for rows
+    without a target, 1/count for a mean). Returns (loss = sum_i w_i ce_i, differentiable in x
+    and w; ce (N,) float32 per row; hit (N,) bool: the target's logit is the row's max). ce and
+    hit carry no gradient. Targets outside [0, V) cannot be checked under jit: give them weight 0
+    (their ce is then meaningless).
+    """
+    _check(x, w, targets, weights)
+    cfg = config or default_config()
+    loss, ce, hit = _linear_ce(
+        x, w, targets, weights, jnp.dtype(compute_dtype), resolve_interpret(interpret), cfg
+    )
+    return loss, jax.lax.stop_gradient(ce), hit.astype(bool)

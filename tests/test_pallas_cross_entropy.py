@@ -1,0 +1,115 @@
+"""pallas_kernels.linear_cross_entropy against the float64 reference: loss, per-row ce, hits,
+gradients (including a cotangent != 1), ignored rows, vocab padding, multi-chunk rows, errors.
+
+On CPU the kernel runs in interpret mode; on a GPU the same tests check the compiled kernel.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import linear_cross_entropy, linear_cross_entropy_ref
+from pallas_kernels.cross_entropy import Config
+
+SMALL = Config(block_rows=4, block_cols=64, num_warps=4, programs=3)  # several chunks per row
+
+
+def make(n, d, v, seed=0, ignore_frac=0.25):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(v, d)) * 0.5, jnp.float32)
+    t = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+    valid = rng.random(n) >= ignore_frac
+    weights = jnp.asarray(valid / max(valid.sum(), 1), jnp.float32)
+    return x, w, t, weights
+
+
+CASES = [  # n, d, v, config: vocab not a multiple of 128 or of the chunk; ragged row blocks
+    (37, 16, 300, SMALL),
+    (8, 32, 128, Config(block_rows=1, block_cols=128, num_warps=4, programs=8)),
+    (5, 8, 1000, None),
+]
+
+
+@pytest.mark.parametrize("n,d,v,cfg", CASES)
+def test_values_match_float64_reference(float64_ref, n, d, v, cfg):
+    x, w, t, weights = make(n, d, v)
+    loss, ce, hit = linear_cross_entropy(x, w, t, weights, jnp.float32, config=cfg)
+    assert loss.shape == () and ce.shape == (n,) and hit.dtype == jnp.bool_
+    ref_loss, ref_ce, ref_hit = float64_ref(
+        lambda *a: linear_cross_entropy_ref(*a, jnp.float64), x, w, t, weights
+    )
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(ce, np.float64), ref_ce, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(hit), ref_hit.astype(bool))
+    # each ce is -log softmax at the target: at least 0, and a hit when it is the row's max
+    assert np.all(np.asarray(ce) >= -1e-6)
+
+
+@pytest.mark.parametrize("n,d,v,cfg", CASES[:2])
+@pytest.mark.parametrize("scale", [1.0, -2.5])
+def test_grads_match_float64_reference(float64_ref, n, d, v, cfg, scale):
+    x, w, t, weights = make(n, d, v, seed=1)
+
+    def f(fn, **kw):  # scale: the VJP must use the incoming cotangent, not assume 1
+        return lambda x, w: scale * fn(x, w, t, weights, **kw)[0]
+
+    gx, gw = jax.grad(f(linear_cross_entropy, compute_dtype=jnp.float32, config=cfg), (0, 1))(x, w)
+    rx, rw = float64_ref(
+        jax.grad(f(linear_cross_entropy_ref, compute_dtype=jnp.float64), (0, 1)), x, w
+    )
+    for g, r in ((gx, rx), (gw, rw)):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(g, np.float64), r, atol=1e-6 * np.abs(r).max() + 1e-7)
+
+
+def test_ignored_rows_get_no_gradient_and_ce_has_none():
+    x, w, t, weights = make(12, 8, 200, seed=2, ignore_frac=0.5)
+    gx = jax.grad(lambda x: linear_cross_entropy(x, w, t, weights, jnp.float32, config=SMALL)[0])(x)
+    dead = np.asarray(weights) == 0
+    assert dead.any() and not dead.all()
+    assert np.all(np.asarray(gx)[dead] == 0) and np.all(np.abs(np.asarray(gx)[~dead]).sum(1) > 0)
+    # ce and hit are metrics: no gradient flows through them
+    g_ce = jax.grad(
+        lambda x: jnp.sum(linear_cross_entropy(x, w, t, weights, jnp.float32, config=SMALL)[1])
+    )(x)
+    assert np.all(np.asarray(g_ce) == 0)
+
+
+def test_bfloat16_head_matches_reference():
+    x, w, t, weights = make(24, 32, 300, seed=3)
+    out = linear_cross_entropy(x, w, t, weights, jnp.bfloat16, config=SMALL)
+    ref = linear_cross_entropy_ref(x, w, t, weights, jnp.bfloat16)
+    np.testing.assert_allclose(float(out[0]), float(ref[0]), rtol=1e-3)
+    np.testing.assert_allclose(out[1], ref[1], rtol=1e-3, atol=1e-3)
+    kernel = jax.grad(
+        lambda x, w: linear_cross_entropy(x, w, t, weights, jnp.bfloat16, config=SMALL)[0], (0, 1)
+    )(x, w)
+    ref = jax.grad(
+        lambda x, w: linear_cross_entropy_ref(x, w, t, weights, jnp.bfloat16)[0], (0, 1)
+    )(x, w)
+    for g, r in zip(kernel, ref, strict=True):  # both round dlogits to bf16 before the GEMMs
+        np.testing.assert_allclose(g, r, atol=2e-2 * np.abs(r).max())
+
+
+def test_jit_matches_eager():
+    x, w, t, weights = make(10, 8, 130, seed=4)
+    f = lambda x, w: linear_cross_entropy(x, w, t, weights, jnp.float32, config=SMALL)[0]  # noqa: E731
+    np.testing.assert_allclose(jax.jit(f)(x, w), f(x, w), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(w=jnp.zeros((50, 9))), "same D"),
+        (dict(t=jnp.zeros((7,), jnp.int32)), r"targets must be integers of shape \(10,\)"),
+        (dict(t=jnp.zeros((10,), jnp.float32)), "targets must be integers"),
+        (dict(weights=jnp.zeros((3,))), r"weights must have shape \(10,\)"),
+    ],
+)
+def test_bad_inputs_raise(bad, match):
+    x, w, t, weights = make(10, 8, 50)
+    args = dict(x=x, w=w, t=t, weights=weights) | bad
+    with pytest.raises(ValueError, match=match):
+        linear_cross_entropy(args["x"], args["w"], args["t"], args["weights"])
