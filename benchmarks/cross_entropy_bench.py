@@ -26,7 +26,7 @@ import numpy as np
 from jaxllm import functional as F
 from jaxllm.profiling.timing import chained_median_seconds
 from pallas_kernels import linear_cross_entropy, linear_cross_entropy_ref
-from pallas_kernels.cross_entropy import VOCAB_ALIGN, Config, _ce_call
+from pallas_kernels.cross_entropy import VOCAB_ALIGN, Config, _ce_call, default_config
 
 N, D, V = 16384, 768, 50257
 INTERPRET = jax.default_backend() != "gpu"  # CPU: a smoke run at toy size (--small)
@@ -55,10 +55,9 @@ def main() -> None:
     t_xla = chained_median_seconds(xla_step, [z], calls=8)
     gb = 2 * N * VP * 2 / 1e9
     rows.append(("kernel", "xla", t_xla, 0.0))
-    configs = [
+    configs = [default_config(VP)] + [
         Config(1, bc, nw, p)
-        for p in (132, 264, 528, 1056, N)
-        for bc, nw in ((2048, 4), (4096, 8), (8192, 16))
+        for bc, nw, p in ((65536, 16, N), (65536, 32, N), (2048, 4, N), (4096, 8, 1056))
     ]
     for cfg in configs:
         step = lambda z, cfg=cfg: _ce_call(z, t, w, V, True, INTERPRET, cfg)[2]  # noqa: E731

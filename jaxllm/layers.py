@@ -73,19 +73,24 @@ class Dropout(nn.Module):
 
 
 class LayerNorm(nn.Module):
+    """LayerNorm over the last dim; output in `out_dtype` (None: x's dtype). Pre-norm blocks ask
+    for the compute dtype: the Pallas kernel then writes the matmul input in one pass."""
+
     eps: float = 1e-5
     use_bias: bool = True
     kernels: str = "xla"
+    out_dtype: Dtype | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         d = x.shape[-1]
         scale = self.param("scale", nn.initializers.ones, (d,))
         bias = self.param("bias", nn.initializers.zeros, (d,)) if self.use_bias else None
+        out_dtype = self.out_dtype or x.dtype
         if self.kernels == "pallas":
             bias = jnp.zeros((d,), jnp.float32) if bias is None else bias
-            return pallas_kernels.layer_norm(x, scale, bias, self.eps)
-        return F.layer_norm(x, scale, bias, self.eps)
+            return pallas_kernels.layer_norm(x, scale, bias, self.eps, out_dtype=out_dtype)
+        return F.layer_norm(x, scale, bias, self.eps).astype(out_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -323,8 +328,8 @@ class TransformerBlock(nn.Module):
         # GPT-2 scales the init of the projections that write into the residual stream.
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if gpt2 else None
         if gpt2:
-            norm1 = LayerNorm(cfg.norm_eps, cfg.bias, cfg.kernels, name="ln1")
-            norm2 = LayerNorm(cfg.norm_eps, cfg.bias, cfg.kernels, name="ln2")
+            norm1 = LayerNorm(cfg.norm_eps, cfg.bias, cfg.kernels, dtype, name="ln1")
+            norm2 = LayerNorm(cfg.norm_eps, cfg.bias, cfg.kernels, dtype, name="ln2")
         else:
             norm1, norm2 = RMSNorm(cfg.norm_eps, name="ln1"), RMSNorm(cfg.norm_eps, name="ln2")
         attn = MultiHeadAttention(

@@ -118,13 +118,13 @@ def _bwd_kernel(
     pltriton.store(db_ref.at[part, cols], jnp.sum(db_acc, axis=0), mask=col_ok)
 
 
-def _forward(x, gamma, beta, eps: float, interpret: bool, cfg: Config):
+def _forward(x, gamma, beta, eps: float, out_dtype, interpret: bool, cfg: Config):
     n_rows, n_cols = x.shape  # (N, D)
     n_programs, steps = _grid(n_rows, cfg)
     stats = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
     return pl.pallas_call(
         functools.partial(_fwd_kernel, eps=eps, block_rows=cfg.block_rows, steps=steps),
-        out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), stats, stats),
+        out_shape=(jax.ShapeDtypeStruct(x.shape, out_dtype), stats, stats),
         grid=(n_programs,),
         compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
@@ -147,17 +147,17 @@ def _backward(x, gamma, dy, mean, rstd, interpret: bool, cfg: Config):
     return dx, jnp.sum(dg_part, axis=0), jnp.sum(db_part, axis=0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _layer_norm(x, gamma, beta, eps, interpret, cfgs):
-    return _forward(x, gamma, beta, eps, interpret, cfgs[0])[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _layer_norm(x, gamma, beta, eps, out_dtype, interpret, cfgs):
+    return _forward(x, gamma, beta, eps, out_dtype, interpret, cfgs[0])[0]
 
 
-def _layer_norm_fwd(x, gamma, beta, eps, interpret, cfgs):
-    y, mean, rstd = _forward(x, gamma, beta, eps, interpret, cfgs[0])
+def _layer_norm_fwd(x, gamma, beta, eps, out_dtype, interpret, cfgs):
+    y, mean, rstd = _forward(x, gamma, beta, eps, out_dtype, interpret, cfgs[0])
     return y, (x, gamma, beta, mean, rstd)
 
 
-def _layer_norm_bwd(eps, interpret, cfgs, res, dy):
+def _layer_norm_bwd(eps, out_dtype, interpret, cfgs, res, dy):
     x, gamma, beta, mean, rstd = res
     dx, dg, db = _backward(x, gamma, dy, mean, rstd, interpret, cfgs[1])
     return dx, dg.astype(gamma.dtype), db.astype(beta.dtype)
@@ -188,16 +188,28 @@ def layer_norm(
     eps: float = 1e-5,
     interpret: bool | None = None,
     *,
+    out_dtype=None,
     config: Config | None = None,
 ) -> jax.Array:
-    """LayerNorm over the last axis: x (..., D), gamma/beta (D,) -> (..., D) in x's dtype.
+    """LayerNorm over the last axis: x (..., D), gamma/beta (D,) -> (..., D) in `out_dtype`
+    (default x's dtype; float32 x to bfloat16 y is the mixed-precision pre-norm case: the kernel
+    writes the matmul's input directly, and takes its bfloat16 gradient).
 
     Statistics are float32. `config` overrides the tuned block sizes of both directions
     (benchmarks use it).
     """
     _check(x, gamma, beta)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if out_dtype not in DTYPES:
+        raise ValueError(f"out_dtype must be one of float32, bfloat16, got {out_dtype}")
     cfgs = (config, config) if config else default_configs(x.shape[-1])
     y = _layer_norm(
-        x.reshape(-1, x.shape[-1]), gamma, beta, float(eps), resolve_interpret(interpret), cfgs
+        x.reshape(-1, x.shape[-1]),
+        gamma,
+        beta,
+        float(eps),
+        out_dtype,
+        resolve_interpret(interpret),
+        cfgs,
     )
     return y.reshape(x.shape)

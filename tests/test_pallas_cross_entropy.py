@@ -12,6 +12,15 @@ import pytest
 from pallas_kernels import linear_cross_entropy, linear_cross_entropy_ref
 from pallas_kernels.cross_entropy import Config
 
+
+@pytest.fixture(autouse=True)
+def _full_precision_matmuls():
+    """float32 GEMMs at full precision: on a GPU the default is TF32 (10-bit mantissa), which
+    the float64 comparisons below would flag (the kernel's own math is float32 either way)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 SMALL = Config(block_rows=4, block_cols=64, num_warps=4, programs=3)  # several chunks per row
 
 

@@ -96,3 +96,24 @@ def test_jit_and_vmap():
 def test_bad_inputs_raise(x_shape, dtype, g_shape, match):
     with pytest.raises(ValueError, match=match):
         layer_norm(jnp.zeros(x_shape, dtype), jnp.ones(g_shape), jnp.zeros(g_shape))
+
+
+def test_float32_in_bfloat16_out(float64_ref):
+    """The pre-norm mixed-precision case: f32 residual in, bf16 matmul input out, bf16 dy in."""
+    x, gamma, beta = make((6, 96), jnp.float32, seed=5)
+    y = layer_norm(x, gamma, beta, out_dtype=jnp.bfloat16)
+    assert y.dtype == jnp.bfloat16
+    ref = float64_ref(layer_norm_ref, x, gamma, beta)
+    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=1e-2, atol=1e-2)
+    dy = jnp.asarray(np.random.default_rng(6).normal(size=x.shape), jnp.bfloat16)
+
+    def loss(fn, **kw):
+        return lambda x, g, b: jnp.sum(fn(x, g, b, **kw).astype(jnp.float32) * dy)
+
+    grads = jax.grad(loss(layer_norm, out_dtype=jnp.bfloat16), argnums=(0, 1, 2))(x, gamma, beta)
+    assert grads[0].dtype == jnp.float32
+    refs = float64_ref(jax.grad(loss(layer_norm_ref), argnums=(0, 1, 2)), x, gamma, beta)
+    for g, r in zip(grads, refs, strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float64), r, atol=1e-4 * np.abs(r).max())
+    with pytest.raises(ValueError, match="out_dtype must be one of"):
+        layer_norm(x, gamma, beta, out_dtype=jnp.int32)

@@ -49,8 +49,8 @@ class GPT2(nn.Module):
         x, new_cache = transformer_blocks(
             cfg, x, positions, key_mask, cache, cache_index, deterministic
         )
-        x = LayerNorm(cfg.norm_eps, cfg.bias, cfg.kernels, name="ln_f")(x)
         dtype = jnp.dtype(cfg.compute_dtype)
+        x = LayerNorm(cfg.norm_eps, cfg.bias, cfg.kernels, dtype, name="ln_f")(x)  # (B, T, D)
         if not cfg.tie_embeddings:
             lm_head = LMHead(cfg.vocab_size, cfg.d_model, cfg.init_std, dtype, name="lm_head")
         if targets is not None:
