@@ -55,7 +55,7 @@ def main() -> None:
     t_xla = chained_median_seconds(xla_step, [z], calls=8)
     gb = 2 * N * VP * 2 / 1e9
     rows.append(("kernel", "xla", t_xla, 0.0))
-    configs = [default_config(VP)] + [
+    configs = [default_config()] + [
         Config(1, bc, nw, p)
         for bc, nw, p in ((65536, 16, N), (65536, 32, N), (2048, 4, N), (4096, 8, 1056))
     ]

@@ -7,8 +7,7 @@ For hidden states x (N, D), a head W (V, D), targets t (N,) and row weights w (N
 
 The weights are an input (the training step passes valid / count), so dloss/dz = w_i (softmax(z_i)
 - onehot(t_i)) is known in the forward: the kernel sweeps each row of z twice in `block_cols`
-chunks, an online max/sum pass, then a pass that overwrites z in place with dz (a row that fits
-one chunk is read once and kept in registers). The forward then
+chunks, an online max/sum pass, then a pass that overwrites z in place with dz. The forward then
 runs dx = dz W and dW = dz^T x, and the VJP's backward only scales them by the scalar cotangent.
 z never outlives the forward and no float32 copy of it is made.
 
@@ -16,8 +15,8 @@ The vocabulary is padded to a multiple of 128 inside (50257 -> 50304) so the GEM
 shapes; padded columns are masked out of the softmax and get zero gradient.
 
 Memory traffic beyond the GEMMs, N rows of Vp columns, s bytes per element of z:
-  forward (with gradient): read z, write dz = 2 * N * Vp * s  (rows longer than one chunk are
-  read twice)
+  forward (with gradient): read z, write dz = 2 * N * Vp * s  (+ the second read of each row,
+  from L2 when it is still there; the H100 run reaches 1.65 TB/s counting only the two passes)
   primal only (no gradient): read z      = N * Vp * s
 against about five passes in XLA (max, argmax, sum-exp, then softmax - onehot and its pad).
 Backend: Triton lowering (pallas_kernels/triton_backend.py says why).
@@ -47,12 +46,10 @@ class Config(NamedTuple):
     num_stages: int = 1
 
 
-def default_config(width: int) -> Config:
-    """By padded row length, tuned on the H100 (benchmarks/RESULTS.md): rows up to 64k columns
-    (GPT-2's 50304) are held in registers whole, one program per row; longer rows stream."""
-    if width <= 65536:
-        cols = pl.next_power_of_2(width)
-        return Config(1, cols, num_warps=max(4, min(32, cols // 2048)), programs=2**31 - 1)
+def default_config() -> Config:
+    """Tuned on the H100 (benchmarks/RESULTS.md, GPT-2's 16384 x 50304 bf16 logits): one
+    program per row streaming 2048-column chunks ran 2.0 ms vs 2.5 ms for XLA. Holding a whole
+    row in registers (65536 columns over 16-32 warps) spilled and ran 5.5-7.2 ms."""
     return Config(block_rows=1, block_cols=2048, num_warps=4, programs=2**31 - 1)
 
 
@@ -78,8 +75,9 @@ def _kernel(z_ref, t_ref, w_ref, *out_refs, vocab: int, cfg: Config, steps: int)
             z = pltriton.load(z_ref.at[rows, pl.ds(j * c, c)], mask=ok, other=_MASKED)
             return cols, z.astype(jnp.float32)  # (C,), (R, C)
 
-        def stats(carry, cols, z):  # online max, rescaled sum and the target's logit
+        def stats(j, carry):  # online max, rescaled sum and the target's logit
             m, s, z_t = carry
+            cols, z = chunk(j)
             m_new = jnp.maximum(m, jnp.max(z, axis=1))
             s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
             z_t = z_t + jnp.sum(jnp.where(cols[None, :] == t[:, None], z, 0.0), axis=1)
@@ -87,14 +85,7 @@ def _kernel(z_ref, t_ref, w_ref, *out_refs, vocab: int, cfg: Config, steps: int)
 
         zeros = jnp.zeros((r,), jnp.float32)
         init = (jnp.full((r,), _MASKED, jnp.float32), zeros, zeros)
-        whole_row = width <= c  # the row sits in registers: one read of z, not two
-        if whole_row:
-            cols, z = chunk(0)
-            m, s, z_t = stats(init, cols, z)
-        else:
-            m, s, z_t = jax.lax.fori_loop(
-                0, pl.cdiv(vocab, c), lambda j, carry: stats(carry, *chunk(j)), init
-            )
+        m, s, z_t = jax.lax.fori_loop(0, pl.cdiv(vocab, c), stats, init)
         lse = m + jnp.log(s)
         pltriton.store(ce_ref.at[rows], lse - z_t, mask=row_ok)
         pltriton.store(hit_ref.at[rows], (z_t >= m).astype(jnp.int32), mask=row_ok)
@@ -102,19 +93,13 @@ def _kernel(z_ref, t_ref, w_ref, *out_refs, vocab: int, cfg: Config, steps: int)
             return
         w = pltriton.load(w_ref.at[rows], mask=row_ok, other=0.0).astype(jnp.float32)
 
-        def grad(j, cols, z):
+        @pl.loop(0, pl.cdiv(width, c))  # padded columns too: they get dz = 0
+        def grad(j):
+            cols, z = chunk(j)
             onehot = (cols[None, :] == t[:, None]).astype(jnp.float32)
             dz = (jnp.exp(z - lse[:, None]) - onehot) * w[:, None]
             ok = row_ok[:, None] & (cols < width)[None, :]
             pltriton.store(dz_ref.at[rows, pl.ds(j * c, c)], dz.astype(dz_ref.dtype), mask=ok)
-
-        if whole_row:
-            grad(0, cols, z)
-        else:  # padded columns too: they get dz = 0
-
-            @pl.loop(0, pl.cdiv(width, c))
-            def _(j):
-                grad(j, *chunk(j))
 
 
 def _ce_call(z, targets, weights, vocab: int, with_grad: bool, interpret: bool, cfg: Config):
@@ -205,7 +190,7 @@ def linear_cross_entropy(
     (their ce is then meaningless).
     """
     _check(x, w, targets, weights)
-    cfg = config or default_config(w.shape[0] + (-w.shape[0] % VOCAB_ALIGN))
+    cfg = config or default_config()
     loss, ce, hit = _linear_ce(
         x, w, targets, weights, jnp.dtype(compute_dtype), resolve_interpret(interpret), cfg
     )
