@@ -82,14 +82,25 @@ class LayerNorm(nn.Module):
     out_dtype: Dtype | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, residual: jax.Array | None = None
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """x (..., D) -> norm(x); with `residual` (a branch output to add first), returns
+        (s = x + residual, norm(s)): with kernels="pallas" one kernel does both, both ways."""
         d = x.shape[-1]
         scale = self.param("scale", nn.initializers.ones, (d,))
         bias = self.param("bias", nn.initializers.zeros, (d,)) if self.use_bias else None
         out_dtype = self.out_dtype or x.dtype
         if self.kernels == "pallas":
             bias = jnp.zeros((d,), jnp.float32) if bias is None else bias
+            if residual is not None:
+                return pallas_kernels.add_layer_norm(
+                    x, residual, scale, bias, self.eps, out_dtype=out_dtype
+                )
             return pallas_kernels.layer_norm(x, scale, bias, self.eps, out_dtype=out_dtype)
+        if residual is not None:
+            x = x + residual.astype(x.dtype)
+            return x, F.layer_norm(x, scale, bias, self.eps).astype(out_dtype)
         return F.layer_norm(x, scale, bias, self.eps).astype(out_dtype)
 
 
@@ -97,8 +108,15 @@ class RMSNorm(nn.Module):
     eps: float = 1e-5
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return F.rms_norm(x, self.param("scale", nn.initializers.ones, (x.shape[-1],)), self.eps)
+    def __call__(
+        self, x: jax.Array, residual: jax.Array | None = None
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """As LayerNorm: with `residual`, returns (s = x + residual, norm(s))."""
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        if residual is not None:
+            x = x + residual.astype(x.dtype)
+            return x, F.rms_norm(x, scale, self.eps)
+        return F.rms_norm(x, scale, self.eps)
 
 
 class Embedding(nn.Module):
@@ -306,6 +324,10 @@ class DepthwiseConv1d(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)).
 
+    The residual stream arrives as x + h, h being the previous block's MLP output (None for the
+    first block), and leaves the same way: every residual add happens inside the next norm
+    (`norm(x, residual=h)`), where kernels="pallas" fuses add and norm into one kernel.
+
     gpt2: LayerNorm, learned positions (outside), GELU MLP, biases per config.
     transformer_lm: RMSNorm, RoPE, SwiGLU, no biases.
     """
@@ -316,12 +338,15 @@ class TransformerBlock(nn.Module):
     def __call__(
         self,
         x: jax.Array,
+        h: jax.Array | None,
         positions: jax.Array,
         key_mask: jax.Array | None = None,
         cache: KVCache | None = None,
         cache_index: jax.Array | int = 0,
         deterministic: bool = True,
-    ) -> tuple[jax.Array, KVCache | None]:
+    ) -> tuple[jax.Array, jax.Array, KVCache | None]:
+        """x (B, T, D) residual stream, h (B, T, D) or None its pending branch output ->
+        (x, h) the same way after this block, and the updated cache."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.compute_dtype)
         gpt2 = cfg.arch == "gpt2"
@@ -345,15 +370,16 @@ class TransformerBlock(nn.Module):
             attention_impl=cfg.attention_impl,
             name="attn",
         )
-        h, cache = attn(norm1(x), positions, key_mask, cache, cache_index, deterministic)
-        x = x + h
+        x, y = (x, norm1(x)) if h is None else norm1(x, residual=h)
+        h, cache = attn(y, positions, key_mask, cache, cache_index, deterministic)
+        x, y = norm2(x, residual=h)
         if gpt2:
             ffn = FeedForward(
                 cfg.ffn_dim, cfg.bias, cfg.dropout, cfg.init_std, out_std, dtype, name="mlp"
             )
         else:
             ffn = SwiGLU(cfg.ffn_dim, dtype, name="mlp")
-        return x + ffn(norm2(x), deterministic), cache
+        return x, ffn(y, deterministic), cache
 
 
 def transformer_blocks(
@@ -364,14 +390,15 @@ def transformer_blocks(
     cache: list[KVCache] | None,
     cache_index: jax.Array | int,
     deterministic: bool,
-) -> tuple[jax.Array, list[KVCache | None]]:
+) -> tuple[jax.Array, jax.Array, list[KVCache | None]]:
     """The n_layers blocks h0, h1, ... of a model; call from inside its compact __call__
-    (the blocks become its children). Returns (x (B, T, D), per-layer caches)."""
-    new_cache = []
+    (the blocks become its children). Returns (x, h, per-layer caches): the residual stream is
+    x + h, h the last MLP output, for the final norm to add (`ln_f(x, residual=h)`)."""
+    new_cache, h = [], None
     for i in range(cfg.n_layers):
         layer_cache = None if cache is None else cache[i]
-        x, layer_cache = TransformerBlock(cfg, name=f"h{i}")(
-            x, positions, key_mask, layer_cache, cache_index, deterministic
+        x, h, layer_cache = TransformerBlock(cfg, name=f"h{i}")(
+            x, h, positions, key_mask, layer_cache, cache_index, deterministic
         )
         new_cache.append(layer_cache)
-    return x, new_cache
+    return x, h, new_cache

@@ -7,8 +7,9 @@ On a GPU they compile (Triton lowering); elsewhere `interpret=None` runs them in
 from .attention_softmax import attention_softmax
 from .cross_entropy import linear_cross_entropy
 from .depthwise_conv1d import depthwise_conv1d
-from .layer_norm import layer_norm
+from .layer_norm import add_layer_norm, layer_norm
 from .reference import (
+    add_layer_norm_ref,
     attention_softmax_ref,
     depthwise_conv1d_ref,
     layer_norm_ref,
@@ -16,6 +17,8 @@ from .reference import (
 )
 
 __all__ = [
+    "add_layer_norm",
+    "add_layer_norm_ref",
     "attention_softmax",
     "attention_softmax_ref",
     "depthwise_conv1d",

@@ -7,9 +7,13 @@ re-read of float32 gamma/beta is 4x the bf16 row itself in L2 traffic). Backward
 from the saved float32 mean/rstd; dgamma/dbeta are summed per program in registers, written as
 per-program partials (G, D) float32 and reduced by one small jnp.sum (no atomics).
 
+`add_layer_norm` fuses the pre-norm block's residual add: s = x + h is written next to y, and
+the backward adds the residual stream's gradient ds in the same pass (dx = ds + LN'(dy)).
+
 Minimal memory traffic, N rows of D, s bytes per element of x:
   forward : read x, write y       = 2 * N * D * s  (+ 8 N for mean/rstd, + gamma/beta)
   backward: read x, dy; write dx  = 3 * N * D * s  (+ 8 N for mean/rstd, + 8 G D for partials)
+  add_layer_norm: + read h, write s forward; + read ds, write dh backward
 Backend: Triton lowering (pallas_kernels/triton_backend.py says why).
 """
 
@@ -61,9 +65,11 @@ def _row_block(pid, block_rows: int, block_cols: int, n_rows: int, n_cols: int):
     return rows, row_ok, col_ok
 
 
-def _fwd_kernel(
-    x_ref, g_ref, b_ref, y_ref, mean_ref, rstd_ref, *, eps: float, block_rows: int, steps: int
-):
+def _fwd_kernel(*refs, eps: float, block_rows: int, steps: int, residual: bool):
+    if residual:  # s = x + h is written out too: the pre-norm block's residual add, fused
+        x_ref, h_ref, g_ref, b_ref, s_ref, y_ref, mean_ref, rstd_ref = refs
+    else:
+        (x_ref, g_ref, b_ref, y_ref, mean_ref, rstd_ref), h_ref, s_ref = refs, None, None
     n_rows, n_cols = x_ref.shape
     block_cols = pl.next_power_of_2(n_cols)
     cols = pl.ds(0, block_cols)
@@ -77,6 +83,9 @@ def _fwd_kernel(
         rows, row_ok, _ = _row_block(part * steps + i, block_rows, block_cols, n_rows, n_cols)
         valid = row_ok[:, None] & col_ok[None, :]
         x = pltriton.load(x_ref.at[rows, cols], mask=valid, other=0.0).astype(jnp.float32)
+        if residual:
+            x = x + pltriton.load(h_ref.at[rows, cols], mask=valid, other=0.0).astype(jnp.float32)
+            pltriton.store(s_ref.at[rows, cols], x.astype(s_ref.dtype), mask=valid)
         mean = jnp.sum(x, axis=1) / n_cols  # (R,)
         xc = jnp.where(col_ok[None, :], x - mean[:, None], 0.0)
         rstd = jax.lax.rsqrt(jnp.sum(xc * xc, axis=1) / n_cols + eps)
@@ -86,9 +95,11 @@ def _fwd_kernel(
         pltriton.store(rstd_ref.at[rows], rstd, mask=row_ok)
 
 
-def _bwd_kernel(
-    x_ref, g_ref, dy_ref, mean_ref, rstd_ref, dx_ref, dg_ref, db_ref, *, block_rows: int, steps: int
-):
+def _bwd_kernel(*refs, block_rows: int, steps: int, residual: bool):
+    if residual:  # dx = ds + LN'(dy): the residual stream's gradient joins in; dh = dx as h
+        x_ref, g_ref, dy_ref, ds_ref, mean_ref, rstd_ref, dx_ref, dh_ref, dg_ref, db_ref = refs
+    else:
+        (x_ref, g_ref, dy_ref, mean_ref, rstd_ref, dx_ref, dg_ref, db_ref) = refs
     n_rows, n_cols = x_ref.shape
     block_cols = pl.next_power_of_2(n_cols)
     cols = pl.ds(0, block_cols)
@@ -108,6 +119,11 @@ def _bwd_kernel(
         c1 = jnp.sum(xhat * gdy, axis=1) / n_cols
         c2 = jnp.sum(gdy, axis=1) / n_cols
         dx = (gdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        if residual:
+            dx = dx + pltriton.load(ds_ref.at[rows, cols], mask=valid, other=0.0).astype(
+                jnp.float32
+            )
+            pltriton.store(dh_ref.at[rows, cols], dx.astype(dh_ref.dtype), mask=valid)
         pltriton.store(dx_ref.at[rows, cols], dx.astype(dx_ref.dtype), mask=valid)
         dg_acc, db_acc = acc
         return dg_acc + dy * xhat, db_acc + dy
@@ -118,52 +134,85 @@ def _bwd_kernel(
     pltriton.store(db_ref.at[part, cols], jnp.sum(db_acc, axis=0), mask=col_ok)
 
 
-def _forward(x, gamma, beta, eps: float, out_dtype, interpret: bool, cfg: Config):
+def _forward(x, h, gamma, beta, eps: float, out_dtype, interpret: bool, cfg: Config):
+    """(y, mean, rstd), or (s = x + h, y, mean, rstd) when h is given."""
     n_rows, n_cols = x.shape  # (N, D)
     n_programs, steps = _grid(n_rows, cfg)
     stats = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
+    out_shape = (jax.ShapeDtypeStruct(x.shape, out_dtype), stats, stats)
+    residual = h is not None
+    if residual:
+        out_shape = (jax.ShapeDtypeStruct(x.shape, x.dtype), *out_shape)
+    kernel = functools.partial(
+        _fwd_kernel, eps=eps, block_rows=cfg.block_rows, steps=steps, residual=residual
+    )
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, eps=eps, block_rows=cfg.block_rows, steps=steps),
-        out_shape=(jax.ShapeDtypeStruct(x.shape, out_dtype), stats, stats),
+        kernel,
+        out_shape=out_shape,
         grid=(n_programs,),
         compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
-        name="layer_norm_fwd",
-    )(x, gamma, beta)
+        name="add_layer_norm_fwd" if residual else "layer_norm_fwd",
+    )(*((x, h) if residual else (x,)), gamma, beta)
 
 
-def _backward(x, gamma, dy, mean, rstd, interpret: bool, cfg: Config):
+def _backward(x, gamma, dy, ds, h_dtype, mean, rstd, interpret: bool, cfg: Config):
+    """(dx, dgamma, dbeta), or (dx, dh, dgamma, dbeta) when ds (the gradient of s) is given."""
     n_rows, n_cols = x.shape
     n_programs, steps = _grid(n_rows, cfg)
     part = jax.ShapeDtypeStruct((n_programs, n_cols), jnp.float32)
-    dx, dg_part, db_part = pl.pallas_call(
-        functools.partial(_bwd_kernel, block_rows=cfg.block_rows, steps=steps),
-        out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), part, part),
+    residual = ds is not None
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype), part, part]
+    if residual:
+        out_shape.insert(1, jax.ShapeDtypeStruct(x.shape, h_dtype))
+    *grads, dg_part, db_part = pl.pallas_call(
+        functools.partial(_bwd_kernel, block_rows=cfg.block_rows, steps=steps, residual=residual),
+        out_shape=tuple(out_shape),
         grid=(n_programs,),
         compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
-        name="layer_norm_bwd",
-    )(x, gamma, dy, mean, rstd)
-    return dx, jnp.sum(dg_part, axis=0), jnp.sum(db_part, axis=0)
+        name="add_layer_norm_bwd" if residual else "layer_norm_bwd",
+    )(x, gamma, dy, *((ds,) if residual else ()), mean, rstd)
+    return (*grads, jnp.sum(dg_part, axis=0), jnp.sum(db_part, axis=0))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _layer_norm(x, gamma, beta, eps, out_dtype, interpret, cfgs):
-    return _forward(x, gamma, beta, eps, out_dtype, interpret, cfgs[0])[0]
+    return _forward(x, None, gamma, beta, eps, out_dtype, interpret, cfgs[0])[0]
 
 
 def _layer_norm_fwd(x, gamma, beta, eps, out_dtype, interpret, cfgs):
-    y, mean, rstd = _forward(x, gamma, beta, eps, out_dtype, interpret, cfgs[0])
+    y, mean, rstd = _forward(x, None, gamma, beta, eps, out_dtype, interpret, cfgs[0])
     return y, (x, gamma, beta, mean, rstd)
 
 
 def _layer_norm_bwd(eps, out_dtype, interpret, cfgs, res, dy):
     x, gamma, beta, mean, rstd = res
-    dx, dg, db = _backward(x, gamma, dy, mean, rstd, interpret, cfgs[1])
+    dx, dg, db = _backward(x, gamma, dy, None, None, mean, rstd, interpret, cfgs[1])
     return dx, dg.astype(gamma.dtype), db.astype(beta.dtype)
 
 
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _add_layer_norm(x, h, gamma, beta, eps, out_dtype, interpret, cfgs):
+    return _forward(x, h, gamma, beta, eps, out_dtype, interpret, cfgs[0])[:2]
+
+
+def _add_layer_norm_fwd(x, h, gamma, beta, eps, out_dtype, interpret, cfgs):
+    s, y, mean, rstd = _forward(x, h, gamma, beta, eps, out_dtype, interpret, cfgs[0])
+    return (s, y), (s, jnp.zeros((0,), h.dtype), gamma, beta, mean, rstd)
+
+
+def _add_layer_norm_bwd(eps, out_dtype, interpret, cfgs, res, cts):
+    s, h_like, gamma, beta, mean, rstd = res
+    ds, dy = cts
+    dx, dh, dg, db = _backward(s, gamma, dy, ds, h_like.dtype, mean, rstd, interpret, cfgs[1])
+    return dx, dh, dg.astype(gamma.dtype), db.astype(beta.dtype)
+
+
+_add_layer_norm.defvjp(_add_layer_norm_fwd, _add_layer_norm_bwd)
 
 
 def _check(x, gamma, beta) -> None:
@@ -179,6 +228,13 @@ def _check(x, gamma, beta) -> None:
             raise ValueError(f"{name} must have shape ({n_cols},) to match x, got {p.shape}")
         if not jnp.issubdtype(p.dtype, jnp.floating):
             raise ValueError(f"{name} must be floating point, got {p.dtype}")
+
+
+def _out_dtype(out_dtype, x: jax.Array) -> jnp.dtype:
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if out_dtype not in DTYPES:
+        raise ValueError(f"out_dtype must be one of float32, bfloat16, got {out_dtype}")
+    return out_dtype
 
 
 def layer_norm(
@@ -199,9 +255,7 @@ def layer_norm(
     (benchmarks use it).
     """
     _check(x, gamma, beta)
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if out_dtype not in DTYPES:
-        raise ValueError(f"out_dtype must be one of float32, bfloat16, got {out_dtype}")
+    out_dtype = _out_dtype(out_dtype, x)
     cfgs = (config, config) if config else default_configs(x.shape[-1])
     y = _layer_norm(
         x.reshape(-1, x.shape[-1]),
@@ -213,3 +267,43 @@ def layer_norm(
         cfgs,
     )
     return y.reshape(x.shape)
+
+
+def add_layer_norm(
+    x: jax.Array,
+    h: jax.Array,
+    gamma: jax.Array,
+    beta: jax.Array,
+    eps: float = 1e-5,
+    interpret: bool | None = None,
+    *,
+    out_dtype=None,
+    config: Config | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The pre-norm residual step in one kernel: s = x + h, y = LayerNorm(s).
+
+    x (..., D) the residual stream, h (..., D) a branch output (any float dtype, e.g. bf16);
+    returns (s in x's dtype, y in `out_dtype`, default x's dtype). One pass reads x and h and
+    writes s and y; the backward reads s, dy, ds and writes dx and dh (= dx in h's dtype) in one
+    pass too, instead of a LayerNorm plus separate add and convert passes.
+    """
+    _check(x, gamma, beta)
+    if h.shape != x.shape or h.dtype not in DTYPES:
+        raise ValueError(
+            f"h must match x's shape {x.shape} with a float32/bfloat16 dtype, got "
+            f"{h.dtype}{h.shape}"
+        )
+    out_dtype = _out_dtype(out_dtype, x)
+    cfgs = (config, config) if config else default_configs(x.shape[-1])
+    flat = (-1, x.shape[-1])
+    s, y = _add_layer_norm(
+        x.reshape(flat),
+        h.reshape(flat),
+        gamma,
+        beta,
+        float(eps),
+        out_dtype,
+        resolve_interpret(interpret),
+        cfgs,
+    )
+    return s.reshape(x.shape), y.reshape(x.shape)

@@ -96,3 +96,11 @@ def linear_cross_entropy_ref(
     z_t = jnp.take_along_axis(z, targets[:, None].astype(jnp.int32), axis=-1)[:, 0]
     hit = z_t >= jnp.max(z, axis=-1)
     return jnp.sum(weights * ce), jax.lax.stop_gradient(ce), hit
+
+
+def add_layer_norm_ref(
+    x: jax.Array, h: jax.Array, gamma: jax.Array, beta: jax.Array, eps: float = 1e-5
+) -> tuple[jax.Array, jax.Array]:
+    """(s, LayerNorm(s)) with s = x + h in x's dtype: the pre-norm residual step."""
+    s = x + h.astype(x.dtype)
+    return s, layer_norm_ref(s, gamma, beta, eps)

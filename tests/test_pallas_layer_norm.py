@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from pallas_kernels import layer_norm, layer_norm_ref
+from pallas_kernels import add_layer_norm, add_layer_norm_ref, layer_norm, layer_norm_ref
 from pallas_kernels.layer_norm import Config
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -117,3 +117,47 @@ def test_float32_in_bfloat16_out(float64_ref):
         np.testing.assert_allclose(np.asarray(g, np.float64), r, atol=1e-4 * np.abs(r).max())
     with pytest.raises(ValueError, match="out_dtype must be one of"):
         layer_norm(x, gamma, beta, out_dtype=jnp.int32)
+
+
+@pytest.mark.parametrize(
+    "shape,h_dtype,out_dtype,cfg",
+    [
+        ((4, 5, 100), jnp.float32, jnp.float32, None),
+        ((37, 64), jnp.bfloat16, jnp.bfloat16, Config(block_rows=4, num_warps=4, programs=3)),
+    ],
+)
+def test_add_layer_norm_matches_reference(float64_ref, shape, h_dtype, out_dtype, cfg):
+    """s = x + h and LayerNorm(s) in one kernel; gradients include the residual stream's ds."""
+    x, gamma, beta = make(shape, jnp.float32, seed=7)
+    rng = np.random.default_rng(8)
+    h = jnp.asarray(rng.normal(size=shape), h_dtype)
+    ds = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    dy = jnp.asarray(rng.normal(size=shape), out_dtype)
+    s, y = add_layer_norm(x, h, gamma, beta, out_dtype=out_dtype, config=cfg)
+    assert s.dtype == jnp.float32 and y.dtype == out_dtype
+    s_ref, y_ref = float64_ref(add_layer_norm_ref, x, h, gamma, beta)
+    tol = 1e-5 if out_dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(s, np.float64), s_ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(y, np.float64), y_ref, rtol=tol, atol=tol)
+
+    def loss(fn, **kw):
+        def f(x, h, g, b):
+            s, y = fn(x, h, g, b, **kw)
+            return jnp.sum(s * ds) + jnp.sum(y.astype(jnp.float32) * dy)
+
+        return f
+
+    grads = jax.grad(loss(add_layer_norm, out_dtype=out_dtype, config=cfg), argnums=(0, 1, 2, 3))(
+        x, h, gamma, beta
+    )
+    assert grads[0].dtype == jnp.float32 and grads[1].dtype == h_dtype
+    refs = float64_ref(jax.grad(loss(add_layer_norm_ref), argnums=(0, 1, 2, 3)), x, h, gamma, beta)
+    gtol = 1e-4 if h_dtype == jnp.float32 else 1e-2
+    for g, r in zip(grads, refs, strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float64), r, atol=gtol * np.abs(r).max())
+
+
+def test_add_layer_norm_rejects_mismatched_branch():
+    x, gamma, beta = make((4, 8), jnp.float32)
+    with pytest.raises(ValueError, match="h must match x's shape"):
+        add_layer_norm(x, jnp.zeros((4, 9)), gamma, beta)

@@ -46,11 +46,12 @@ class GPT2(nn.Module):
         wpe = Embedding(cfg.context_length, cfg.d_model, cfg.init_std, name="wpe")
         x = wte(tokens) + wpe(positions)  # (B, T, D) float32 residual stream
         x = Dropout(cfg.dropout)(x, deterministic)
-        x, new_cache = transformer_blocks(
+        x, h, new_cache = transformer_blocks(
             cfg, x, positions, key_mask, cache, cache_index, deterministic
         )
         dtype = jnp.dtype(cfg.compute_dtype)
-        x = LayerNorm(cfg.norm_eps, cfg.bias, cfg.kernels, dtype, name="ln_f")(x)  # (B, T, D)
+        ln_f = LayerNorm(cfg.norm_eps, cfg.bias, cfg.kernels, dtype, name="ln_f")
+        _, x = ln_f(x, residual=h)  # (B, T, D)
         if not cfg.tie_embeddings:
             lm_head = LMHead(cfg.vocab_size, cfg.d_model, cfg.init_std, dtype, name="lm_head")
         if targets is not None:

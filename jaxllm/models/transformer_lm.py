@@ -39,10 +39,10 @@ class TransformerLM(nn.Module):
             positions = default_positions(b, t, cache_index)
         embed = Embedding(cfg.vocab_size, cfg.d_model, std=1.0, name="embed")
         x = embed(tokens)  # (B, T, D)
-        x, new_cache = transformer_blocks(
+        x, h, new_cache = transformer_blocks(
             cfg, x, positions, key_mask, cache, cache_index, deterministic
         )
-        x = RMSNorm(cfg.norm_eps, name="ln_f")(x)
+        _, x = RMSNorm(cfg.norm_eps, name="ln_f")(x, residual=h)  # (B, T, D)
         dtype = jnp.dtype(cfg.compute_dtype)
         if not cfg.tie_embeddings:
             lm_head = LMHead(cfg.vocab_size, cfg.d_model, None, dtype, name="lm_head")
