@@ -10,7 +10,7 @@ import pytest
 from jaxllm import functional as F
 from jaxllm.config import ModelConfig
 from jaxllm.layers import Linear, MultiHeadAttention
-from jaxllm.models import build_model
+from jaxllm.models import build_model, init_kv_cache
 
 TINY = dict(vocab_size=61, context_length=16, d_model=32, n_layers=2, n_heads=4)
 ARCHS = {
@@ -171,6 +171,28 @@ def test_input_errors():
         jax.jit(model.apply)(params, jnp.zeros((1, 17), jnp.int32))
     with pytest.raises(ValueError, match="divisible"):
         build_model(ModelConfig(d_model=30, n_heads=4))
+    tokens = jnp.zeros((2, 4), jnp.int32)
+    with pytest.raises(ValueError, match=r"targets shape \(2, 3\) must equal tokens shape"):
+        model.apply(params, tokens, targets=jnp.zeros((2, 3), jnp.int32))
+    cache = init_kv_cache(ARCHS["gpt2"], 2, 8)
+    with pytest.raises(ValueError, match="cannot be combined with a KV cache"):
+        model.apply(params, tokens, cache=cache, targets=tokens)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_targets_give_the_mean_loss_of_the_logits(arch):
+    """model(tokens, targets=...) = mean softmax loss of model(tokens) over non-IGNORE targets."""
+    model, params = init(ARCHS[arch])
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 8), 0, 61)
+    targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(-1)
+    loss, aux = model.apply(params, tokens, targets=targets)
+    logits = model.apply(params, tokens)
+    ref = F.cross_entropy(logits, targets, ignore_index=-1)
+    np.testing.assert_allclose(loss, ref, rtol=1e-5)
+    assert int(aux["count"]) == 14
+    np.testing.assert_allclose(aux["loss_sum"], ref * 14, rtol=1e-5)
+    hits = (jnp.argmax(logits, -1) == targets) & (targets != -1)
+    assert int(aux["correct"]) == int(hits.sum())
 
 
 def test_dropout_only_in_training_mode():
