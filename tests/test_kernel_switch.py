@@ -1,5 +1,6 @@
-"""`kernels: pallas` routes LayerNorm and the attention softmax through pallas_kernels
-(interpret mode on CPU): GPT-2 loss and gradients must match the XLA path."""
+"""`kernels: pallas` (LayerNorm, add+LayerNorm, attention softmax) and `loss_impl: pallas` (fused
+LM head + cross-entropy) run pallas_kernels (interpret mode on CPU): loss and gradients must
+match the XLA path."""
 
 import jax
 import jax.numpy as jnp
