@@ -42,7 +42,8 @@ class Linear(nn.Module):
     def __call__(self, x: jax.Array, splits: int = 1) -> jax.Array | tuple[jax.Array, ...]:
         """x (..., D_in) -> (..., D_out); `splits=n` returns the n equal column blocks of the
         output as a tuple, each from its own matmul on a slice of W (for a fused q/k/v kernel:
-        one (..., 3D) output split afterwards costs a copy forward and a concat backward)."""
+        one (..., 3D) output split afterwards costs a copy forward and a concat backward; XLA's
+        dot merger may still re-merge small ones, as at GPT-2 batch 16, not at batch 64)."""
         d_in = x.shape[-1]
         w = self.param(
             "kernel", scaled_normal(self.std, d_in, self.features), (d_in, self.features)
