@@ -1,9 +1,10 @@
 """The issue's PyTorch reference, measured here: python benchmarks/torch_gpt2.py [--batch 16 64]
 
-GPT-2 small as in nanoGPT (vocab 50257, tied head, LayerNorm with bias, tanh GELU, flash SDPA,
-dropout 0), bf16 autocast, fused AdamW (lr 6e-4, weight decay 0.1 on >= 2-D params), global
-norm clipping at 1.0. Timed like benchmarks/throughput.py: random tokens, 3 warm-up steps, median
-of 5 repeats of 10 back-to-back steps, each repeat closed by torch.cuda.synchronize().
+GPT-2 small as in nanoGPT (vocab 50257, or nanoGPT's padded 50304; tied head, LayerNorm with
+bias, tanh GELU, flash SDPA, dropout 0), bf16 autocast, fused AdamW (lr 6e-4, weight decay 0.1
+on >= 2-D params), global norm clipping at 1.0. Timed like benchmarks/throughput.py: random
+tokens, 3 warm-up steps, median of 5 repeats of 10 back-to-back steps, each repeat closed by
+torch.cuda.synchronize().
 Needs a CUDA GPU and torch (the GPU image has it; jaxllm itself does not depend on torch).
 """
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-V, T, D, L, H = 50257, 1024, 768, 12, 12
+T, D, L, H = 1024, 768, 12, 12
 
 
 class Block(nn.Module):
@@ -37,12 +38,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, vocab: int) -> None:
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(T, D)
+        self.vocab = vocab
+        self.wte, self.wpe = nn.Embedding(vocab, D), nn.Embedding(T, D)
         self.blocks = nn.ModuleList(Block() for _ in range(L))
         self.ln_f = nn.LayerNorm(D)
-        self.head = nn.Linear(D, V, bias=False)
+        self.head = nn.Linear(D, vocab, bias=False)
         self.head.weight = self.wte.weight  # tied
         for p in self.parameters():
             if p.dim() >= 2:
@@ -53,12 +55,12 @@ class GPT(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, V).float(), targets.view(-1))
+        return F.cross_entropy(logits.view(-1, self.vocab).float(), targets.view(-1))
 
 
-def bench(batch: int, compile_: bool, steps: int = 10, repeats: int = 5) -> float:
+def bench(batch: int, vocab: int, compile_: bool, steps: int = 10, repeats: int = 5) -> float:
     torch.manual_seed(0)
-    model = GPT().cuda()
+    model = GPT(vocab).cuda()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -68,7 +70,7 @@ def bench(batch: int, compile_: bool, steps: int = 10, repeats: int = 5) -> floa
         fused=True,
     )
     fwd = torch.compile(model) if compile_ else model
-    x = torch.randint(0, V, (batch, T + 1), device="cuda")
+    x = torch.randint(0, 50257, (batch, T + 1), device="cuda")  # GPT-2's real token ids
     inputs, targets = x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
     def step() -> None:
@@ -95,14 +97,17 @@ def bench(batch: int, compile_: bool, steps: int = 10, repeats: int = 5) -> floa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--vocab", type=int, nargs="+", default=[50257, 50304])
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| batch | mode | tokens/s |\n|---|---|---|")
+    print("| batch | vocab | mode | tokens/s |\n|---|---|---|---|")
     for b in args.batch:
-        for compile_ in (False, True):
-            tps = bench(b, compile_)
-            print(f"| {b} | {'torch.compile' if compile_ else 'eager'} | {tps:,.0f} |", flush=True)
+        for vocab in args.vocab:
+            for compile_ in (False, True):
+                tps = bench(b, vocab, compile_)
+                mode = "torch.compile" if compile_ else "eager"
+                print(f"| {b} | {vocab} | {mode} | {tps:,.0f} |", flush=True)
 
 
 if __name__ == "__main__":
