@@ -185,12 +185,13 @@ def linear_cross_entropy(
 
     x (N, D), w (V, D) float; targets (N,) int in [0, V); weights (N,) float (use 0 for rows
     without a target, 1/count for a mean). Returns (loss = sum_i w_i ce_i, differentiable in x
-    and w; ce (N,) float32 per row; hit (N,) bool: the target's logit is the row's max). ce and
-    hit carry no gradient. Targets outside [0, V) cannot be checked under jit: give them weight 0
-    (their ce is then meaningless).
+    and w; ce (N,) float32 per row; hit (N,) bool: the target's logit is the row's max). ce,
+    hit and the weights carry no gradient. Targets outside [0, V) cannot be checked under jit:
+    give them weight 0 (their ce is then meaningless).
     """
     _check(x, w, targets, weights)
     cfg = config or default_config()
+    weights = jax.lax.stop_gradient(weights)  # the forward bakes them into dz
     loss, ce, hit = _linear_ce(
         x, w, targets, weights, jnp.dtype(compute_dtype), resolve_interpret(interpret), cfg
     )

@@ -89,7 +89,8 @@ def linear_cross_entropy_ref(
     """The unfused LM-head loss: logits = x W^T in compute_dtype, then F.softmax_loss.
 
     x (N, D), w (V, D), targets (N,) int, weights (N,) -> (sum_i w_i ce_i, ce (N,), hit (N,)),
-    as `pallas_kernels.linear_cross_entropy` (ce and hit without gradient)."""
+    as `pallas_kernels.linear_cross_entropy` (ce, hit and the weights without gradient)."""
+    weights = jax.lax.stop_gradient(weights)
     logits = jnp.dot(x.astype(compute_dtype), w.astype(compute_dtype).T)  # (N, V)
     ce = F.softmax_loss(logits, targets)  # (N,) float32
     z = logits.astype(_compute_dtype(logits.dtype))
