@@ -81,6 +81,14 @@ def test_existing_checkpoints_without_resume_is_an_error(tmp_path):
         train(load_config(ROOT / "configs/ar.yaml", [*args, "--train.resume=false"]))
 
 
+def test_rerunning_a_finished_run_reports_its_evaluation(tmp_path, capsys):
+    args = [*ARGS, "--train.steps=10", "--train.eval_every=10", f"--train.run_dir={tmp_path}"]
+    first = train(load_config(ROOT / "configs/ar.yaml", args))
+    again = train(load_config(ROOT / "configs/ar.yaml", args))
+    assert again.eval_accuracy == first.eval_accuracy and again.eval_loss == first.eval_loss
+    assert "already holds the finished run (step 10 of 10)" in capsys.readouterr().out
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     args = [
         *ARGS,

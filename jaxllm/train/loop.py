@@ -168,6 +168,12 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
                 save(done)
                 last_time = time.perf_counter()
             bar.update(1)
+        if start_step >= tc.steps:  # a finished run: report its final evaluation again
+            bar.write(
+                f"{run_dir} already holds the finished run (step {start_step} of {tc.steps}); "
+                "evaluating its last checkpoint. Choose another --train.run_dir to train anew."
+            )
+            ev = evaluate(state, source)
     finally:
         bar.close()
         log.close()
