@@ -22,6 +22,8 @@ def _atleast_f32(x: jax.Array) -> jax.Array:
 # uniform distribution instead of NaN, and far below any real logit so exp() underflows to 0.
 MASK_VALUE = -1e30
 
+IGNORE = -1  # target id of positions that carry no loss (padding, prompts, AR context)
+
 
 def gelu(x: jax.Array, approximate: bool = True) -> jax.Array:
     """GELU. `approximate=True` is GPT-2's tanh form; False is the exact erf form."""

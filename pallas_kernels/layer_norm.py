@@ -230,11 +230,13 @@ def _check(x, gamma, beta) -> None:
             raise ValueError(f"{name} must be floating point, got {p.dtype}")
 
 
-def _out_dtype(out_dtype, x: jax.Array) -> jnp.dtype:
+def _prepare(x, gamma, beta, out_dtype, config: Config | None):
+    """Check the public arguments; returns (out_dtype, (forward, backward) configs)."""
+    _check(x, gamma, beta)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if out_dtype not in DTYPES:
         raise ValueError(f"out_dtype must be one of float32, bfloat16, got {out_dtype}")
-    return out_dtype
+    return out_dtype, ((config, config) if config else default_configs(x.shape[-1]))
 
 
 def layer_norm(
@@ -254,9 +256,7 @@ def layer_norm(
     Statistics are float32. `config` overrides the tuned block sizes of both directions
     (benchmarks use it).
     """
-    _check(x, gamma, beta)
-    out_dtype = _out_dtype(out_dtype, x)
-    cfgs = (config, config) if config else default_configs(x.shape[-1])
+    out_dtype, cfgs = _prepare(x, gamma, beta, out_dtype, config)
     y = _layer_norm(
         x.reshape(-1, x.shape[-1]),
         gamma,
@@ -287,14 +287,12 @@ def add_layer_norm(
     writes s and y; the backward reads s, dy, ds and writes dx and dh (= dx in h's dtype) in one
     pass too, instead of a LayerNorm plus separate add and convert passes.
     """
-    _check(x, gamma, beta)
+    out_dtype, cfgs = _prepare(x, gamma, beta, out_dtype, config)
     if h.shape != x.shape or h.dtype not in DTYPES:
         raise ValueError(
             f"h must match x's shape {x.shape} with a float32/bfloat16 dtype, got "
             f"{h.dtype}{h.shape}"
         )
-    out_dtype = _out_dtype(out_dtype, x)
-    cfgs = (config, config) if config else default_configs(x.shape[-1])
     flat = (-1, x.shape[-1])
     s, y = _add_layer_norm(
         x.reshape(flat),

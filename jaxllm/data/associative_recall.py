@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxllm.config import AssociativeRecallConfig
-
-IGNORE = -1  # target id at positions that carry no loss
+from jaxllm.functional import IGNORE  # target id at positions that carry no loss
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,8 @@ import numpy as np
 
 import pallas_kernels
 from jaxllm.config import ModelConfig
+from jaxllm.functional import IGNORE
 from jaxllm.layers import KVCache
-
-IGNORE = -1  # target id of positions that carry no loss (padding, prompts)
 
 
 def check_tokens(
