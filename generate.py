@@ -13,8 +13,9 @@ apply_default_xla_flags()  # before jax is imported: XLA reads its flags then
 import argparse
 import sys
 
+from jaxllm.config import ConfigError
 from jaxllm.data.tokenizer import load_gpt2_tokenizer
-from jaxllm.generate import generate_text
+from jaxllm.generate import Sampling, generate_text
 from jaxllm.models import build_model
 from jaxllm.train.checkpoint import load_run
 
@@ -36,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", choices=["latest", "best"], default="latest")
     p.add_argument("--bpe-dir", default=None, help="GPT-2 BPE files (else $JAXLLM_BPE_DIR)")
     args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:
+        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         cfg, params, step = load_run(args.run_dir, args.checkpoint)
         budget = cfg.model.context_length
         tokenizer = load_gpt2_tokenizer(args.bpe_dir or cfg.data.tokens.bpe_dir)
@@ -46,19 +50,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"the prompt ({longest} tokens) fills the context ({budget})")
         if max_new < args.max_new_tokens:
             print(f"note: max-new-tokens cut to {max_new} (context {budget})", file=sys.stderr)
-        texts = generate_text(
-            build_model(cfg.model),
-            params,
-            cfg.model,
-            tokenizer,
-            args.prompt,
-            max_new,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-        )
-    except (FileNotFoundError, ValueError) as e:
+        model = build_model(cfg.model)
+        print(model.plan.describe(), file=sys.stderr)
+        texts = generate_text(model, params, tokenizer, args.prompt, max_new, sampling, args.seed)
+    except (FileNotFoundError, ValueError, ConfigError) as e:
         p.error(str(e))
     print(f"# {args.run_dir} step {step} ({args.checkpoint} checkpoint)", file=sys.stderr)
     for prompt, text in zip(args.prompt, texts, strict=True):

@@ -8,8 +8,23 @@ Run on a GPU: `python profile.py kernels [--tune] [--only softmax,layer_norm,con
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
+import sysconfig
+
+if __name__ == "profile":
+    # Imported as `profile`, not run: the repo root is on sys.path (cwd, for `python -m cProfile`
+    # or `python -c` here), so this file shadows the standard library's `profile`, which cProfile
+    # imports (`module 'profile' has no attribute 'run'`). Load the real one from the stdlib
+    # directory and put it in sys.modules: the import system hands importers whatever
+    # sys.modules holds once this file has run, so they get the standard library's module.
+    _spec = importlib.util.spec_from_file_location(
+        "profile", os.path.join(sysconfig.get_paths()["stdlib"], "profile.py")
+    )
+    _stdlib_profile = importlib.util.module_from_spec(_spec)
+    sys.modules["profile"] = _stdlib_profile
+    _spec.loader.exec_module(_stdlib_profile)
 
 KERNELS = ("softmax", "layer_norm", "conv1d")
 
@@ -34,7 +49,8 @@ def _kernels(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    k = sub.add_parser("kernels", help="Pallas kernels vs XLA and PyTorch: time, GB/s, % copy")
+    # help strings go through %-formatting (argparse): "%%" prints one "%"
+    k = sub.add_parser("kernels", help="Pallas kernels vs XLA and PyTorch: time, GB/s, %% copy")
     k.add_argument("--only", default="", help=f"comma-separated subset of {', '.join(KERNELS)}")
     k.add_argument("--tune", action="store_true", help="also time a few block configs per case")
     k.add_argument("--jsonl", default=None, help="append one JSON line per table row here")

@@ -9,62 +9,43 @@ H100 SXM dense bf16 peak of 989 TFLOP/s.
 
 from __future__ import annotations
 
-import argparse
-import itertools
-import statistics
-import sys
-import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxllm.xla_flags import apply_default_xla_flags
 
 apply_default_xla_flags()  # before jax is imported: XLA reads its flags then
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import argparse
+import itertools
 
-from jaxllm.config import load_config
+import jax
+
+from jaxllm.config import Config, load_config
 from jaxllm.models import build_model
 from jaxllm.profiling.flops import train_flops_per_token
-from jaxllm.train.optim import make_optimizer
-from jaxllm.train.state import create_state, train_step
+from jaxllm.profiling.harness import make_state, random_batch, time_calls
+from jaxllm.train.state import train_step
 
 PEAK_BF16 = 989e12
 
 
-def bench(cfg, batch: int, steps: int, repeats: int) -> dict:
-    model = build_model(cfg.model)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.model.vocab_size, (batch, cfg.model.context_length + 1))
-    data = {
-        "inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
-        "targets": jnp.asarray(tokens[:, 1:], jnp.int32),
-    }
-    state = create_state(
-        model, make_optimizer(cfg.optim, 10_000), jax.random.PRNGKey(0), data["inputs"]
-    )
+def bench(cfg: Config, batch: int, steps: int, repeats: int) -> dict:
+    data = random_batch(cfg, batch)
+    state = make_state(cfg, data)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     key = jax.random.PRNGKey(1)
-    for _ in range(3):  # compile + warm-up
-        state, m = train_step(state, data, key)
-    jax.block_until_ready(m)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            state, m = train_step(state, data, key)
-        jax.block_until_ready(m)
-        times.append((time.perf_counter() - t0) / steps)
-    step_s = statistics.median(times)
-    tps = batch * cfg.model.context_length / step_s
+    holder = {"state": state}
+
+    def step():
+        holder["state"], metrics = train_step(holder["state"], data, key)
+        return metrics
+
+    timing = time_calls(step, steps=steps, repeats=repeats)
+    tps = batch * cfg.model.context_length / timing.median_s
     return {
-        "step_ms": 1e3 * step_s,
+        "step_ms": 1e3 * timing.median_s,
         "tokens_per_s": tps,
         "mfu": tps * train_flops_per_token(cfg.model, n_params) / PEAK_BF16,
-        "loss": float(m["loss"]),
-        "spread_ms": 1e3 * (max(times) - min(times)),
+        "loss": float(step()["loss"]),
+        "spread_ms": 1e3 * timing.spread_s,
     }
 
 
@@ -91,6 +72,7 @@ def main() -> None:
                 f"--model.loss_impl={loss}",
             ],
         )
+        print(f"batch {b} {attn} {kern} {loss}: {build_model(cfg.model).plan.describe()}")
         try:
             r = bench(cfg, b, args.steps, args.repeats)
         except Exception as e:  # report OOM etc. in the table, keep going

@@ -7,25 +7,21 @@ HLO of the step to OUT_DIR/step.hlo.txt (kernel names are the HLO fusion names t
 
 from __future__ import annotations
 
+from jaxllm.xla_flags import apply_default_xla_flags
+
+apply_default_xla_flags()  # before jax is imported: XLA reads its flags then
+
 import collections
 import gzip
 import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jaxllm.xla_flags import apply_default_xla_flags
-
-apply_default_xla_flags()  # before jax is imported: XLA reads its flags then
-
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from jaxllm.config import load_config
-from jaxllm.models import build_model
-from jaxllm.train.optim import make_optimizer
-from jaxllm.train.state import create_state, train_step
+from jaxllm.profiling.harness import make_state, random_batch
+from jaxllm.train.state import train_step
 
 STEPS = 3
 
@@ -33,16 +29,8 @@ STEPS = 3
 def main() -> None:
     out = Path(sys.argv[1])
     cfg = load_config("configs/gpt2_124m.yaml", sys.argv[2:])
-    b, t = cfg.train.batch_size, cfg.model.context_length
-    tok = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (b, t + 1))
-    batch = {
-        "inputs": jnp.asarray(tok[:, :-1], jnp.int32),
-        "targets": jnp.asarray(tok[:, 1:], jnp.int32),
-    }
-    model = build_model(cfg.model)
-    state = create_state(
-        model, make_optimizer(cfg.optim, 1000), jax.random.PRNGKey(0), batch["inputs"]
-    )
+    batch = random_batch(cfg)
+    state = make_state(cfg, batch)
     key = jax.random.PRNGKey(1)
     out.mkdir(parents=True, exist_ok=True)
     hlo = train_step.lower(state, batch, key).compile().as_text()

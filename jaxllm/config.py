@@ -1,18 +1,23 @@
-"""Typed configuration: YAML preset -> dataclasses -> `--a.b=value` overrides -> the code.
+"""Typed configuration: YAML preset -> frozen dataclasses -> `--a.b=value` overrides -> the code.
 
-Every key is checked: an unknown or mistyped key, or a value of the wrong type or outside its
-allowed range, is a `ConfigError` that names the key and what is allowed.
+Every section is a frozen dataclass validated once, when it is built: each field declares its
+type and range next to it (`spec(default, gt=0)`), one generic loop checks them, and the few
+rules that tie fields together live in the section's `_check` (or, across sections, in
+`Config._check`). Unknown or mistyped keys, wrong types, NaN/inf and out-of-range values are a
+`ConfigError` that names the key and what is allowed. Frozen configs are hashable, so a model
+or a jitted function can take one as a static argument.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
@@ -21,25 +26,85 @@ class ConfigError(ValueError):
     """A config file or override that does not fit the schema."""
 
 
-@dataclass
-class ModelConfig:
-    arch: Literal["gpt2", "transformer_lm"] = "gpt2"
-    vocab_size: int = 50257
-    context_length: int = 1024
-    d_model: int = 768
-    n_layers: int = 12
-    n_heads: int = 12
-    d_ff: int | None = None  # None: 4 * d_model
-    dropout: float = 0.0
+def spec(
+    default: Any,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    nonempty: bool = False,
+) -> Any:
+    """A dataclass field with a default and its allowed range (checked by `Section`)."""
+    return field(
+        default=default, metadata={"gt": gt, "ge": ge, "lt": lt, "le": le, "nonempty": nonempty}
+    )
+
+
+class Section:
+    """Base of the config dataclasses: coerce and range-check every field on construction."""
+
+    PATH: ClassVar[str] = ""  # dotted prefix for messages, e.g. "model"
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            path = f"{self.PATH}.{f.name}" if self.PATH else f.name
+            value = _coerce(hints[f.name], getattr(self, f.name), path)
+            _check_range(path, value, f.metadata)
+            object.__setattr__(self, f.name, value)
+        self._check()
+
+    def _check(self) -> None:
+        """Rules between fields of this section."""
+
+
+_BOUNDS = (("gt", ">", float.__gt__), ("ge", ">=", float.__ge__),
+           ("lt", "<", float.__lt__), ("le", "<=", float.__le__))  # fmt: skip
+
+
+def _check_range(path: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{path} must be a finite number, got {value}")
+    if isinstance(value, str) and meta.get("nonempty") and not value.strip():
+        raise ConfigError(f"{path} must be a non-empty string")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    bounds = [(sym, meta[key], op) for key, sym, op in _BOUNDS if meta.get(key) is not None]
+    if all(op(float(value), float(b)) for _, b, op in bounds):
+        return
+    if len(bounds) == 2:  # lower and upper: interval notation
+        (lo_sym, lo, _), (hi_sym, hi, _) = bounds
+        allowed = f"in {'(' if lo_sym == '>' else '['}{lo:g}, {hi:g}{')' if hi_sym == '<' else ']'}"
+    else:
+        allowed = " and ".join(f"{sym} {b:g}" for sym, b, _ in bounds)
+    raise ConfigError(f"{path} must be {allowed}, got {value}")
+
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    PATH: ClassVar[str] = "model"
+
+    arch: Literal["gpt2", "transformer_lm"] = "gpt2"  # a file in jaxllm/models/
+    vocab_size: int = spec(50257, gt=0)
+    context_length: int = spec(1024, gt=0)
+    d_model: int = spec(768, gt=0)
+    n_layers: int = spec(12, gt=0)
+    n_heads: int = spec(12, gt=0)
+    d_ff: int | None = spec(None, gt=0)  # None: 4 * d_model
+    dropout: float = spec(0.0, ge=0.0, lt=1.0)
     bias: bool = True  # biases of the linear layers and LayerNorms (gpt2 only)
     qkv_bias: bool = True  # bias of the fused q/k/v projection (gpt2 only)
     tie_embeddings: bool = True  # LM head shares the token embedding matrix
-    init_std: float = 0.02  # gpt2 weight init; ~1/sqrt(d_model) suits small models better
-    rope_theta: float = 10000.0  # transformer_lm only
-    norm_eps: float = 1e-5
+    # gpt2's init: N(0, init_std^2), the residual projections scaled by 1/sqrt(2 n_layers);
+    # ~1/sqrt(d_model) suits small models better. transformer_lm uses CS336's init instead.
+    init_std: float = spec(0.02, gt=0.0)
+    rope_theta: float = spec(10000.0, gt=0.0)  # transformer_lm only
+    norm_eps: float = spec(1e-5, gt=0.0)
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # matmul dtype; params stay f32
-    kernels: Literal["xla", "pallas"] = "xla"  # softmax + LayerNorm through pallas_kernels
-    attention_impl: Literal["xla", "dot_product_attention"] = "xla"
+    # Which implementation runs is decided in jaxllm/ops.py (`plan_ops`), which says it out loud:
+    kernels: Literal["xla", "pallas"] = "xla"  # norms + attention softmax via pallas_kernels
+    attention_impl: Literal["xla", "dot_product_attention"] = "xla"  # the latter: cuDNN on GPU
     # Training loss: "xla" = logits, then softmax_loss; "pallas" = the fused LM head +
     # cross-entropy kernel (pallas_kernels.linear_cross_entropy), which never keeps the logits.
     loss_impl: Literal["xla", "pallas"] = "xla"
@@ -48,140 +113,123 @@ class ModelConfig:
     def ffn_dim(self) -> int:
         return self.d_ff if self.d_ff is not None else 4 * self.d_model
 
-    def validate(self) -> None:
-        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
-            _positive(f"model.{name}", getattr(self, name))
-        if self.d_ff is not None:
-            _positive("model.d_ff", self.d_ff)
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def _check(self) -> None:
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model ({self.d_model}) must be divisible by model.n_heads "
                 f"({self.n_heads})"
             )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
-        _positive("model.init_std", self.init_std)
-        if self.norm_eps <= 0:
-            raise ConfigError(f"model.norm_eps must be > 0, got {self.norm_eps}")
         if self.arch == "transformer_lm":
             if self.bias or self.qkv_bias:
                 raise ConfigError(
                     "arch transformer_lm has no biases: set model.bias=false and "
                     "model.qkv_bias=false"
                 )
-            if (self.d_model // self.n_heads) % 2:
+            if self.head_dim % 2:
                 raise ConfigError(
                     "transformer_lm needs an even head dim (d_model / n_heads) for RoPE"
                 )
-            if self.rope_theta <= 0:
-                raise ConfigError(f"model.rope_theta must be > 0, got {self.rope_theta}")
+        if self.attention_impl == "dot_product_attention" and self.dropout > 0:
+            raise ConfigError(
+                "model.attention_impl=dot_product_attention has no attention dropout; "
+                f"set model.dropout=0 (got {self.dropout}) or model.attention_impl=xla"
+            )
 
 
-@dataclass
-class AssociativeRecallConfig:
-    vocab_size: int = 32  # keys are the first half of the ids, values the second half
-    num_pairs: int = 8
-    num_train: int = 10_000
-    num_test: int = 1_000
-    seed: int = 0
+@dataclass(frozen=True)
+class AssociativeRecallConfig(Section):
+    PATH: ClassVar[str] = "data.associative_recall"
 
-    def validate(self) -> None:
-        if self.vocab_size < 4 or self.vocab_size % 2:
+    vocab_size: int = spec(32, ge=4)  # even: keys are the first half of the ids, values the rest
+    num_pairs: int = spec(8, ge=1)
+    num_train: int = spec(10_000, gt=0)
+    num_test: int = spec(1_000, gt=0)
+    seed: int = spec(0, ge=0)
+
+    def _check(self) -> None:
+        if self.vocab_size % 2:
             raise ConfigError(
                 f"data.associative_recall.vocab_size must be even and >= 4, got {self.vocab_size}"
             )
-        if not 1 <= self.num_pairs <= self.vocab_size // 2:
+        if self.num_pairs > self.vocab_size // 2:
             raise ConfigError(
                 f"data.associative_recall.num_pairs must be in [1, vocab_size/2 = "
                 f"{self.vocab_size // 2}] (keys are distinct), got {self.num_pairs}"
             )
-        _positive("data.associative_recall.num_train", self.num_train)
-        _positive("data.associative_recall.num_test", self.num_test)
 
 
-@dataclass
-class TokensConfig:
+@dataclass(frozen=True)
+class TokensConfig(Section):
     """Flat token files written by `python -m jaxllm.data.prepare`. Relative paths resolve
     against $JAXLLM_DATA_DIR when it is set."""
 
-    train_path: str = "train.bin"
-    val_path: str = "val.bin"
+    PATH: ClassVar[str] = "data.tokens"
+
+    train_path: str = spec("train.bin", nonempty=True)
+    val_path: str = spec("val.bin", nonempty=True)
     bpe_dir: str | None = None  # GPT-2 BPE files; None: $JAXLLM_BPE_DIR, then tiktoken's cache
 
+    GPT2_VOCAB: ClassVar[int] = 50257  # ids in the token files
 
-@dataclass
-class DataConfig:
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    PATH: ClassVar[str] = "data"
+
     kind: Literal["associative_recall", "tokens"] = "associative_recall"
     associative_recall: AssociativeRecallConfig = field(default_factory=AssociativeRecallConfig)
     tokens: TokensConfig = field(default_factory=TokensConfig)
 
 
-@dataclass
-class OptimConfig:
-    lr: float = 3e-4  # peak learning rate, reached at the end of warm-up
-    min_lr: float = 3e-5  # reached exactly at the last step
-    warmup_steps: int = 100
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+@dataclass(frozen=True)
+class OptimConfig(Section):
+    PATH: ClassVar[str] = "optim"
+
+    lr: float = spec(3e-4, gt=0.0)  # peak learning rate, reached at the end of warm-up
+    min_lr: float = spec(3e-5, ge=0.0)  # reached exactly at the last step; <= lr
+    warmup_steps: int = spec(100, ge=0)
+    beta1: float = spec(0.9, ge=0.0, lt=1.0)
+    beta2: float = spec(0.95, ge=0.0, lt=1.0)
+    eps: float = spec(1e-8, gt=0.0)
+    weight_decay: float = spec(0.1, ge=0.0)
     decay_norms_and_embeddings: bool = False  # weight decay on norm scales, biases, embeddings
-    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    grad_clip: float = spec(1.0, ge=0.0)  # global-norm clipping; 0 disables
 
-    def validate(self) -> None:
-        _positive("optim.lr", self.lr)
-        if not 0 <= self.min_lr <= self.lr:
+    def _check(self) -> None:
+        if self.min_lr > self.lr:
             raise ConfigError(f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
-        _positive("optim.eps", self.eps)
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ConfigError("optim.weight_decay and optim.grad_clip must be >= 0")
 
 
-@dataclass
-class TrainConfig:
-    seed: int = 0
-    batch_size: int = 64
-    steps: int = 1000
-    eval_every: int = 200  # steps between evaluations (and at the end)
-    eval_batches: int = 16  # held-out batches per evaluation (token data)
-    log_every: int = 10
-    run_dir: str = "runs/default"
-    checkpoint_every: int = 0  # 0: only at the end
-    keep_checkpoints: int = 3  # the last K; the best by eval loss is kept apart
+@dataclass(frozen=True)
+class TrainConfig(Section):
+    PATH: ClassVar[str] = "train"
+
+    seed: int = spec(0, ge=0)
+    batch_size: int = spec(64, gt=0)
+    steps: int = spec(1000, gt=0)
+    eval_every: int = spec(200, gt=0)  # steps between evaluations (and at the end)
+    eval_batches: int = spec(16, gt=0)  # held-out batches per evaluation (token data)
+    log_every: int = spec(10, gt=0)
+    run_dir: str = spec("runs/default", nonempty=True)
+    checkpoint_every: int = spec(0, ge=0)  # 0: only at the end
+    keep_checkpoints: int = spec(3, gt=0)  # the last K; the best by eval loss is kept apart
     resume: bool = True  # continue from run_dir's latest checkpoint if there is one
     progress: bool = True  # tqdm bar
 
-    def validate(self) -> None:
-        for name in (
-            "batch_size",
-            "steps",
-            "eval_every",
-            "eval_batches",
-            "log_every",
-            "keep_checkpoints",
-        ):
-            _positive(f"train.{name}", getattr(self, name))
-        if self.checkpoint_every < 0:
-            raise ConfigError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
 
-
-@dataclass
-class Config:
+@dataclass(frozen=True)
+class Config(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
-    def validate(self) -> Config:
-        self.model.validate()
-        self.data.associative_recall.validate()
-        self.optim.validate()
-        self.train.validate()
+    def _check(self) -> None:
+        m = self.model
         if self.optim.warmup_steps >= self.train.steps:
             raise ConfigError(
                 f"optim.warmup_steps ({self.optim.warmup_steps}) must be < train.steps "
@@ -189,48 +237,45 @@ class Config:
             )
         if self.data.kind == "associative_recall":
             ar = self.data.associative_recall
-            if self.model.vocab_size < ar.vocab_size:
+            if m.vocab_size < ar.vocab_size:
                 raise ConfigError(
-                    f"model.vocab_size ({self.model.vocab_size}) must be >= "
+                    f"model.vocab_size ({m.vocab_size}) must be >= "
                     f"data.associative_recall.vocab_size ({ar.vocab_size})"
                 )
-            if self.model.context_length < 2 * ar.num_pairs + 1:
+            if m.context_length < 2 * ar.num_pairs + 1:
                 raise ConfigError(
-                    f"model.context_length ({self.model.context_length}) must be >= "
+                    f"model.context_length ({m.context_length}) must be >= "
                     f"2 * num_pairs + 1 = {2 * ar.num_pairs + 1}"
                 )
-        return self
+        elif self.data.kind == "tokens" and m.vocab_size < TokensConfig.GPT2_VOCAB:
+            raise ConfigError(
+                f"token files use the GPT-2 vocabulary ({TokensConfig.GPT2_VOCAB} ids); "
+                f"model.vocab_size is {m.vocab_size}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _positive(name: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"{name} must be > 0, got {value}")
 
 
 # ----------------------------------------------------------------------------- parsing
 
 
 def from_dict(cls: type, data: Any, path: str = "") -> Any:
-    """Build dataclass `cls` from nested dicts, checking every key and value type."""
+    """Build dataclass `cls` from nested dicts, checking every key (values: on construction)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'} must be a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
     if unknown:
         where = path or "top level"
         raise ConfigError(f"unknown key(s) {unknown} at {where}; valid keys: {names}")
-    kwargs = {k: _coerce(hints[k], v, f"{path}.{k}" if path else k) for k, v in data.items()}
-    return cls(**kwargs)
+    return cls(**data)
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, path)
+        return value if isinstance(value, tp) else from_dict(tp, value, path)
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
@@ -256,7 +301,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path} must be an integer, got {value!r}")
-        return value
+        return int(value)
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads '3e-4' (no dot) as a string
             with contextlib.suppress(ValueError):
@@ -288,7 +333,10 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
                 raise ConfigError(f"override --{key} has no value")
             i += 1
             raw = args[i]
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override --{key}: cannot parse {raw!r} ({e})") from None
         if isinstance(value, str) and raw.strip().lower() in ("nan", ".nan"):
             value = float("nan")
         out[key] = value
@@ -313,6 +361,8 @@ def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
         if not dataclasses.is_dataclass(cls):
             raise ConfigError(f"{'.'.join(keys[: depth + 1])} is a value, not a section")
         node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{'.'.join(keys[: depth + 1])} must be a mapping")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -322,13 +372,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text())
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a YAML mapping at the top level")
         tree = loaded or {}
     for dotted, value in parse_overrides(overrides or []).items():
         _set_path(tree, dotted, value)
-    return from_dict(Config, tree).validate()
+    return from_dict(Config, tree)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

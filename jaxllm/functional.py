@@ -77,7 +77,14 @@ def softmax(x: jax.Array, axis: int = -1, temperature: float = 1.0) -> jax.Array
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     z = _atleast_f32(x) / temperature
-    return jnp.exp(z - logsumexp(z, axis=axis, keepdims=True))
+    # exp(z - m) / sum, not exp(z - logsumexp(z)): a float32 logsumexp of large logits (~100)
+    # is rounded by up to half an ulp (4e-6), an error every probability then carries. The max
+    # shift is exact and the division rounds once per element. The shift does not change the
+    # result, so it takes no gradient; a non-finite max (an all -inf row) is replaced by 0 as in
+    # `logsumexp`. A row of MASK_VALUE gives exp(0) everywhere: uniform.
+    m = jax.lax.stop_gradient(jnp.max(z, axis=axis, keepdims=True))
+    e = jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0.0))
+    return e / jnp.sum(e, axis=axis, keepdims=True)
 
 
 @jax.custom_vjp
@@ -232,3 +239,40 @@ def attention(
         probs = probs_fn(scores, scale)
     probs = dropout(probs, dropout_rate, dropout_rng)
     return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
+
+
+def linear_cross_entropy(
+    x: jax.Array,
+    w: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    compute_dtype: jnp.dtype = jnp.bfloat16,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The LM-head loss on XLA: logits = x W^T in compute_dtype, then `softmax_loss`.
+
+    x (N, D), w (V, D), targets (N,) int, weights (N,) -> (sum_i w_i ce_i, ce (N,), hit (N,)),
+    hit = the target's logit is the row maximum. ce, hit and the weights carry no gradient, as
+    in the fused kernel `pallas_kernels.linear_cross_entropy`.
+    """
+    weights = jax.lax.stop_gradient(weights)
+    logits = jnp.dot(x.astype(compute_dtype), w.astype(compute_dtype).T)  # (N, V)
+    ce = softmax_loss(logits, targets)  # (N,) float32
+    z = _atleast_f32(logits)
+    z_t = jnp.take_along_axis(z, targets[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    hit = z_t >= jnp.max(z, axis=-1)
+    return jnp.sum(weights * ce), jax.lax.stop_gradient(ce), hit
+
+
+def depthwise_conv1d(u: jax.Array, w: jax.Array, b: jax.Array, mode: str = "causal") -> jax.Array:
+    """out[:, t, d] = b[d] + sum_k w[d, k] * u_padded[:, t + k, d] (a cross-correlation, as
+    torch's conv1d). u (B, L, D), w (D, K), b (D,); mode 'causal' (output t sees inputs <= t),
+    'same' or 'full' (length L + K - 1). Math in float32, returns u's dtype."""
+    k = w.shape[1]
+    pads = {"causal": (k - 1, 0), "same": ((k - 1) // 2, k // 2), "full": (k - 1, k - 1)}
+    if mode not in pads:
+        raise ValueError(f"mode must be one of {sorted(pads)}, got {mode!r}")
+    up = jnp.pad(_atleast_f32(u), ((0, 0), pads[mode], (0, 0)))  # (B, L + pads, D)
+    n = up.shape[1] - k + 1
+    wf = _atleast_f32(w)
+    out = b.astype(wf.dtype) + sum(up[:, i : i + n] * wf[:, i] for i in range(k))
+    return out.astype(u.dtype)

@@ -14,21 +14,19 @@ returned); they never hold more than max_new_tokens ids.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import functional as F
-from jaxllm.config import ModelConfig
+from jaxllm.config import ModelConfig, Section, spec
 from jaxllm.data.tokenizer import EOT_ID, N_VOCAB
-from jaxllm.models import init_kv_cache
+from jaxllm.models import Decoder, init_kv_cache
 
 EosId = int | None | Literal["auto"]  # "auto": <|endoftext|> if the vocab is GPT-2's, else None
 Seed = int | jax.Array  # an int seed or a jax PRNG key
@@ -74,35 +72,38 @@ def sample_next(
     return jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
+@dataclass(frozen=True)
+class Sampling(Section):
+    """How the next token is chosen (see `sample_next`), validated on construction."""
+
+    PATH: ClassVar[str] = "sampling"
+
+    temperature: float = spec(1.0, ge=0.0)  # 0 = greedy
+    top_k: int | None = spec(None, ge=1)  # None: the whole vocabulary
+    top_p: float = spec(1.0, gt=0.0, le=1.0)  # nucleus mass
+    eos_id: int | None | Literal["auto"] = spec("auto", ge=0)  # "auto": see resolve_eos_id
+
+
+GREEDY = Sampling(temperature=0.0)
+
+
 def resolve_eos_id(cfg: ModelConfig, eos_id: EosId) -> int | None:
     """ "auto" -> <|endoftext|> (50256) for GPT-2's vocab, else None; ints are range-checked."""
     if eos_id == "auto":
         return EOT_ID if cfg.vocab_size == N_VOCAB else None
-    if eos_id is not None and (
-        isinstance(eos_id, bool)
-        or not isinstance(eos_id, (int, np.integer))
-        or not 0 <= eos_id < cfg.vocab_size
-    ):
+    if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
         raise ValueError(
             f"eos_id must be None, 'auto' or an int in [0, {cfg.vocab_size - 1}], got {eos_id!r}"
         )
-    return None if eos_id is None else int(eos_id)
+    return eos_id
 
 
 def _check_request(
-    model: nn.Module,
-    cfg: ModelConfig,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float,
+    cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int
 ) -> list[np.ndarray]:
     """Raise ValueError for a request `generate` cannot serve; return the prompts as arrays."""
-    if getattr(model, "cfg", cfg) != cfg:
-        raise ValueError("cfg differs from model.cfg; pass the config the model was built with")
-    if len(prompts) == 0:
-        raise ValueError("prompts is empty; pass at least one prompt")
+    if isinstance(prompts, str) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
     arrays = []
     for i, p in enumerate(prompts):
         a = np.asarray(p)
@@ -127,14 +128,6 @@ def _check_request(
             f"longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = "
             f"{longest + max_new_tokens} exceeds the model's context_length {cfg.context_length}"
         )
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and (
-        isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1
-    ):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     return arrays
 
 
@@ -148,12 +141,9 @@ def _until_eos(tokens: Sequence[int], eos_id: int | None) -> list[int]:
 
 
 @functools.lru_cache(maxsize=16)
-def _decoder(model_cls: type, cfg_fields: tuple, max_new_tokens: int) -> Callable[..., jax.Array]:
-    """Jitted prefill + decode loop for one model config and output length (cached, so repeat
-    calls with new prompts of the same padded shape, seeds or sampling knobs do not recompile).
-    Flax modules holding a (mutable, unhashable) config cannot be jit static args, hence the
-    rebuild from the config's fields."""
-    model = model_cls(ModelConfig(*cfg_fields))
+def _decoder(model: Decoder, max_new_tokens: int) -> Callable[..., jax.Array]:
+    """Jitted prefill + decode loop for one model and output length (cached, so repeat calls
+    with new prompts of the same padded shape, seeds or sampling knobs do not recompile)."""
 
     def run(params, tokens, pad_len, key, temperature, top_k, top_p, eos_id) -> jax.Array:
         b, p = tokens.shape  # tokens (B, P) left-padded; pad_len (B,)
@@ -161,7 +151,7 @@ def _decoder(model_cls: type, cfg_fields: tuple, max_new_tokens: int) -> Callabl
         key_mask = slots[None, :] >= pad_len[:, None]  # (B, S) False on padding
         positions = jnp.maximum(slots[None, :p] - pad_len[:, None], 0)  # (B, P)
         cache = init_kv_cache(model.cfg, b, p + max_new_tokens)
-        logits, cache = model.apply(params, tokens, positions, key_mask, cache, 0)
+        logits, cache = model.apply(params, tokens, cache, 0, positions, key_mask, method="decode")
 
         def sample(logits: jax.Array, step: jax.Array | int) -> jax.Array:
             return sample_next(logits, jax.random.fold_in(key, step), temperature, top_k, top_p)
@@ -177,8 +167,9 @@ def _decoder(model_cls: type, cfg_fields: tuple, max_new_tokens: int) -> Callabl
             i, cache, tok, out, done = carry
             slot = p + i - 1  # where the previous token's key/value go
             logits, cache = model.apply(
-                params, tok[:, None], (slot - pad_len)[:, None], key_mask, cache, slot
-            )
+                params, tok[:, None], cache, slot, (slot - pad_len)[:, None], key_mask,
+                method="decode",
+            )  # fmt: skip
             tok = sample(logits[:, 0], i)
             return i + 1, cache, tok, out.at[:, i].set(tok), done | (tok == eos_id)
 
@@ -189,64 +180,56 @@ def _decoder(model_cls: type, cfg_fields: tuple, max_new_tokens: int) -> Callabl
 
 
 def generate(
-    model: nn.Module,
+    model: Decoder,
     params: Any,
-    cfg: ModelConfig,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float = 1.0,
+    sampling: Sampling = Sampling(),
     seed: Seed = 0,
-    eos_id: EosId = "auto",
 ) -> list[list[int]]:
     """Continue each prompt (a list of token ids; lengths may differ) by up to max_new_tokens.
 
     Returns one list per prompt: the new ids only, ending before the first eos (eos_id None:
-    never stop early). Needs longest prompt + max_new_tokens <= cfg.context_length.
-    See `sample_next` for temperature / top_k / top_p; seed is an int or a PRNG key.
+    never stop early). Needs longest prompt + max_new_tokens <= context_length. seed is an int
+    or a PRNG key.
     """
-    arrays = _check_request(model, cfg, prompts, max_new_tokens, temperature, top_k, top_p)
-    eos = resolve_eos_id(cfg, eos_id)
+    cfg = model.cfg
+    arrays = _check_request(cfg, prompts, max_new_tokens)
+    eos = resolve_eos_id(cfg, sampling.eos_id)
     p = max(a.size for a in arrays)
     tokens = np.zeros((len(arrays), p), np.int32)  # pad id 0: any id works, pads are masked
     for row, a in zip(tokens, arrays, strict=True):
         row[p - a.size :] = a
     pad_len = np.array([p - a.size for a in arrays], np.int32)
-    run = _decoder(type(model), dataclasses.astuple(cfg), int(max_new_tokens))
-    out = run(
+    top_k = cfg.vocab_size if sampling.top_k is None else min(sampling.top_k, cfg.vocab_size)
+    out = _decoder(model, int(max_new_tokens))(
         params,
         tokens,
         pad_len,
         _as_key(seed),
-        np.float32(temperature),
-        np.int32(cfg.vocab_size if top_k is None else min(top_k, cfg.vocab_size)),
-        np.float32(top_p),
+        np.float32(sampling.temperature),
+        np.int32(top_k),
+        np.float32(sampling.top_p),
         np.int32(-1 if eos is None else eos),
     )
     return [_until_eos(row, eos) for row in np.asarray(out)]
 
 
 def generate_uncached(
-    model: nn.Module,
+    model: Decoder,
     params: Any,
-    cfg: ModelConfig,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float = 1.0,
+    sampling: Sampling = Sampling(),
     seed: Seed = 0,
-    eos_id: EosId = "auto",
 ) -> list[list[int]]:
     """Reference for `generate` (same arguments and result): no cache, no left padding, no
     key_mask, no jit. Each step re-runs every full sequence, right-padded to one fixed length
     (causal attention keeps the padding after a sequence from touching its logits, and the fixed
     shape keeps eager ops from recompiling). Slow; meant for tests."""
-    arrays = _check_request(model, cfg, prompts, max_new_tokens, temperature, top_k, top_p)
-    eos = resolve_eos_id(cfg, eos_id)
+    cfg = model.cfg
+    arrays = _check_request(cfg, prompts, max_new_tokens)
+    eos = resolve_eos_id(cfg, sampling.eos_id)
     key = _as_key(seed)
     lengths = np.array([a.size for a in arrays])
     tokens = np.zeros((len(arrays), lengths.max() + max_new_tokens - 1), np.int32)  # (B, L)
@@ -259,8 +242,11 @@ def generate_uncached(
         logits = model.apply(params, jnp.asarray(tokens))  # (B, L, V)
         last = logits[rows, lengths + step - 1]  # (B, V) at each sequence's last token
         toks = np.asarray(
-            sample_next(last, jax.random.fold_in(key, step), temperature, top_k, top_p)
-        )
+            sample_next(
+                last, jax.random.fold_in(key, step), sampling.temperature, sampling.top_k,
+                sampling.top_p,
+            )
+        )  # fmt: skip
         for out, t in zip(new, toks, strict=True):
             out.append(int(t))
         done |= toks == (-1 if eos is None else eos)
@@ -271,18 +257,13 @@ def generate_uncached(
 
 
 def generate_text(
-    model: nn.Module,
+    model: Decoder,
     params: Any,
-    cfg: ModelConfig,
     tokenizer: Tokenizer,
     prompts: list[str],
     max_new_tokens: int,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float = 1.0,
+    sampling: Sampling = Sampling(),
     seed: Seed = 0,
-    eos_id: EosId = "auto",
 ) -> list[str]:
     """Text in, text out: encode each prompt, `generate`, decode the new tokens (no prompt)."""
     if isinstance(prompts, str):
@@ -291,16 +272,5 @@ def generate_text(
     for i, t in enumerate(ids):
         if not t:
             raise ValueError(f"prompt {i} encodes to no tokens; prompts must be non-empty text")
-    out = generate(
-        model,
-        params,
-        cfg,
-        ids,
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        eos_id=eos_id,
-    )
+    out = generate(model, params, ids, max_new_tokens, sampling, seed)
     return [tokenizer.decode(o) for o in out]

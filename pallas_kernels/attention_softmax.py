@@ -53,11 +53,19 @@ class _Layout(NamedTuple):
     mask_rows: int  # Tq or 1: rows of mask per batch entry
 
 
+def _i32(x) -> jax.Array:
+    """x as an int32 index. Under jax_enable_x64 Python ints and loop counters are int64 while
+    program ids are int32, and interpret mode rejects slice starts of mixed integer types; int32
+    is also what the GPU's index arithmetic wants."""
+    return jax.lax.convert_element_type(x, jnp.int32)
+
+
 def _logits(x_ref, m_ref, rows0, cols0, *, cfg, width, scale, causal, lay):
     """Scaled, masked float32 logits of one (block_rows, width) tile; -inf where not allowed."""
     n_rows, n_keys = x_ref.shape
-    r = rows0 + jnp.arange(cfg.block_rows)  # (R,) global row index
-    c = cols0 + jnp.arange(width)  # (C,)
+    rows0, cols0 = _i32(rows0), _i32(cols0)
+    r = rows0 + jnp.arange(cfg.block_rows, dtype=jnp.int32)  # (R,) global row index
+    c = cols0 + jnp.arange(width, dtype=jnp.int32)  # (C,)
     valid = (r < n_rows)[:, None] & (c < n_keys)[None, :]
     x = pltriton.load(
         x_ref.at[pl.ds(rows0, cfg.block_rows), pl.ds(cols0, width)], mask=valid, other=0.0
@@ -94,7 +102,7 @@ def _fwd_kernel(*refs, cfg: Config, scale: float, causal: bool, lay: _Layout):
     )
 
     def store(cols0, y, valid):
-        out = y_ref.at[pl.ds(rows0, cfg.block_rows), pl.ds(cols0, width)]
+        out = y_ref.at[pl.ds(rows0, cfg.block_rows), pl.ds(_i32(cols0), width)]
         pltriton.store(out, y.astype(y_ref.dtype), mask=valid)
 
     if n_chunks == 1:
@@ -106,18 +114,19 @@ def _fwd_kernel(*refs, cfg: Config, scale: float, causal: bool, lay: _Layout):
 
     def stats(i, carry):  # online max and rescaled sum over chunks
         m, s = carry
-        x, _ = logits(i * width)
+        x, _ = logits(_i32(i) * width)
         m_new = jnp.maximum(m, jnp.max(x, axis=1))
         e = jnp.exp(x - _safe_max(m_new)[:, None])
         return m_new, s * jnp.exp(_safe_max(m) - _safe_max(m_new)) + jnp.sum(e, axis=1)
 
-    init = (jnp.full((cfg.block_rows,), -jnp.inf, jnp.float32), jnp.zeros((cfg.block_rows,)))
+    rows = (cfg.block_rows,)  # float32 carries: x64 would make a plain jnp.zeros float64
+    init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32))
     m, s = jax.lax.fori_loop(0, n_chunks, stats, init)
     m, inv_s = _safe_max(m), 1.0 / jnp.where(s > 0, s, 1.0)
 
     def write(i, carry):
-        x, valid = logits(i * width)
-        store(i * width, jnp.exp(x - m[:, None]) * inv_s[:, None], valid)
+        x, valid = logits(_i32(i) * width)
+        store(_i32(i) * width, jnp.exp(x - m[:, None]) * inv_s[:, None], valid)
         return carry
 
     jax.lax.fori_loop(0, n_chunks, write, 0)
@@ -128,10 +137,11 @@ def _bwd_kernel(y_ref, dy_ref, dx_ref, *, cfg: Config, scale: float):
     width = min(pl.next_power_of_2(n_keys), cfg.max_block)
     n_chunks = pl.cdiv(n_keys, width)
     rows0 = pl.program_id(0) * cfg.block_rows
-    row_ok = rows0 + jnp.arange(cfg.block_rows) < n_rows
+    row_ok = rows0 + jnp.arange(cfg.block_rows, dtype=jnp.int32) < n_rows
 
     def load(cols0):
-        valid = row_ok[:, None] & (cols0 + jnp.arange(width) < n_keys)[None, :]
+        cols0 = _i32(cols0)
+        valid = row_ok[:, None] & (cols0 + jnp.arange(width, dtype=jnp.int32) < n_keys)[None, :]
         idx = (pl.ds(rows0, cfg.block_rows), pl.ds(cols0, width))
         y = pltriton.load(y_ref.at[idx], mask=valid, other=0.0).astype(jnp.float32)
         dy = pltriton.load(dy_ref.at[idx], mask=valid, other=0.0).astype(jnp.float32)
@@ -149,13 +159,13 @@ def _bwd_kernel(y_ref, dy_ref, dx_ref, *, cfg: Config, scale: float):
         return
 
     def dot_step(i, acc):
-        y, dy, _, _ = load(i * width)
+        y, dy, _, _ = load(_i32(i) * width)
         return acc + jnp.sum(y * dy, axis=1)
 
     dot = jax.lax.fori_loop(0, n_chunks, dot_step, jnp.zeros((cfg.block_rows,), jnp.float32))
 
     def write_step(i, carry):
-        write(i * width, dot)
+        write(_i32(i) * width, dot)
         return carry
 
     jax.lax.fori_loop(0, n_chunks, write_step, 0)

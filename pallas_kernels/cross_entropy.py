@@ -53,6 +53,13 @@ def default_config() -> Config:
     return Config(block_rows=1, block_cols=2048, num_warps=4, programs=2**31 - 1)
 
 
+def _i32(x) -> jax.Array:
+    """x as an int32 index. Under jax_enable_x64 Python ints and loop counters are int64 while
+    program ids are int32, and interpret mode rejects slice starts of mixed integer types; int32
+    is also what the GPU's index arithmetic wants."""
+    return jax.lax.convert_element_type(x, jnp.int32)
+
+
 def _kernel(z_ref, t_ref, w_ref, *out_refs, vocab: int, cfg: Config, steps: int):
     if len(out_refs) == 3:
         ce_ref, hit_ref, dz_ref = out_refs
@@ -64,13 +71,14 @@ def _kernel(z_ref, t_ref, w_ref, *out_refs, vocab: int, cfg: Config, steps: int)
 
     @pl.loop(0, steps)
     def row_block(i):
-        row0 = (part * steps + i) * r
+        row0 = (part * steps + _i32(i)) * r
         rows = pl.ds(row0, r)
-        row_ok = row0 + jnp.arange(r) < n_rows  # (R,)
+        row_ok = row0 + jnp.arange(r, dtype=jnp.int32) < n_rows  # (R,)
         t = pltriton.load(t_ref.at[rows], mask=row_ok, other=0)  # (R,)
 
         def chunk(j):
-            cols = j * c + jnp.arange(c)  # (C,)
+            j = _i32(j)
+            cols = j * c + jnp.arange(c, dtype=jnp.int32)  # (C,)
             ok = row_ok[:, None] & (cols < vocab)[None, :]
             z = pltriton.load(z_ref.at[rows, pl.ds(j * c, c)], mask=ok, other=_MASKED)
             return cols, z.astype(jnp.float32)  # (C,), (R, C)
@@ -99,7 +107,8 @@ def _kernel(z_ref, t_ref, w_ref, *out_refs, vocab: int, cfg: Config, steps: int)
             onehot = (cols[None, :] == t[:, None]).astype(jnp.float32)
             dz = (jnp.exp(z - lse[:, None]) - onehot) * w[:, None]
             ok = row_ok[:, None] & (cols < width)[None, :]
-            pltriton.store(dz_ref.at[rows, pl.ds(j * c, c)], dz.astype(dz_ref.dtype), mask=ok)
+            out = dz_ref.at[rows, pl.ds(_i32(j) * c, c)]
+            pltriton.store(out, dz.astype(dz_ref.dtype), mask=ok)
 
 
 def _ce_call(z, targets, weights, vocab: int, with_grad: bool, interpret: bool, cfg: Config):

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .reference import CONV_MODES, conv1d_padding
-from .triton_backend import compiler_params, resolve_interpret
+from .triton_backend import compiler_params, core_count, resolve_interpret
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_KERNEL = 7  # the K shifted loads are unrolled
@@ -46,7 +46,19 @@ def default_config(n_channels: int) -> Config:
     """Tile sizes. The H100 sweep (benchmarks/RESULTS.md) found 8x512 up to 9% faster for float32
     and 32x128 for bfloat16; 16x256 is within 9% of the best for both."""
     block_d = min(256, pl.next_power_of_2(n_channels))
-    return Config(block_t=16, block_d=block_d, num_warps=4, bwd_programs=4 * 132)
+    return Config(block_t=16, block_d=block_d, num_warps=4, bwd_programs=4 * core_count())
+
+
+def _i32(x) -> jax.Array:
+    """x as an int32 index. Under jax_enable_x64 Python ints and loop counters are int64 while
+    program ids are int32, and interpret mode rejects slice starts of mixed integer types; int32
+    is also what the GPU's index arithmetic wants."""
+    return jax.lax.convert_element_type(x, jnp.int32)
+
+
+def _span(start, size: int) -> jax.Array:
+    """int32 indices start, ..., start + size - 1 of one tile."""
+    return _i32(start) + jnp.arange(size, dtype=jnp.int32)
 
 
 def _shifted(ref, batch, t, d, d_ok, shift):
@@ -71,15 +83,15 @@ def _correlate(in_ref, taps, batch, t, d, d_ok, pad):
 def _load_taps(w_ref, d, d_ok):
     """Rows of w transposed (K, D), as K float32 vectors over the tile's channels."""
     return [
-        pltriton.load(w_ref.at[k, d], mask=d_ok, other=0.0).astype(jnp.float32)
+        pltriton.load(w_ref.at[_i32(k), d], mask=d_ok, other=0.0).astype(jnp.float32)
         for k in range(w_ref.shape[0])
     ]
 
 
 def _fwd_kernel(u_ref, wt_ref, b_ref, o_ref, *, cfg: Config, pad: int):
     batch, t_blk, d_blk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    t = t_blk * cfg.block_t + jnp.arange(cfg.block_t)
-    d = d_blk * cfg.block_d + jnp.arange(cfg.block_d)
+    t = _span(t_blk * cfg.block_t, cfg.block_t)
+    d = _span(d_blk * cfg.block_d, cfg.block_d)
     d_ok = d < o_ref.shape[2]
     acc, _ = _correlate(u_ref, _load_taps(wt_ref, d, d_ok), batch, t, d, d_ok, pad)
     acc = acc + pltriton.load(b_ref.at[d], mask=d_ok, other=0.0).astype(jnp.float32)[None, :]
@@ -96,14 +108,14 @@ def _bwd_kernel(
     n_chunks = pl.num_programs(1)
     n_len, n_channels = du_ref.shape[1], du_ref.shape[2]
     k_size = wt_flip_ref.shape[0]
-    d = d_blk * cfg.block_d + jnp.arange(cfg.block_d)
+    d = _span(d_blk * cfg.block_d, cfg.block_d)
     d_ok = d < n_channels
     taps_flip = _load_taps(wt_flip_ref, d, d_ok)
     pad_flip = k_size - 1 - pad
 
     def step(i, acc):
-        t_blk = chunk * steps + i
-        t = t_blk * cfg.block_t + jnp.arange(cfg.block_t)
+        t_blk = chunk * steps + _i32(i)
+        t = _span(t_blk * cfg.block_t, cfg.block_t)
         du, g = _correlate(g_ref, taps_flip, batch, t, d, d_ok, pad_flip)  # g: tile at t
         t_ok = t < n_len
         out = du_ref.at[
@@ -120,7 +132,7 @@ def _bwd_kernel(
     dw_acc, db_acc = jax.lax.fori_loop(0, steps, step, ((zeros,) * k_size, zeros))
     part = batch * n_chunks + chunk
     for k, a in enumerate(dw_acc):
-        pltriton.store(dw_ref.at[part, k, d], jnp.sum(a, axis=0), mask=d_ok)
+        pltriton.store(dw_ref.at[part, _i32(k), d], jnp.sum(a, axis=0), mask=d_ok)
     pltriton.store(db_ref.at[part, d], jnp.sum(db_acc, axis=0), mask=d_ok)
 
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .triton_backend import compiler_params, resolve_interpret
+from .triton_backend import compiler_params, core_count, resolve_interpret
 
 DTYPES = (jnp.float32, jnp.bfloat16)
 MAX_HIDDEN = 16384  # one row lives in registers; 16k float32 over 16 warps is 32 per thread
@@ -46,8 +46,8 @@ def default_configs(n_cols: int) -> tuple[Config, Config]:
     no partials), the backward fewer programs (smaller dgamma/dbeta partials) and pipelining."""
     width = pl.next_power_of_2(n_cols)
     block_rows = max(1, 2048 // width)
-    fwd = Config(block_rows, 4 if width <= 2048 else 8, programs=8 * 132)
-    bwd = Config(block_rows, 4 if width <= 2048 else 16, programs=4 * 132, num_stages=3)
+    fwd = Config(block_rows, 4 if width <= 2048 else 8, programs=8 * core_count())
+    bwd = Config(block_rows, 4 if width <= 2048 else 16, programs=4 * core_count(), num_stages=3)
     return fwd, bwd
 
 
@@ -58,10 +58,19 @@ def _grid(n_rows: int, cfg: Config) -> tuple[int, int]:
     return pl.cdiv(n_blocks, steps), steps
 
 
+def _i32(x) -> jax.Array:
+    """x as an int32 index. Under jax_enable_x64 Python ints and loop counters are int64 while
+    program ids are int32, and interpret mode rejects slice starts of mixed integer types; int32
+    is also what the GPU's index arithmetic wants."""
+    return jax.lax.convert_element_type(x, jnp.int32)
+
+
 def _row_block(pid, block_rows: int, block_cols: int, n_rows: int, n_cols: int):
-    rows = pl.ds(pid * block_rows, block_rows)
-    row_ok = pid * block_rows + jnp.arange(block_rows) < n_rows  # (R,)
-    col_ok = jnp.arange(block_cols) < n_cols  # (C,)
+    # pid mixes program id and loop counter: int32 whatever x64 makes of the counter
+    row0 = _i32(pid) * block_rows
+    rows = pl.ds(row0, block_rows)
+    row_ok = row0 + jnp.arange(block_rows, dtype=jnp.int32) < n_rows  # (R,)
+    col_ok = jnp.arange(block_cols, dtype=jnp.int32) < n_cols  # (C,)
     return rows, row_ok, col_ok
 
 
@@ -72,8 +81,8 @@ def _fwd_kernel(*refs, eps: float, block_rows: int, steps: int, residual: bool):
         (x_ref, g_ref, b_ref, y_ref, mean_ref, rstd_ref), h_ref, s_ref = refs, None, None
     n_rows, n_cols = x_ref.shape
     block_cols = pl.next_power_of_2(n_cols)
-    cols = pl.ds(0, block_cols)
-    col_ok = jnp.arange(block_cols) < n_cols
+    cols = pl.ds(_i32(0), block_cols)
+    col_ok = jnp.arange(block_cols, dtype=jnp.int32) < n_cols
     g = pltriton.load(g_ref.at[cols], mask=col_ok, other=0.0).astype(jnp.float32)
     b = pltriton.load(b_ref.at[cols], mask=col_ok, other=0.0).astype(jnp.float32)
     part = pl.program_id(0)  # read outside the loop: interpret mode cannot lower it inside
@@ -102,8 +111,8 @@ def _bwd_kernel(*refs, block_rows: int, steps: int, residual: bool):
         (x_ref, g_ref, dy_ref, mean_ref, rstd_ref, dx_ref, dg_ref, db_ref) = refs
     n_rows, n_cols = x_ref.shape
     block_cols = pl.next_power_of_2(n_cols)
-    cols = pl.ds(0, block_cols)
-    col_ok = jnp.arange(block_cols) < n_cols
+    cols = pl.ds(_i32(0), block_cols)
+    col_ok = jnp.arange(block_cols, dtype=jnp.int32) < n_cols
     g = pltriton.load(g_ref.at[cols], mask=col_ok, other=0.0).astype(jnp.float32)
     part = pl.program_id(0)  # read outside the loop: interpret mode cannot lower it inside
 

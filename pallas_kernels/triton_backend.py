@@ -31,6 +31,17 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return bool(interpret)
 
 
+# H100 SXM's SM count: the block-size sweeps in benchmarks/RESULTS.md ran there. Interpret mode
+# (CPU) has no SMs; it uses this so a CPU test runs the same grid as the H100.
+REFERENCE_CORE_COUNT = 132
+
+
+def core_count() -> int:
+    """Streaming multiprocessors of the default device (GPU), for sizing persistent grids."""
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or REFERENCE_CORE_COUNT)
+
+
 def compiler_params(num_warps: int, num_stages: int = 1) -> pltriton.CompilerParams:
     """Triton compiler parameters; also installs the deprecation filter (see module docstring).
 

@@ -1,6 +1,11 @@
-"""Shared test setup: float64 is enabled per-test where a reference needs it."""
+"""Shared test setup: tiny model configs, the GPT-2 BPE files, float64 references.
+
+Test files import the constants from here (`from conftest import BPE_DIR, needs_bpe`);
+pytest puts this directory on sys.path.
+"""
 
 import os
+from pathlib import Path
 
 # Tests run on the CPU; keep XLA from grabbing both cores' worth of threads per process.
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
@@ -9,6 +14,32 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+from jaxllm.config import ModelConfig  # noqa: E402
+
+# CI clones the repo beside shared/ (data for real runs; the tests need only the BPE files and
+# make everything else themselves). JAXLLM_TEST_BPE_DIR overrides.
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared/data"
+BPE_DIR = Path(os.environ.get("JAXLLM_TEST_BPE_DIR", SHARED_DATA / "gpt2_bpe"))
+needs_bpe = pytest.mark.skipif(not BPE_DIR.is_dir(), reason=f"no GPT-2 BPE files at {BPE_DIR}")
+
+# The tiny model every model-level test uses: fast on CPU, still multi-layer and multi-head.
+TINY = dict(vocab_size=61, context_length=16, d_model=32, n_layers=2, n_heads=4)
+ARCH_EXTRAS = {  # what each architecture needs beyond TINY
+    "gpt2": {},
+    "transformer_lm": dict(d_ff=48, bias=False, qkv_bias=False, tie_embeddings=False),
+}
+
+
+def tiny_config(arch: str = "gpt2", **overrides) -> ModelConfig:
+    """A tiny ModelConfig of `arch`; keyword arguments override any field."""
+    return ModelConfig(**{**TINY, "arch": arch, **ARCH_EXTRAS[arch], **overrides})
+
+
+@pytest.fixture(params=sorted(ARCH_EXTRAS))
+def arch(request) -> str:
+    """Run a test once per architecture."""
+    return request.param
 
 
 @pytest.fixture

@@ -101,6 +101,42 @@ def test_softmax_temperature(temperature):
         F.softmax(jnp.ones(3), temperature=0.0)
 
 
+def test_softmax_float32_within_1e6_of_float64_at_large_offsets():
+    """CS336's check (issue 15, item 8): softmax(x + 100) of float32 x within 1e-6 of float64.
+    exp(z - logsumexp(z)) misses it by up to ~3e-6 here: logsumexp ~ 102 rounds to float32
+    (ulp 7.6e-6), and that error multiplies every probability. Few keys, so probabilities are
+    large and the error shows."""
+    x = (np.random.default_rng(3).normal(size=(16, 8)) + 100).astype(np.float32)
+    got = F.softmax(jnp.asarray(x))
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), np_softmax(x.astype(np.float64)), atol=1e-6
+    )
+    # a fully masked row (MASK_VALUE everywhere) is uniform, as MASK_VALUE's comment promises
+    np.testing.assert_allclose(F.softmax(jnp.full((2, 4), F.MASK_VALUE)), 0.25, rtol=1e-6)
+    # -inf entries get probability 0; the rest normalise among themselves
+    got = F.softmax(jnp.asarray([[0.0, -np.inf, 1.0]]))
+    np.testing.assert_allclose(got, np_softmax(np.array([[0.0, -700.0, 1.0]])), atol=1e-7)
+
+
+def test_softmax_grad_matches_finite_differences():
+    x = RNG.normal(size=(3, 7)) * 3
+    w = RNG.normal(size=(3, 7))
+    with jax.enable_x64():  # finite differences need float64
+        check_grads(
+            lambda z: F.softmax(z, temperature=0.7) * jnp.asarray(w),
+            (jnp.asarray(x),),
+            order=2,
+            modes=["fwd", "rev"],
+        )
+    # float32: the Jacobian-vector product is diag(p) - p p^T
+    p = np_softmax(x)
+    g = jax.grad(lambda z: jnp.sum(F.softmax(z) * jnp.asarray(w, jnp.float32)))(
+        jnp.asarray(x, jnp.float32)
+    )
+    np.testing.assert_allclose(g, p * (w - np.sum(p * w, -1, keepdims=True)), atol=1e-6)
+
+
 @pytest.mark.parametrize("scale", [1.0, 1e4])
 def test_softmax_loss_matches_reference(scale):
     logits = RNG.normal(size=(32, 100)) * scale

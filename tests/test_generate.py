@@ -4,9 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_config
 
 from jaxllm.config import ModelConfig
 from jaxllm.generate import (
+    Sampling,
     generate,
     generate_text,
     generate_uncached,
@@ -15,13 +17,10 @@ from jaxllm.generate import (
 )
 from jaxllm.models import build_model
 
-TINY = dict(vocab_size=61, context_length=32, d_model=32, n_layers=2, n_heads=4)
 ARCHS = {
     # init_std 0.3 spreads GPT-2's logits (std ~1.7) so greedy ties and near-ties are unlikely.
-    "gpt2": ModelConfig(arch="gpt2", init_std=0.3, **TINY),
-    "transformer_lm": ModelConfig(
-        arch="transformer_lm", d_ff=48, bias=False, qkv_bias=False, tie_embeddings=False, **TINY
-    ),
+    "gpt2": tiny_config("gpt2", context_length=32, init_std=0.3),
+    "transformer_lm": tiny_config("transformer_lm", context_length=32),
 }
 # One batch shape (3 prompts, longest 5) and one length for most tests, so the decoder compiles
 # once per arch; the sampling knobs, seed and eos_id are traced and do not recompile.
@@ -34,11 +33,15 @@ def lm(request):
     cfg = ARCHS[request.param]
     model = build_model(cfg)
     params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
-    return model, params, cfg
+    return model, params
 
 
-def run(lm, prompts=PROMPTS, n=N, **kw):
-    return generate(*lm, prompts, n, **kw)
+def run(lm, prompts=PROMPTS, n=N, seed=0, **sampling):
+    return generate(*lm, prompts, n, Sampling(**sampling), seed)
+
+
+def uncached(lm, prompts=PROMPTS, n=N, seed=0, **sampling):
+    return generate_uncached(*lm, prompts, n, Sampling(**sampling), seed)
 
 
 # ----------------------------------------------------------------------------- sample_next
@@ -127,7 +130,7 @@ def test_sample_next_greedy_breaks_ties_like_argmax():
 
 def test_cached_equals_uncached_greedy_on_a_padded_batch(lm):
     cached = run(lm, temperature=0.0, eos_id=None)
-    assert cached == generate_uncached(*lm, PROMPTS, N, temperature=0.0, eos_id=None)
+    assert cached == uncached(lm, temperature=0.0, eos_id=None)
     assert all(len(row) == N for row in cached)
     assert len({tuple(r) for r in cached}) > 1  # the rows really differ
 
@@ -141,14 +144,14 @@ def test_padded_row_equals_that_prompt_alone(lm):
 
 def test_cached_equals_uncached_when_sampling(lm):
     kw = dict(temperature=0.9, top_k=40, top_p=0.95, seed=5, eos_id=None)
-    assert run(lm, **kw) == generate_uncached(*lm, PROMPTS, N, **kw)
+    assert run(lm, **kw) == uncached(lm, **kw)
 
 
 @pytest.mark.parametrize(
     "kw", [dict(temperature=1e-6), dict(top_k=1), dict(top_p=1e-9), dict(temperature=0.0)]
 )
 def test_decoding_limits_equal_greedy(lm, kw):
-    greedy = generate_uncached(*lm, PROMPTS, N, temperature=0.0, eos_id=None)
+    greedy = uncached(lm, temperature=0.0, eos_id=None)
     assert run(lm, eos_id=None, seed=3, **kw) == greedy
 
 
@@ -177,7 +180,7 @@ def test_stops_at_eos_and_excludes_it(lm):
         j = last_new_token(row)
         out = run(lm, temperature=0.0, eos_id=row[j])
         assert out[i] == row[:j]  # cut before the first eos
-        assert generate_uncached(*lm, PROMPTS, N, temperature=0.0, eos_id=row[j]) == out
+        assert uncached(lm, temperature=0.0, eos_id=row[j]) == out
         for other, got in zip(full, out, strict=True):  # other rows stop at their own eos, if any
             assert got == (other[: other.index(row[j])] if row[j] in other else other)
 
@@ -195,7 +198,7 @@ def test_stops_at_eos_when_sampling(lm):
     eos = full[2][last_new_token(full[2])]
     out = run(lm, eos_id=eos, **kw)
     assert out == [r[: r.index(eos)] if eos in r else r for r in full]
-    assert out == generate_uncached(*lm, PROMPTS, N, eos_id=eos, **kw)
+    assert out == uncached(lm, eos_id=eos, **kw)
     assert len(out[2]) < N
 
 
@@ -219,7 +222,7 @@ def test_generate_text_round_trips_through_the_tokenizer(lm):
     tok = CharTokenizer()
     texts = ["bcdef", "h", "jkl"]  # encodes to PROMPTS
     assert [tok.encode(t) for t in texts] == PROMPTS
-    out = generate_text(*lm[:2], lm[2], tok, texts, N, temperature=0.0, seed=0, top_k=None)
+    out = generate_text(*lm, tok, texts, N, Sampling(temperature=0.0, top_k=None), seed=0)
     assert out == [tok.decode(r) for r in run(lm, temperature=0.0)]
     with pytest.raises(ValueError, match="prompt 1 encodes to no tokens"):
         generate_text(*lm, tok, ["ab", ""], N)
@@ -229,32 +232,40 @@ def test_generate_text_round_trips_through_the_tokenizer(lm):
 
 
 @pytest.mark.parametrize(
-    ("prompts", "kw", "match"),
+    ("prompts", "n", "match"),
     [
-        ([], {}, "prompts is empty"),
-        ([[1, 2], []], {}, r"prompt 1 must be a non-empty list"),
-        ([[1, 61]], {}, r"outside \[0, 60\]"),
-        ([[-1]], {}, r"outside \[0, 60\]"),
-        ([[1]], dict(n=0), "max_new_tokens must be >= 1"),
-        ([[1] * 30], dict(n=3), r"\(30 tokens\) \+ max_new_tokens \(3\) = 33 exceeds .* 32"),
-        ([[1]], dict(temperature=-0.1), r"temperature must be finite and >= 0"),
-        ([[1]], dict(temperature=float("nan")), r"temperature must be finite and >= 0"),
-        ([[1]], dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-        ([[1]], dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-        ([[1]], dict(top_k=0), "top_k must be None or an int >= 1"),
-        ([[1]], dict(eos_id=61), r"eos_id must be None, 'auto' or an int in \[0, 60\]"),
+        ([], 4, "prompts must be a non-empty list"),
+        ([[1, 2], []], 4, r"prompt 1 must be a non-empty list"),
+        ([[1, 61]], 4, r"outside \[0, 60\]"),
+        ([[-1]], 4, r"outside \[0, 60\]"),
+        ([[1]], 0, "max_new_tokens must be >= 1"),
+        ([[1] * 30], 3, r"\(30 tokens\) \+ max_new_tokens \(3\) = 33 exceeds .* 32"),
     ],
 )
 @pytest.mark.parametrize("fn", [generate, generate_uncached])
-def test_bad_requests_raise(lm, fn, prompts, kw, match):
-    kw = dict(kw)  # the parametrized dict is shared with the other `fn`
-    n = kw.pop("n", 4)
+def test_bad_requests_raise(lm, fn, prompts, n, match):
     with pytest.raises(ValueError, match=match):
-        fn(*lm, prompts, n, **kw)
+        fn(*lm, prompts, n)
 
 
-def test_config_must_match_the_model(lm):
-    model, params, cfg = lm
-    other = ModelConfig(**{**cfg.__dict__, "context_length": 64})
-    with pytest.raises(ValueError, match="cfg differs from model.cfg"):
-        generate(model, params, other, PROMPTS, N)
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(temperature=-0.1), r"sampling.temperature must be >= 0"),
+        (dict(temperature=float("nan")), r"sampling.temperature must be a finite number"),
+        (dict(top_p=0.0), r"sampling.top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"sampling.top_p must be in \(0, 1\]"),
+        (dict(top_k=0), "sampling.top_k must be >= 1"),
+        (dict(top_k=2.5), "sampling.top_k must be an integer"),
+        (dict(eos_id=-3), "sampling.eos_id must be >= 0"),
+        (dict(eos_id="end"), "one of \\['auto'\\]"),
+    ],
+)
+def test_bad_sampling_is_refused_on_construction(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Sampling(**kw)
+
+
+def test_eos_id_beyond_the_vocabulary_is_refused(lm):
+    with pytest.raises(ValueError, match=r"eos_id must be None, 'auto' or an int in \[0, 60\]"):
+        run(lm, [[1]], 4, eos_id=61)

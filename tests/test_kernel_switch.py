@@ -9,8 +9,8 @@ import pytest
 
 from jaxllm.config import ModelConfig
 from jaxllm.layers import DepthwiseConv1d
-from jaxllm.models import build_model
-from jaxllm.train.state import _loss_and_metrics
+from jaxllm.models import build_model, init_kv_cache
+from jaxllm.train.state import loss_and_sums
 
 TINY = dict(vocab_size=37, context_length=16, d_model=32, n_layers=1, n_heads=2)
 
@@ -24,9 +24,7 @@ def test_gpt2_pallas_matches_xla(dtype, tol):
     params = xla.init(jax.random.PRNGKey(1), tokens)["params"]
 
     def loss(model):
-        return jax.value_and_grad(lambda p: _loss_and_metrics(p, model.apply, batch, None)[0])(
-            params
-        )
+        return jax.value_and_grad(lambda p: loss_and_sums(p, model.apply, batch, None)[0])(params)
 
     (l_x, g_x), (l_p, g_p) = loss(xla), loss(pallas)
     np.testing.assert_allclose(l_p, l_x, rtol=tol)
@@ -36,20 +34,24 @@ def test_gpt2_pallas_matches_xla(dtype, tol):
     assert (num / den) ** 0.5 < tol
 
 
-def test_pallas_respects_key_padding():
+def test_decoding_with_pallas_norms_matches_xla():
+    """Decoding over a KV cache with a padded prompt: attention is XLA on every plan, the
+    LayerNorms run the Pallas kernels; logits equal the all-XLA model's."""
     cfg = ModelConfig(**TINY, kernels="pallas")
-    model = build_model(cfg)
+    model, ref = build_model(cfg), build_model(ModelConfig(**TINY))
     tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 8), 0, 37)
     params = model.init(jax.random.PRNGKey(3), tokens)
-    key_mask = jnp.array([[True] * 8, [True] * 5 + [False] * 3])
-    ref = build_model(ModelConfig(**TINY)).apply(params, tokens, key_mask=key_mask)
-    np.testing.assert_allclose(model.apply(params, tokens, key_mask=key_mask), ref, atol=1e-4)
+    key_mask = jnp.array([[True] * 8, [False] * 3 + [True] * 5])
+    cache = init_kv_cache(cfg, 2, 8)
+    got, _ = model.apply(params, tokens, cache, 0, None, key_mask, method="decode")
+    want, _ = ref.apply(params, tokens, cache, 0, None, key_mask, method="decode")
+    np.testing.assert_allclose(got, want, atol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["causal", "same", "full"])
 def test_depthwise_conv_layer_switch(mode):
     u = jax.random.normal(jax.random.PRNGKey(4), (2, 10, 8))
-    xla, pallas = DepthwiseConv1d(3, mode), DepthwiseConv1d(3, mode, kernels="pallas")
+    xla, pallas = DepthwiseConv1d(3, mode), DepthwiseConv1d(3, mode, path="pallas")
     params = xla.init(jax.random.PRNGKey(5), u)
     np.testing.assert_allclose(pallas.apply(params, u), xla.apply(params, u), atol=1e-5)
     if mode != "full":
@@ -71,7 +73,7 @@ def test_fused_loss_matches_xla_loss(arch, dtype, tol):
     batch = {"inputs": tokens, "targets": targets}
     params = xla.init(jax.random.PRNGKey(7), tokens)["params"]
     outs = [
-        jax.value_and_grad(lambda p, m=m: _loss_and_metrics(p, m.apply, batch, None), has_aux=True)(
+        jax.value_and_grad(lambda p, m=m: loss_and_sums(p, m.apply, batch, None), has_aux=True)(
             params
         )
         for m in (xla, fused)

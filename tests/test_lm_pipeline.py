@@ -4,16 +4,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from conftest import BPE_DIR, needs_bpe
 
 from jaxllm.config import load_config
-from jaxllm.data.tokens import prepare_text_files
+from jaxllm.data.prepare import prepare_text_files
 from jaxllm.plot import plot_run
 from jaxllm.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
-BPE_DIR = ROOT.parent / "shared/data/gpt2_bpe"
-needs_bpe = pytest.mark.skipif(not BPE_DIR.is_dir(), reason=f"no GPT-2 BPE files at {BPE_DIR}")
 
 STORY = (
     "Once upon a time there was a little cat named Tom. Tom liked to play in the sun. "

@@ -1,24 +1,20 @@
 """Model shapes, parameter counts, causality, dtype handling and input errors."""
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TINY, tiny_config
 
 from jaxllm import functional as F
 from jaxllm.config import ModelConfig
-from jaxllm.layers import Linear, MultiHeadAttention
+from jaxllm.layers import AttentionInputs, Linear, MultiHeadAttention
 from jaxllm.models import build_model, init_kv_cache
 
-TINY = dict(vocab_size=61, context_length=16, d_model=32, n_layers=2, n_heads=4)
-ARCHS = {
-    "gpt2": ModelConfig(arch="gpt2", **TINY),
-    "transformer_lm": ModelConfig(
-        arch="transformer_lm", d_ff=48, bias=False, qkv_bias=False, tie_embeddings=False, **TINY
-    ),
-}
+ARCHS = {arch: tiny_config(arch) for arch in ("gpt2", "transformer_lm")}
 
 
 def init(cfg, t=8, seed=0):
@@ -90,7 +86,7 @@ def test_causality(arch):
 def test_bfloat16_compute_close_to_float32(arch):
     cfg = ARCHS[arch]
     model, params = init(cfg)
-    bf16 = build_model(ModelConfig(**{**cfg.__dict__, "compute_dtype": "bfloat16"}))
+    bf16 = build_model(dataclasses.replace(cfg, compute_dtype="bfloat16"))
     tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 16), 0, 61)
     a, b = model.apply(params, tokens), bf16.apply(params, tokens)
     assert b.dtype == jnp.bfloat16  # logits in compute dtype; the loss upcasts
@@ -101,12 +97,15 @@ def test_bfloat16_compute_close_to_float32(arch):
 def test_padding_mask_hides_keys():
     model, params = init(ARCHS["gpt2"])
     tokens = jax.random.randint(jax.random.PRNGKey(3), (1, 8), 0, 61)
-    key_mask = jnp.array([[True] * 5 + [False] * 3])
-    other = tokens.at[:, 5:].set((tokens[:, 5:] + 7) % 61)
-    # position 7 attends to 0..7, but 5..7 are padding: only its own input embedding differs
-    a = model.apply(params, tokens, key_mask=key_mask)
-    b = model.apply(params, other, key_mask=key_mask)
-    np.testing.assert_allclose(a[:, :5], b[:, :5], atol=1e-5)
+    key_mask = jnp.array([[False] * 3 + [True] * 5])  # left padding, as generate makes it
+    other = tokens.at[:, :3].set((tokens[:, :3] + 7) % 61)
+    cache = init_kv_cache(ARCHS["gpt2"], 1, 8)
+
+    def decode(toks):
+        return model.apply(params, toks, cache, 0, None, key_mask, method="decode")[0]
+
+    # every real position attends past the padding: changing the pad tokens changes nothing
+    np.testing.assert_allclose(decode(tokens)[:, 3:], decode(other)[:, 3:], atol=1e-5)
 
 
 def test_fused_qkv_is_concatenation_of_separate_projections():
@@ -120,7 +119,7 @@ def test_fused_qkv_is_concatenation_of_separate_projections():
         "params": {"qkv": {"kernel": np.concatenate([wq, wk, wv], axis=1)}, "out": {"kernel": wo}}
     }
     pos = jnp.arange(t)[None]
-    y, _ = mha.apply(params, jnp.asarray(x), pos)
+    y, _ = mha.apply(params, jnp.asarray(x), AttentionInputs(pos))
     q, k, v = ((x @ w).reshape(1, t, h, d // h) for w in (wq, wk, wv))
     s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // h)
     s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
@@ -173,10 +172,10 @@ def test_input_errors():
         build_model(ModelConfig(d_model=30, n_heads=4))
     tokens = jnp.zeros((2, 4), jnp.int32)
     with pytest.raises(ValueError, match=r"targets shape \(2, 3\) must equal tokens shape"):
-        model.apply(params, tokens, targets=jnp.zeros((2, 3), jnp.int32))
-    cache = init_kv_cache(ARCHS["gpt2"], 2, 8)
-    with pytest.raises(ValueError, match="cannot be combined with a KV cache"):
-        model.apply(params, tokens, cache=cache, targets=tokens)
+        model.apply(params, tokens, jnp.zeros((2, 3), jnp.int32), method="loss")
+    for bad in (61, -5):  # >= vocab gave a NaN loss, < -1 a finite wrong one
+        with pytest.raises(ValueError, match=r"targets must be in \[0, 60\] .* or -1"):
+            model.apply(params, tokens, jnp.full((2, 4), bad, jnp.int32), method="loss")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -185,7 +184,7 @@ def test_targets_give_the_mean_loss_of_the_logits(arch):
     model, params = init(ARCHS[arch])
     tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 8), 0, 61)
     targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(-1)
-    loss, aux = model.apply(params, tokens, targets=targets)
+    loss, aux = model.apply(params, tokens, targets, method="loss")
     logits = model.apply(params, tokens)
     ref = F.cross_entropy(logits, targets, ignore_index=-1)
     np.testing.assert_allclose(loss, ref, rtol=1e-5)
@@ -208,26 +207,23 @@ def test_dropout_only_in_training_mode():
 def test_attention_impls_agree():
     cfg = ARCHS["transformer_lm"]
     model, params = init(cfg)
-    dpa = build_model(ModelConfig(**{**cfg.__dict__, "attention_impl": "dot_product_attention"}))
+    dpa = build_model(dataclasses.replace(cfg, attention_impl="dot_product_attention"))
     tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 12), 0, 61)
     np.testing.assert_allclose(model.apply(params, tokens), dpa.apply(params, tokens), atol=1e-4)
     assert F.MASK_VALUE < -1e29
 
 
-def test_rotary_module_theta_and_relative_positions():
+def test_rotary_theta_and_relative_positions():
     """RoPE makes q.k depend only on the position difference; theta changes the rotation."""
-    from jaxllm.layers import RotaryEmbedding
-
     rng = np.random.default_rng(1)
     q, k = (jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32) for _ in range(2))
-    rope = RotaryEmbedding(theta=100.0)
+
+    def rope(x, pos, theta=100.0):
+        return F.apply_rope(x, *F.rope_angles(jnp.array([[pos]]), 8, theta))
 
     def score(pq, pk):
-        a = rope.apply({}, q, jnp.array([[pq]]))
-        b = rope.apply({}, k, jnp.array([[pk]]))
-        return float(jnp.sum(a * b))
+        return float(jnp.sum(rope(q, pq) * rope(k, pk)))
 
     np.testing.assert_allclose(score(3, 1), score(12, 10), rtol=1e-5)
     assert abs(score(3, 1) - score(3, 2)) > 1e-4
-    other = RotaryEmbedding(theta=10000.0).apply({}, q, jnp.array([[3]]))
-    assert not np.allclose(other, rope.apply({}, q, jnp.array([[3]])))
+    assert not np.allclose(rope(q, 3, theta=10000.0), rope(q, 3))

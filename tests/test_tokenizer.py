@@ -1,21 +1,13 @@
 import hashlib
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import tiktoken.load
+from conftest import BPE_DIR, needs_bpe
 from tiktoken_ext import openai_public
 
 from jaxllm.data import tokenizer as tok
-
-# CI clones the repo beside shared/; JAXLLM_TEST_BPE_DIR overrides.
-BPE_DIR = Path(
-    os.environ.get(
-        "JAXLLM_TEST_BPE_DIR", Path(__file__).resolve().parents[2] / "shared/data/gpt2_bpe"
-    )
-)
-needs_bpe = pytest.mark.skipif(not BPE_DIR.is_dir(), reason=f"no GPT-2 BPE files at {BPE_DIR}")
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,6 @@
 """Optimizer schedule, weight-decay mask, determinism, and an AR training smoke test."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -117,9 +118,11 @@ def test_cli_rejects_bad_override(tmp_path):
     assert "'n_layer' is not in model" in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("cfg", [Config()])
-def test_default_config_is_valid(cfg):
-    cfg.validate()
+def test_default_config_is_valid_and_frozen():
+    cfg = Config()  # validated on construction
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.steps = 5
+    assert hash(cfg) == hash(Config())  # hashable: a jit static argument
 
 
 def test_ar_preset_reaches_90_percent(tmp_path):

@@ -1,1 +1,1 @@
-"""Data pipeline: GPT-2 tokenizer, text -> token files, batch sampling."""
+"""Data: GPT-2 tokenizer, token files, batch sources, associative recall, translation pairs."""

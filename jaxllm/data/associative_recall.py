@@ -45,7 +45,6 @@ def make_examples(n: int, vocab_size: int, num_pairs: int, rng: np.random.Genera
 def make_splits(cfg: AssociativeRecallConfig) -> tuple[RecallSplit, RecallSplit]:
     """Train and test sets from fixed seeds; test examples that also occur in train are
     dropped and redrawn, so the two are disjoint."""
-    cfg.validate()
     train = make_examples(
         cfg.num_train, cfg.vocab_size, cfg.num_pairs, np.random.default_rng([cfg.seed, 0])
     )

@@ -1,17 +1,20 @@
-"""Language models. `build_model(cfg)` picks the class named by `cfg.arch`."""
+"""Language models: the decoder shell (decoder.py) and one file per architecture.
+
+`build_model(cfg)` picks the class named by `cfg.arch`; a new architecture is one file here,
+one entry in ARCHITECTURES and one literal in `ModelConfig.arch`.
+"""
 
 from __future__ import annotations
 
-import flax.linen as nn
-
 from jaxllm.config import ModelConfig
+from jaxllm.models.decoder import Decoder, init_kv_cache
 from jaxllm.models.gpt2 import GPT2
-from jaxllm.models.interface import init_kv_cache
 from jaxllm.models.transformer_lm import TransformerLM
 
-__all__ = ["GPT2", "TransformerLM", "build_model", "init_kv_cache"]
+ARCHITECTURES: dict[str, type[Decoder]] = {"gpt2": GPT2, "transformer_lm": TransformerLM}
+
+__all__ = ["ARCHITECTURES", "GPT2", "Decoder", "TransformerLM", "build_model", "init_kv_cache"]
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    cfg.validate()
-    return {"gpt2": GPT2, "transformer_lm": TransformerLM}[cfg.arch](cfg)
+def build_model(cfg: ModelConfig) -> Decoder:
+    return ARCHITECTURES[cfg.arch](cfg)

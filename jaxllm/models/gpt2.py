@@ -1,61 +1,67 @@
-"""GPT-2 (the llmsys hw2 DecoderLM): learned positions, pre-LN blocks, tied or untied head."""
+"""GPT-2 (the llmsys hw2 DecoderLM): learned positions, pre-LN blocks, GELU MLP, tied head."""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
-from jaxllm.layers import Dropout, Embedding, KVCache, LayerNorm, LMHead, transformer_blocks
-from jaxllm.models.interface import check_tokens, default_positions, lm_loss
+from jaxllm.layers import (
+    AttentionInputs,
+    Dropout,
+    Embedding,
+    FeedForward,
+    KVCache,
+    LayerNorm,
+    MultiHeadAttention,
+    add_and_norm,
+)
+from jaxllm.models.decoder import Decoder
+from jaxllm.ops import OpPlan
 
 
-class GPT2(nn.Module):
+class Block(nn.Module):
+    """x + attn(ln1(x)), then x + mlp(ln2(x)); (x, h) in and out, as `Decoder` describes."""
+
     cfg: ModelConfig
+    plan: OpPlan
 
     @nn.compact
     def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array | None = None,
-        key_mask: jax.Array | None = None,
-        cache: list[KVCache] | None = None,
-        cache_index: jax.Array | int = 0,
-        deterministic: bool = True,
-        targets: jax.Array | None = None,
-    ) -> jax.Array | tuple[jax.Array, Any]:
-        """tokens (B, T) int -> logits (B, T, V); with `cache`, (logits, new cache); with
-        `targets` (B, T) int (IGNORE = -1: no loss), (mean loss, sums) from `lm_loss`, which
-        may never form the logits (model.loss_impl: pallas).
+        self, x: jax.Array, h: jax.Array | None, inputs: AttentionInputs, cache: KVCache | None
+    ) -> tuple[jax.Array, jax.Array, KVCache | None]:
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.compute_dtype)
+        init = nn.initializers.normal(cfg.init_std)
+        # GPT-2 scales the init of the projections that write into the residual stream.
+        out_init = nn.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        ln = functools.partial(LayerNorm, cfg.norm_eps, cfg.bias, self.plan.norm, dtype)
+        attn = MultiHeadAttention(
+            cfg.n_heads, cfg.qkv_bias, cfg.bias, cfg.dropout, None, init, out_init, dtype,
+            self.plan.attention, name="attn",
+        )  # fmt: skip
+        mlp = FeedForward(cfg.ffn_dim, cfg.bias, cfg.dropout, init, out_init, dtype, name="mlp")
 
-        Logits are in compute_dtype (as under torch autocast); the loss and the sampler upcast
-        to float32, so a bf16 model never writes a float32 copy of the (B, T, V) logits.
+        x, y = add_and_norm(ln(name="ln1"), x, h)  # (B, T, D) stream, (B, T, D) compute dtype
+        h, cache = attn(y, inputs, cache)
+        x, y = ln(name="ln2")(x, residual=h)
+        return x, mlp(y, inputs.deterministic), cache
 
-        positions (B, T) default to cache_index + arange(T); key_mask (B, T or S) marks real
-        (non-padding) keys.
-        """
+
+class GPT2(Decoder):
+    def setup(self) -> None:
         cfg = self.cfg
-        check_tokens(tokens, cfg, cache is not None, targets)
-        b, t = tokens.shape
-        if positions is None:
-            positions = default_positions(b, t, cache_index)
-        wte = Embedding(cfg.vocab_size, cfg.d_model, cfg.init_std, name="wte")
-        wpe = Embedding(cfg.context_length, cfg.d_model, cfg.init_std, name="wpe")
-        x = wte(tokens) + wpe(positions)  # (B, T, D) float32 residual stream
-        x = Dropout(cfg.dropout)(x, deterministic)
-        x, h, new_cache = transformer_blocks(
-            cfg, x, positions, key_mask, cache, cache_index, deterministic
-        )
+        init = nn.initializers.normal(cfg.init_std)
+        self.wte = Embedding(cfg.vocab_size, cfg.d_model, init)  # (V, D), also the tied head
+        self.wpe = Embedding(cfg.context_length, cfg.d_model, init)  # (T_max, D)
+        self.drop = Dropout(cfg.dropout)
         dtype = jnp.dtype(cfg.compute_dtype)
-        ln_f = LayerNorm(cfg.norm_eps, cfg.bias, cfg.kernels, dtype, name="ln_f")
-        _, x = ln_f(x, residual=h)  # (B, T, D)
-        if not cfg.tie_embeddings:
-            lm_head = LMHead(cfg.vocab_size, cfg.d_model, cfg.init_std, dtype, name="lm_head")
-        if targets is not None:
-            head = wte.table if cfg.tie_embeddings else lm_head.kernel.T  # (V, D)
-            return lm_loss(x, head, targets, cfg)
-        logits = wte.attend(x, dtype) if cfg.tie_embeddings else lm_head(x)
-        return logits if cache is None else (logits, new_cache)
+        norm = functools.partial(LayerNorm, cfg.norm_eps, cfg.bias, self.plan.norm, dtype)
+        self.build_stack(self.wte, Block, norm, head_init=init)
+
+    def embed(self, tokens: jax.Array, positions: jax.Array, deterministic: bool) -> jax.Array:
+        x = self.wte(tokens) + self.wpe(positions)  # (B, T, D) float32 residual stream
+        return self.drop(x, deterministic)

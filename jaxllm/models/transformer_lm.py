@@ -1,53 +1,59 @@
-"""CS336-style Llama LM: RoPE (adjacent pairs), RMSNorm pre-norm, SwiGLU, no biases."""
+"""CS336-style Llama LM: RoPE (adjacent pairs), RMSNorm pre-norm, SwiGLU, no biases, CS336 init."""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
-from jaxllm.layers import Embedding, KVCache, LMHead, RMSNorm, transformer_blocks
-from jaxllm.models.interface import check_tokens, default_positions, lm_loss
+from jaxllm.layers import (
+    AttentionInputs,
+    Embedding,
+    KVCache,
+    MultiHeadAttention,
+    RMSNorm,
+    SwiGLU,
+    add_and_norm,
+    cs336_init,
+)
+from jaxllm.models.decoder import Decoder
+from jaxllm.ops import OpPlan
 
 
-class TransformerLM(nn.Module):
+class Block(nn.Module):
+    """x + attn(norm1(x)) with RoPE on q, k; then x + swiglu(norm2(x)); (x, h) in and out."""
+
     cfg: ModelConfig
+    plan: OpPlan
 
     @nn.compact
     def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array | None = None,
-        key_mask: jax.Array | None = None,
-        cache: list[KVCache] | None = None,
-        cache_index: jax.Array | int = 0,
-        deterministic: bool = True,
-        targets: jax.Array | None = None,
-    ) -> jax.Array | tuple[jax.Array, Any]:
-        """tokens (B, T) int -> logits (B, T, V); with `cache`, (logits, new cache); with
-        `targets` (B, T) int (IGNORE = -1: no loss), (mean loss, sums) from `lm_loss`.
+        self, x: jax.Array, h: jax.Array | None, inputs: AttentionInputs, cache: KVCache | None
+    ) -> tuple[jax.Array, jax.Array, KVCache | None]:
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.compute_dtype)
+        attn = MultiHeadAttention(
+            cfg.n_heads, False, False, cfg.dropout, cfg.rope_theta, cs336_init(), cs336_init(),
+            dtype, self.plan.attention, name="attn",
+        )  # fmt: skip
+        mlp = SwiGLU(cfg.ffn_dim, cs336_init(), dtype, name="mlp")
 
-        Logits are in compute_dtype (as under torch autocast); the loss and the sampler upcast
-        to float32, so a bf16 model never writes a float32 copy of the (B, T, V) logits."""
+        x, y = add_and_norm(RMSNorm(cfg.norm_eps, name="ln1"), x, h)  # (B, T, D) each
+        h, cache = attn(y, inputs, cache)
+        x, y = RMSNorm(cfg.norm_eps, name="ln2")(x, residual=h)
+        return x, mlp(y, inputs.deterministic), cache
+
+
+class TransformerLM(Decoder):
+    def setup(self) -> None:
         cfg = self.cfg
-        check_tokens(tokens, cfg, cache is not None, targets)
-        b, t = tokens.shape
-        if positions is None:
-            positions = default_positions(b, t, cache_index)
-        embed = Embedding(cfg.vocab_size, cfg.d_model, std=1.0, name="embed")
-        x = embed(tokens)  # (B, T, D)
-        x, h, new_cache = transformer_blocks(
-            cfg, x, positions, key_mask, cache, cache_index, deterministic
-        )
-        _, x = RMSNorm(cfg.norm_eps, name="ln_f")(x, residual=h)  # (B, T, D)
-        dtype = jnp.dtype(cfg.compute_dtype)
-        if not cfg.tie_embeddings:
-            lm_head = LMHead(cfg.vocab_size, cfg.d_model, None, dtype, name="lm_head")
-        if targets is not None:
-            head = embed.table if cfg.tie_embeddings else lm_head.kernel.T  # (V, D)
-            return lm_loss(x, head, targets, cfg)
-        logits = embed.attend(x, dtype) if cfg.tie_embeddings else lm_head(x)
-        return logits if cache is None else (logits, new_cache)
+        # CS336: token embeddings N(0, 1) truncated at 3 sigma.
+        table_init = nn.initializers.truncated_normal(1.0, lower=-3.0, upper=3.0)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.d_model, table_init, name="embed")
+        norm = functools.partial(RMSNorm, cfg.norm_eps)
+        self.build_stack(self.embed_tokens, Block, norm, head_init=cs336_init())
+
+    def embed(self, tokens: jax.Array, positions: jax.Array, deterministic: bool) -> jax.Array:
+        return self.embed_tokens(tokens)  # (B, T, D); positions enter through RoPE

@@ -1,1 +1,1 @@
-"""Device timing helpers and the Pallas kernel benchmark behind `python profile.py kernels`."""
+"""Profiling: benchmark harness (batch, state, step timer), device timing, kernel bench, FLOPs."""

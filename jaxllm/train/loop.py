@@ -59,12 +59,12 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
     latest one: batches and dropout depend only on (seed, step), so the loss curve is the one
     an uninterrupted run would give.
     """
-    cfg.validate()
     tc = cfg.train
     run_dir = Path(tc.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     source = source or make_source(cfg)
     model = build_model(cfg.model)
+    plan = model.plan
     schedule = lr_schedule(cfg.optim, tc.steps)
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(tc.seed))
     example = jnp.asarray(source.train_batch(0)["inputs"])
@@ -90,6 +90,7 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
             "event": "resume" if start_step else "start",
             "step": start_step,
             "params": n_params,
+            "ops": plan.describe(),
             "config": cfg.to_dict(),
         }
     )
@@ -100,6 +101,7 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
         disable=not tc.progress,
         dynamic_ncols=True,
     )
+    bar.write(plan.describe())
     tokens_per_batch = example.size
     bad = jnp.int32(-1)
     losses, rates = [], []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -22,16 +23,19 @@ def create_state(
     return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
 
-def _loss_and_metrics(params: Any, apply_fn, batch: Batch, rng: jax.Array | None):
-    """The model's mean loss over non-IGNORE targets and its sums {loss_sum, correct, count}."""
-    deterministic = rng is None
-    rngs = None if deterministic else {"dropout": rng}
+def loss_and_sums(
+    params: Any, apply_fn: Callable[..., Any], batch: Batch, rng: jax.Array | None
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The model's mean loss over non-IGNORE targets and its sums {loss_sum, correct, count};
+    `rng` None: no dropout (evaluation)."""
+    rngs = None if rng is None else {"dropout": rng}
     return apply_fn(
         {"params": params},
         batch["inputs"],
-        targets=batch["targets"],
-        deterministic=deterministic,
+        batch["targets"],
+        deterministic=rng is None,
         rngs=rngs,
+        method="loss",
     )
 
 
@@ -42,7 +46,7 @@ def train_step(state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainSt
     Returns the new state and {loss, accuracy, grad_norm} (scalars, on device).
     """
     step_rng = jax.random.fold_in(rng, state.step)
-    grad_fn = jax.value_and_grad(_loss_and_metrics, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_and_sums, has_aux=True)
     (loss, aux), grads = grad_fn(state.params, state.apply_fn, batch, step_rng)
     state = state.apply_gradients(grads=grads)
     metrics = {
@@ -56,5 +60,5 @@ def train_step(state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainSt
 @jax.jit
 def eval_step(state: TrainState, batch: Batch) -> dict:
     """Sums over the batch (loss_sum, correct, count), so batches of any size add up exactly."""
-    _, aux = _loss_and_metrics(state.params, state.apply_fn, batch, None)
+    _, aux = loss_and_sums(state.params, state.apply_fn, batch, None)
     return aux

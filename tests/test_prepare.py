@@ -1,19 +1,16 @@
 import hashlib
 import json
-import os
+import multiprocessing
 import sys
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import BPE_DIR, SHARED_DATA, needs_bpe
 
-from jaxllm.data import prepare, tokens
+from jaxllm.data import prepare, sources, token_file
 from jaxllm.data.tokenizer import EOT_TEXT, load_gpt2_tokenizer
-
-REPO_SHARED = Path(__file__).resolve().parents[2] / "shared/data"
-BPE_DIR = Path(os.environ.get("JAXLLM_TEST_BPE_DIR", REPO_SHARED / "gpt2_bpe"))
-needs_bpe = pytest.mark.skipif(not BPE_DIR.is_dir(), reason=f"no GPT-2 BPE files at {BPE_DIR}")
 
 # Stories with paragraphs, curly quotes and non-ASCII, like TinyStories.
 DOCS = [
@@ -41,7 +38,7 @@ def _tinystories_v2(path: Path, docs=DOCS) -> Path:
 
 
 def _prepare(src, out, **kw):
-    return tokens.prepare_text_files([src], out, bpe_dir=BPE_DIR, **kw)
+    return prepare.prepare_text_files([src], out, bpe_dir=BPE_DIR, **kw)
 
 
 @needs_bpe
@@ -49,11 +46,11 @@ def test_prepare_round_trip_and_sidecar(tmp_path):
     src = _tinystories_v2(tmp_path / "stories.txt")
     out = tmp_path / "out" / "train.bin"
     (meta,) = _prepare(src, out, chunk_chars=200)
-    data = tokens.load_tokens(out)
+    data = token_file.load_tokens(out)
     assert isinstance(data, np.memmap) and data.dtype == np.uint16
     assert _decode(data) == _joined(DOCS)
     assert data[-1] == 50256
-    on_disk = json.loads(tokens.sidecar_path(out).read_text())
+    on_disk = json.loads(token_file.sidecar_path(out).read_text())
     assert on_disk == meta
     assert (meta["num_tokens"], meta["num_documents"]) == (data.size, len(DOCS))
     assert (meta["tokenizer"], meta["dtype"], meta["split"]) == ("gpt2", "uint16", "all")
@@ -72,9 +69,9 @@ def test_prepare_round_trip_and_sidecar(tmp_path):
 
 
 def test_token_dtype():
-    assert tokens.token_dtype(50257) == np.uint16
-    assert tokens.token_dtype(65536) == np.uint16
-    assert tokens.token_dtype(65537) == np.uint32
+    assert token_file.token_dtype(50257) == np.uint16
+    assert token_file.token_dtype(65536) == np.uint16
+    assert token_file.token_dtype(65537) == np.uint32
 
 
 @needs_bpe
@@ -88,12 +85,11 @@ def test_token_dtype():
         ("file", "A b.\n<|endoftext|>\n\nC.\n", ["A b.\n<|endoftext|>\n\nC."]),
     ],
 )
-def test_document_splits(tmp_path, monkeypatch, read_chars, doc_split, text, docs):
-    monkeypatch.setattr(tokens, "_READ_CHARS", read_chars)
+def test_document_splits(tmp_path, read_chars, doc_split, text, docs):
     src = _write(tmp_path / "in.txt", text)
-    (meta,) = _prepare(src, tmp_path / "t.bin", doc_split=doc_split)
+    (meta,) = _prepare(src, tmp_path / "t.bin", doc_split=doc_split, read_chars=read_chars)
     assert meta["num_documents"] == len(docs)
-    data = tokens.load_tokens(tmp_path / "t.bin")
+    data = token_file.load_tokens(tmp_path / "t.bin")
     # A literal "<|endoftext|>" inside a document is encoded as text, not as the EOT id.
     assert int((data == 50256).sum()) == len(docs)
     assert _decode(data) == _joined(docs)
@@ -103,26 +99,34 @@ def test_document_splits(tmp_path, monkeypatch, read_chars, doc_split, text, doc
 def test_custom_separator_and_crlf(tmp_path):
     src = _write(tmp_path / "in.txt", "one\r\ntwo\r\n===\r\nthree\r\n===")
     _prepare(src, tmp_path / "t.bin", separator="===")
-    assert _decode(tokens.load_tokens(tmp_path / "t.bin")) == _joined(["one\ntwo", "three"])
+    assert _decode(token_file.load_tokens(tmp_path / "t.bin")) == _joined(["one\ntwo", "three"])
 
 
 @needs_bpe
 def test_several_files_in_order(tmp_path):
     a = _tinystories_v2(tmp_path / "a.txt", DOCS[:3])
     b = _tinystories_v2(tmp_path / "b.txt", DOCS[3:5])
-    (meta,) = tokens.prepare_text_files([a, b], tmp_path / "t.bin", bpe_dir=BPE_DIR)
+    (meta,) = prepare.prepare_text_files([a, b], tmp_path / "t.bin", bpe_dir=BPE_DIR)
     assert [s["documents"] for s in meta["sources"]] == [3, 2]
-    assert _decode(tokens.load_tokens(tmp_path / "t.bin")) == _joined(DOCS[:5])
+    assert _decode(token_file.load_tokens(tmp_path / "t.bin")) == _joined(DOCS[:5])
 
 
 @needs_bpe
-def test_two_workers_same_output_as_one(tmp_path, monkeypatch):
+class _CountingContext:
+    """A spawn context that counts the pools started from it."""
+
+    def __init__(self):
+        self.pools = 0
+        self._spawn = multiprocessing.get_context("spawn")
+
+    def Pool(self, *args, **kwargs):  # noqa: N802 (multiprocessing's name)
+        self.pools += 1
+        return self._spawn.Pool(*args, **kwargs)
+
+
+def test_two_workers_same_output_as_one(tmp_path):
     src = _tinystories_v2(tmp_path / "stories.txt")
-    contexts = []
-    real_get_context = tokens.multiprocessing.get_context
-    monkeypatch.setattr(
-        tokens.multiprocessing, "get_context", lambda m: contexts.append(m) or real_get_context(m)
-    )
+    context = _CountingContext()
     metas = {}
     for workers in (1, 2):
         out = tmp_path / f"w{workers}" / "train.bin"
@@ -130,6 +134,7 @@ def test_two_workers_same_output_as_one(tmp_path, monkeypatch):
             src,
             out,
             workers=workers,
+            mp_context=context,
             chunk_chars=150,
             val_fraction=0.2,
             val_out_path=out.parent / "val.bin",
@@ -137,7 +142,7 @@ def test_two_workers_same_output_as_one(tmp_path, monkeypatch):
     for name in ("train.bin", "val.bin"):
         assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes()
     assert metas[1] == metas[2]
-    assert contexts == ["spawn"]  # only workers=2 started processes
+    assert context.pools == 1  # only workers=2 started processes
 
 
 @needs_bpe
@@ -147,8 +152,8 @@ def test_val_fraction_split_by_documents(tmp_path):
     metas = _prepare(src, train, val_fraction=0.25, val_out_path=val, chunk_chars=100)
     val_docs = [DOCS[i] for i in (3, 7, 11, 15, 19)]  # evenly spaced, no randomness
     train_docs = [d for d in DOCS[:20] if d not in val_docs]
-    assert _decode(tokens.load_tokens(val)) == _joined(val_docs)
-    assert _decode(tokens.load_tokens(train)) == _joined(train_docs)
+    assert _decode(token_file.load_tokens(val)) == _joined(val_docs)
+    assert _decode(token_file.load_tokens(train)) == _joined(train_docs)
     assert [(m["split"], m["num_documents"]) for m in metas] == [("train", 15), ("val", 5)]
 
 
@@ -166,31 +171,25 @@ def test_val_fraction_too_small_is_error_and_leaves_nothing(tmp_path):
 
 
 @needs_bpe
-def test_failure_midway_leaves_no_partial_file(tmp_path, monkeypatch):
+def test_failure_midway_leaves_no_partial_file(tmp_path):
     src = _tinystories_v2(tmp_path / "stories.txt")
     out_dir = tmp_path / "out"
     out = out_dir / "train.bin"
     _prepare(src, out)
-    good = out.read_bytes(), tokens.sidecar_path(out).read_text()
+    good = out.read_bytes(), token_file.sidecar_path(out).read_text()
 
-    calls = []
-    real_encode = tokens._encode_docs
+    def documents_then_fail():  # a source that dies after two chunks were written
+        yield from DOCS[:6]
+        raise RuntimeError("source died")
 
-    def encode_then_fail(encoding, docs):
-        calls.append(len(docs))
-        if len(calls) == 3:
-            raise RuntimeError("tokenizer died")
-        return real_encode(encoding, docs)
-
-    monkeypatch.setattr(tokens, "_encode_docs", encode_then_fail)
     for target in (out, out_dir / "fresh.bin"):
-        calls.clear()
-        with pytest.raises(RuntimeError, match="tokenizer died"):
-            _prepare(src, target, chunk_chars=100)
-        assert len(calls) == 3  # failed after two chunks were written to the temp file
+        with pytest.raises(RuntimeError, match="source died"):
+            prepare.write_token_files(
+                documents_then_fail(), target, source_meta={}, bpe_dir=BPE_DIR, chunk_chars=100
+            )
     # The old good output is untouched, the new one never appeared, no temp file lingers.
     assert sorted(p.name for p in out_dir.iterdir()) == ["train.bin", "train.bin.json"]
-    assert (out.read_bytes(), tokens.sidecar_path(out).read_text()) == good
+    assert (out.read_bytes(), token_file.sidecar_path(out).read_text()) == good
 
 
 @needs_bpe
@@ -198,44 +197,44 @@ def test_stale_or_mismatched_files_are_refused(tmp_path):
     src = _tinystories_v2(tmp_path / "stories.txt")
     out = tmp_path / "train.bin"
     _prepare(src, out)
-    sidecar = tokens.sidecar_path(out)
+    sidecar = token_file.sidecar_path(out)
     meta = json.loads(sidecar.read_text())
 
     def rewrite(**changes):
         sidecar.write_text(json.dumps(meta | changes))
 
     rewrite(num_tokens=meta["num_tokens"] + 1)
-    with pytest.raises(tokens.StaleTokensError, match="bytes"):
-        tokens.load_tokens(out)
+    with pytest.raises(token_file.StaleTokensError, match="bytes"):
+        token_file.load_tokens(out)
     rewrite(tokenizer="llama")
-    with pytest.raises(tokens.StaleTokensError, match="tokenizer='llama'"):
-        tokens.load_tokens(out)
+    with pytest.raises(token_file.StaleTokensError, match="tokenizer='llama'"):
+        token_file.load_tokens(out)
     rewrite(bpe_sha256="0" * 64)
-    with pytest.raises(tokens.StaleTokensError, match="bpe_sha256"):
-        tokens.load_tokens(out)
+    with pytest.raises(token_file.StaleTokensError, match="bpe_sha256"):
+        token_file.load_tokens(out)
     rewrite(dtype="uint32")
-    with pytest.raises(tokens.StaleTokensError, match="dtype"):
-        tokens.load_tokens(out)
+    with pytest.raises(token_file.StaleTokensError, match="dtype"):
+        token_file.load_tokens(out)
     rewrite()
-    assert tokens.load_tokens(out).size == meta["num_tokens"]
+    assert token_file.load_tokens(out).size == meta["num_tokens"]
     with pytest.raises(ValueError, match="unknown tokenizer"):
-        tokens.load_tokens(out, expect_tokenizer="llama")
+        token_file.load_tokens(out, expect_tokenizer="llama")
 
     data = bytearray(out.read_bytes())
     data[0] ^= 1  # same size, different content: only the hash check sees it
     out.write_bytes(bytes(data))
-    tokens.load_tokens(out)
-    with pytest.raises(tokens.StaleTokensError, match="sha256"):
-        tokens.load_tokens(out, verify_hash=True)
+    token_file.load_tokens(out)
+    with pytest.raises(token_file.StaleTokensError, match="sha256"):
+        token_file.load_tokens(out, verify_hash=True)
     with out.open("ab") as f:
         f.write(b"\0\0")  # a token file that grew after its sidecar was written
-    with pytest.raises(tokens.StaleTokensError, match="stale"):
-        tokens.load_tokens(out)
+    with pytest.raises(token_file.StaleTokensError, match="stale"):
+        token_file.load_tokens(out)
     sidecar.unlink()
-    with pytest.raises(tokens.StaleTokensError, match="no sidecar"):
-        tokens.load_tokens(out)
+    with pytest.raises(token_file.StaleTokensError, match="no sidecar"):
+        token_file.load_tokens(out)
     with pytest.raises(FileNotFoundError):
-        tokens.load_tokens(tmp_path / "missing.bin")
+        token_file.load_tokens(tmp_path / "missing.bin")
 
 
 @needs_bpe
@@ -245,7 +244,7 @@ def test_invalid_utf8_replaced_with_warning(tmp_path):
     with pytest.warns(UserWarning, match="4 invalid UTF-8 bytes"):
         (meta,) = _prepare(src, tmp_path / "t.bin")
     assert meta["sources"][0]["invalid_utf8_bytes"] == 4
-    text = _decode(tokens.load_tokens(tmp_path / "t.bin"))
+    text = _decode(token_file.load_tokens(tmp_path / "t.bin"))
     assert text == _joined(["ok story", "bad \ufffd\ufffd bytes \ufffd\ufffd"])
 
 
@@ -257,7 +256,7 @@ def test_empty_and_missing_inputs(tmp_path):
     with pytest.raises(ValueError, match="empty.txt"):
         _prepare(empty, tmp_path / "a.bin")
     with pytest.raises(ValueError, match="blank.txt: no documents"):
-        tokens.prepare_text_files([good, blank], tmp_path / "b.bin", bpe_dir=BPE_DIR)
+        prepare.prepare_text_files([good, blank], tmp_path / "b.bin", bpe_dir=BPE_DIR)
     with pytest.raises(FileNotFoundError, match="nope.txt"):
         _prepare(tmp_path / "nope.txt", tmp_path / "c.bin")
     with pytest.raises(ValueError, match="doc_split"):
@@ -275,7 +274,7 @@ def test_hf_dataset_with_fake_loader(tmp_path, monkeypatch):
         return iter(rows)
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    (meta,) = tokens.prepare_hf_dataset(
+    (meta,) = prepare.prepare_hf_dataset(
         "roneneldan/TinyStories", tmp_path / "t.bin", split="validation", bpe_dir=BPE_DIR
     )
     assert calls == [("roneneldan/TinyStories", "validation")]
@@ -283,14 +282,14 @@ def test_hf_dataset_with_fake_loader(tmp_path, monkeypatch):
     assert meta["sources"] == [
         {"hf_dataset": "roneneldan/TinyStories", "split": "validation", "text_field": "text"}
     ]
-    assert _decode(tokens.load_tokens(tmp_path / "t.bin")) == _joined(
+    assert _decode(token_file.load_tokens(tmp_path / "t.bin")) == _joined(
         ["Once upon a time.", "The end.\n\nBye."]
     )
     with pytest.raises(ValueError, match="no field 'story'"):
-        tokens.prepare_hf_dataset("x", tmp_path / "u.bin", text_field="story", bpe_dir=BPE_DIR)
+        prepare.prepare_hf_dataset("x", tmp_path / "u.bin", text_field="story", bpe_dir=BPE_DIR)
     monkeypatch.setitem(sys.modules, "datasets", None)  # package not installed
     with pytest.raises(ImportError, match="pip install"):
-        tokens.prepare_hf_dataset("x", tmp_path / "v.bin", bpe_dir=BPE_DIR)
+        prepare.prepare_hf_dataset("x", tmp_path / "v.bin", bpe_dir=BPE_DIR)
     assert not (tmp_path / "u.bin").exists() and not (tmp_path / "v.bin").exists()
 
 
@@ -302,7 +301,7 @@ def test_cli(tmp_path, capsys):
     prepare.main([*args, "--val-fraction", "0.2"])
     printed = capsys.readouterr().out
     assert "8 documents" in printed and "2 documents" in printed
-    val = tokens.load_tokens(out.parent / "val.bin")
+    val = token_file.load_tokens(out.parent / "val.bin")
     assert _decode(val) == _joined([DOCS[4], DOCS[9]])
     with pytest.raises(SystemExit, match="no documents"):
         prepare.main([str(_write(tmp_path / "ws.txt", " \n")), *args[1:]])
@@ -311,12 +310,12 @@ def test_cli(tmp_path, capsys):
 
 
 @needs_bpe
-@pytest.mark.skipif(not (REPO_SHARED / "tinystories").is_dir(), reason="no shared TinyStories")
+@pytest.mark.skipif(not (SHARED_DATA / "tinystories").is_dir(), reason="no shared TinyStories")
 def test_real_tinystories_fixture(tmp_path):
     (meta,) = _prepare(
-        REPO_SHARED / "tinystories/tinystories_sample_cs336_fixture.txt", tmp_path / "t.bin"
+        SHARED_DATA / "tinystories/tinystories_sample_cs336_fixture.txt", tmp_path / "t.bin"
     )
-    text = _decode(tokens.load_tokens(tmp_path / "t.bin"))
+    text = _decode(token_file.load_tokens(tmp_path / "t.bin"))
     assert meta["num_documents"] == 5
     assert text.startswith("Once upon a time there was a little boy named Ben.")
     assert text.count(EOT_TEXT) == 5 and text.endswith(EOT_TEXT)
@@ -329,30 +328,30 @@ def _arange_memmap(tmp_path: Path, n: int) -> np.memmap:
 
 def test_get_batch(tmp_path):
     data = _arange_memmap(tmp_path, 1000)
-    x, y = tokens.get_batch(data, 16, 32, np.random.default_rng(0))
+    x, y = sources.get_batch(data, 16, 32, np.random.default_rng(0))
     assert x.shape == y.shape == (16, 32) and x.dtype == y.dtype == np.int32
     assert x.flags.c_contiguous and y.flags.c_contiguous
     np.testing.assert_array_equal(y, x + 1)  # data is arange: target = next token
     np.testing.assert_array_equal(x, x[:, :1] + np.arange(32))  # contiguous windows
     assert x.min() >= 0 and y.max() <= 999
     # Same seed, same batch; the generator state round-trips through a checkpoint-able dict.
-    x2, _ = tokens.get_batch(data, 16, 32, np.random.default_rng(0))
+    x2, _ = sources.get_batch(data, 16, 32, np.random.default_rng(0))
     np.testing.assert_array_equal(x, x2)
     rng = np.random.default_rng(1)
     state = rng.bit_generator.state
-    first = tokens.get_batch(data, 4, 8, rng)[0]
-    assert not np.array_equal(first, tokens.get_batch(data, 4, 8, rng)[0])
+    first = sources.get_batch(data, 4, 8, rng)[0]
+    assert not np.array_equal(first, sources.get_batch(data, 4, 8, rng)[0])
     rng2 = np.random.default_rng(123)
     rng2.bit_generator.state = json.loads(json.dumps(state))
-    np.testing.assert_array_equal(first, tokens.get_batch(data, 4, 8, rng2)[0])
+    np.testing.assert_array_equal(first, sources.get_batch(data, 4, 8, rng2)[0])
 
 
 def test_get_batch_reaches_both_ends(tmp_path):
     data = _arange_memmap(tmp_path, 12)
-    x, y = tokens.get_batch(data, 2000, 8, np.random.default_rng(0))
+    x, y = sources.get_batch(data, 2000, 8, np.random.default_rng(0))
     assert set(x[:, 0]) == {0, 1, 2, 3}  # every start 0..N-T-1, nothing past the end
     assert y.max() == 11
-    x, y = tokens.get_batch(data, 3, 11, np.random.default_rng(0))  # exactly T + 1 tokens
+    x, y = sources.get_batch(data, 3, 11, np.random.default_rng(0))  # exactly T + 1 tokens
     np.testing.assert_array_equal(x, np.tile(np.arange(11), (3, 1)))
 
 
@@ -360,28 +359,28 @@ def test_get_batch_bad_args(tmp_path):
     data = _arange_memmap(tmp_path, 10)
     rng = np.random.default_rng(0)
     with pytest.raises(ValueError, match="at least context_length \\+ 1 = 11 tokens, got 10"):
-        tokens.get_batch(data, 1, 10, rng)
+        sources.get_batch(data, 1, 10, rng)
     for batch_size, context_length in ((0, 4), (4, 0), (-1, 4)):
         with pytest.raises(ValueError, match=">= 1"):
-            tokens.get_batch(data, batch_size, context_length, rng)
+            sources.get_batch(data, batch_size, context_length, rng)
     with pytest.raises(TypeError, match="Generator"):
-        tokens.get_batch(data, 1, 4, np.random.RandomState(0))
+        sources.get_batch(data, 1, 4, np.random.RandomState(0))
     with pytest.raises(ValueError, match="1-D"):
-        tokens.get_batch(np.zeros((4, 4), np.uint16), 1, 2, rng)
+        sources.get_batch(np.zeros((4, 4), np.uint16), 1, 2, rng)
 
 
 def test_iter_eval_batches(tmp_path):
     data = _arange_memmap(tmp_path, 1000)
-    batches = list(tokens.iter_eval_batches(data, 4, 16, 3))
+    batches = list(sources.iter_eval_batches(data, 4, 16, 3))
     assert len(batches) == 3
     for x, y in batches:
         assert x.shape == y.shape == (4, 16) and x.dtype == np.int32
         np.testing.assert_array_equal(y, x + 1)
     starts = np.concatenate([x[:, 0] for x, _ in batches])
     np.testing.assert_array_equal(starts, np.linspace(0, 1000 - 17, 12).round())
-    again = list(tokens.iter_eval_batches(data, 4, 16, 3))
+    again = list(sources.iter_eval_batches(data, 4, 16, 3))
     assert all(np.array_equal(a[0], b[0]) for a, b in zip(batches, again, strict=True))
     with pytest.raises(ValueError, match="num_batches"):
-        tokens.iter_eval_batches(data, 4, 16, 0)
+        sources.iter_eval_batches(data, 4, 16, 0)
     with pytest.raises(ValueError, match="tokens"):
-        tokens.iter_eval_batches(data[:10], 4, 16, 1)
+        sources.iter_eval_batches(data[:10], 4, 16, 1)

@@ -1,0 +1,100 @@
+"""Text files (or a `datasets` split) -> a stream of documents.
+
+Text is read as UTF-8 with universal newlines. Invalid UTF-8 bytes are each replaced by U+FFFD
+with a warning giving their count: a few bad bytes in a big corpus should not stop the run.
+"""
+
+import hashlib
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+# How a text file is cut into documents:
+#   separator      - on a literal separator (default "<|endoftext|>", TinyStories V1/V2 files)
+#   blank-line     - on one or more blank lines
+#   single-newline - on a newline with no newline beside it (paragraphs inside a document are
+#                    separated by blank lines: HF TinyStories rows written one per line)
+#   file           - each file is one document (running text with no document boundaries)
+DOC_SPLITS = ("separator", "blank-line", "single-newline", "file")
+_WHITESPACE_SPLITS = {
+    "blank-line": re.compile(r"\n\s*\n"),
+    "single-newline": re.compile(r"(?<!\n)\n(?!\n)"),
+}
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a bad byte
+READ_CHARS = 1 << 22  # characters per read: documents may straddle reads
+
+
+def sha256_file(path: Path) -> str:
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def iter_file_documents(
+    paths: list[Path],
+    doc_split: str,
+    separator: str,
+    sources: list[dict],
+    read_chars: int = READ_CHARS,
+) -> Iterator[str]:
+    """Stripped, non-empty documents of the files in order; appends one stats dict per file
+    to `sources`. Files are read `read_chars` characters at a time."""
+    for path in paths:
+        info = {"path": str(path.resolve()), "sha256": sha256_file(path)}
+        info |= {"bytes": path.stat().st_size, "documents": 0, "invalid_utf8_bytes": 0}
+        with path.open(encoding="utf-8", errors="surrogateescape") as f:
+            pending = ""
+            for block in iter(lambda f=f: f.read(read_chars), ""):
+                try:
+                    block.encode()  # fast check: only the lone surrogates of bad bytes fail
+                except UnicodeEncodeError:
+                    block, bad = _ESCAPED_BYTE.subn("\ufffd", block)
+                    info["invalid_utf8_bytes"] += bad
+                pending += block
+                if doc_split == "separator":
+                    *docs, pending = pending.split(separator)
+                elif doc_split in _WHITESPACE_SPLITS:
+                    # Separators are all whitespace: cutting after the last non-space character
+                    # keeps a separator that straddles two reads in one piece.
+                    cut = len(pending.rstrip())
+                    *docs, last = _WHITESPACE_SPLITS[doc_split].split(pending[:cut])
+                    pending = last + pending[cut:]
+                else:
+                    docs = []
+                yield from _clean_documents(docs, info)
+            yield from _clean_documents([pending], info)
+        if info["documents"] == 0:
+            raise ValueError(f"{path}: no documents (the file is empty or only whitespace)")
+        if info["invalid_utf8_bytes"]:
+            warnings.warn(
+                f"{path}: {info['invalid_utf8_bytes']} invalid UTF-8 bytes replaced by U+FFFD",
+                stacklevel=2,
+            )
+        sources.append(info)
+
+
+def _clean_documents(docs: list[str], info: dict) -> Iterator[str]:
+    for doc in map(str.strip, docs):
+        if doc:
+            info["documents"] += 1
+            yield doc
+
+
+def iter_hf_documents(dataset_id: str, split: str, text_field: str) -> Iterator[str]:
+    """Stripped, non-empty `text_field` values of a Hugging Face `datasets` split (needs hub)."""
+    try:
+        import datasets  # optional dependency, only for hub users
+    except ImportError as e:
+        raise ImportError(
+            "--hf-dataset needs the `datasets` package: pip install 'jaxllm[datasets]'"
+        ) from e
+    for row in datasets.load_dataset(dataset_id, split=split):
+        if text_field not in row:
+            raise ValueError(
+                f"{dataset_id} [{split}] rows have no field {text_field!r}; fields: {sorted(row)}"
+            )
+        if doc := row[text_field].strip():
+            yield doc

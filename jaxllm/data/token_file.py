@@ -1,0 +1,118 @@
+"""The token file format: flat token ids on disk plus a JSON sidecar, written atomically.
+
+Token file: the token ids of every document, each document followed by <|endoftext|>, as raw
+uint16 (uint32 if the vocabulary needs it). Sidecar `<file>.json`: tokenizer, dtype, counts and
+source hashes, checked by `load_tokens` so a stale or mismatched file is an error, not garbage.
+"""
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from jaxllm.data.documents import sha256_file
+from jaxllm.data.tokenizer import BPE_SHA256, N_VOCAB, TOKENIZER_NAME
+
+FORMAT = "jaxllm-tokens"
+FORMAT_VERSION = 1
+
+
+class StaleTokensError(ValueError):
+    """A token file and its sidecar disagree, or don't match what the caller expects."""
+
+
+def token_dtype(n_vocab: int) -> np.dtype:
+    """Smallest unsigned dtype holding ids 0..n_vocab-1 (uint16 or uint32)."""
+    return np.dtype(np.uint16 if n_vocab <= 1 << 16 else np.uint32)
+
+
+def sidecar_path(path: str | Path) -> Path:
+    """Path of the JSON sidecar of a token file: `<path>.json`."""
+    path = Path(path)
+    return path.with_name(path.name + ".json")
+
+
+class AtomicTokenFile:
+    """Token file written under a temp name in the target directory, renamed on commit."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        self.file = self.tmp.open("wb")
+        self.sha = hashlib.sha256()
+        self.num_tokens = self.num_documents = 0
+
+    def write(self, ids: np.ndarray, num_documents: int) -> None:
+        data = ids.tobytes()
+        self.file.write(data)
+        self.sha.update(data)
+        self.num_tokens += ids.size
+        self.num_documents += num_documents
+
+    def commit(self, meta: dict) -> dict:
+        self.file.close()
+        meta = meta | {"num_tokens": self.num_tokens, "num_documents": self.num_documents}
+        meta["tokens_sha256"] = self.sha.hexdigest()
+        sidecar, sidecar_tmp = sidecar_path(self.path), sidecar_path(self.tmp)
+        sidecar_tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        # Old sidecar goes first: a crash in between leaves a token file without a sidecar,
+        # which load_tokens refuses, never a new file described by an old sidecar.
+        sidecar.unlink(missing_ok=True)
+        os.replace(self.tmp, self.path)
+        os.replace(sidecar_tmp, sidecar)
+        return meta
+
+    def discard(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+        sidecar_path(self.tmp).unlink(missing_ok=True)
+
+
+def load_tokens(
+    path: str | Path, expect_tokenizer: str = TOKENIZER_NAME, verify_hash: bool = False
+) -> np.memmap:
+    """Read-only memmap (num_tokens,) of a token file after checking its sidecar.
+
+    Raises StaleTokensError if the sidecar is missing, the size on disk is not num_tokens *
+    itemsize, or the tokenizer/dtype differ from what is expected; verify_hash also re-hashes
+    the whole file (slow for big files).
+    """
+    path = Path(path)
+    if expect_tokenizer != TOKENIZER_NAME:
+        raise ValueError(f"unknown tokenizer {expect_tokenizer!r}; supported: {TOKENIZER_NAME!r}")
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"token file not found: {path} (make it: python -m jaxllm.data.prepare)"
+        )
+    sidecar = sidecar_path(path)
+    if not sidecar.is_file():
+        raise StaleTokensError(f"{path} has no sidecar {sidecar}; re-run jaxllm.data.prepare")
+    meta = json.loads(sidecar.read_text())
+    expected = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "tokenizer": expect_tokenizer,
+        "bpe_sha256": BPE_SHA256,
+        "dtype": token_dtype(N_VOCAB).name,
+    }
+    problems = [
+        f"{k}={meta.get(k)!r}, expected {v!r}" for k, v in expected.items() if meta.get(k) != v
+    ]
+    num_tokens = meta.get("num_tokens")
+    if not problems:
+        size, itemsize = path.stat().st_size, np.dtype(meta["dtype"]).itemsize
+        if not isinstance(num_tokens, int) or num_tokens < 1 or size != num_tokens * itemsize:
+            problems.append(
+                f"file is {size} bytes, sidecar says {num_tokens} tokens x {itemsize} B"
+            )
+        elif verify_hash and sha256_file(path) != meta.get("tokens_sha256"):
+            problems.append("sha256 of the file differs from the sidecar's tokens_sha256")
+    if problems:
+        raise StaleTokensError(
+            f"{path} is stale or mismatched ({'; '.join(problems)}); re-run jaxllm.data.prepare"
+        )
+    return np.memmap(path, dtype=meta["dtype"], mode="r", shape=(num_tokens,))

@@ -1,0 +1,211 @@
+"""The decoder shell every architecture shares: block stack, final norm, LM head, loss, KV cache.
+
+An architecture file (gpt2.py, transformer_lm.py) subclasses `Decoder` and writes only what
+differs: `setup` builds its embeddings and calls `self.build_stack(block, norm)`, `embed` maps
+tokens to the residual stream. Blocks follow one contract: `block(x, h, inputs, cache) ->
+(x, h, cache)`, the residual stream being x + h with h the block's last branch output, so every
+residual add happens inside the next norm (`add_and_norm`), the final one inside `ln_f` here.
+
+Three entry points, one per use (`model.apply(variables, ..., method=...)`):
+  __call__(tokens)                        -> logits (B, T, V)                (init, analysis)
+  loss(tokens, targets)                   -> (mean loss, {loss_sum, correct, count})  (training)
+  decode(tokens, cache, cache_index, ...) -> (logits, cache)                 (generation)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import ops
+from jaxllm.config import ModelConfig
+from jaxllm.functional import IGNORE
+from jaxllm.layers import AttentionInputs, Embedding, Initializer, KVCache, LMHead, add_and_norm
+
+Sums = dict[str, jax.Array]  # {loss_sum, correct, count}: add up exactly over batches
+
+
+class Decoder(nn.Module):
+    cfg: ModelConfig
+
+    @property
+    def plan(self) -> ops.OpPlan:
+        """The op paths this model takes (jaxllm.ops); blocks and norms get them from here."""
+        return ops.plan_ops(self.cfg)
+
+    # ------------------------------------------------------------ what an architecture writes
+
+    def embed(self, tokens: jax.Array, positions: jax.Array, deterministic: bool) -> jax.Array:
+        """tokens (B, T) int, positions (B, T) -> residual stream x (B, T, D) float32."""
+        raise NotImplementedError
+
+    def build_stack(
+        self,
+        token_embedding: Embedding,
+        block: Callable[..., nn.Module],
+        norm: Callable[..., nn.Module],
+        head_init: Initializer,
+    ) -> None:
+        """Called from an architecture's `setup`: the n_layers blocks h0, h1, ... (`block(cfg,
+        plan, name=...)`), the final norm ln_f (`norm()`) and, when untied, lm_head."""
+        cfg = self.cfg
+        self.token_embedding = token_embedding
+        self.blocks = [block(cfg, self.plan, name=f"h{i}") for i in range(cfg.n_layers)]
+        self.ln_f = norm()
+        if not cfg.tie_embeddings:
+            dtype = jnp.dtype(cfg.compute_dtype)
+            self.lm_head = LMHead(cfg.vocab_size, cfg.d_model, head_init, dtype, name="lm_head")
+
+    # ------------------------------------------------------------ the shared part
+
+    def hidden(
+        self,
+        tokens: jax.Array,
+        inputs: AttentionInputs,
+        cache: list[KVCache] | None = None,
+    ) -> tuple[jax.Array, list[KVCache] | None]:
+        """tokens (B, T) -> final normed hidden states (B, T, D) in compute dtype, new caches."""
+        x = self.embed(tokens, inputs.positions, inputs.deterministic)  # (B, T, D)
+        h, new_cache = None, []
+        for i, block in enumerate(self.blocks):
+            x, h, layer_cache = block(x, h, inputs, None if cache is None else cache[i])
+            new_cache.append(layer_cache)
+        _, x = add_and_norm(self.ln_f, x, h)  # the last pending residual add
+        return x, (None if cache is None else new_cache)
+
+    def head_matrix(self) -> jax.Array:
+        """The LM head as (V, D): the token table when tied."""
+        return self.token_embedding.table if self.cfg.tie_embeddings else self.lm_head.kernel.T
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """(B, T, D) -> (B, T, V) in compute dtype (the loss and the sampler upcast)."""
+        if self.cfg.tie_embeddings:
+            return self.token_embedding.attend(x, jnp.dtype(self.cfg.compute_dtype))
+        return self.lm_head(x)
+
+    def __call__(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
+        """tokens (B, T) int -> logits (B, T, V)."""
+        check_tokens(tokens, self.cfg)
+        x, _ = self.hidden(tokens, AttentionInputs(default_positions(tokens), deterministic))
+        return self.logits(x)
+
+    def loss(
+        self, tokens: jax.Array, targets: jax.Array, deterministic: bool = True
+    ) -> tuple[jax.Array, Sums]:
+        """tokens, targets (B, T) int (IGNORE = -1: no loss) -> (mean loss over the counted
+        targets, sums). On the Pallas loss path the (B, T, V) logits are never formed."""
+        check_tokens(tokens, self.cfg)
+        check_targets(targets, tokens, self.cfg)
+        x, _ = self.hidden(tokens, AttentionInputs(default_positions(tokens), deterministic))
+        return lm_loss(x, self.head_matrix(), targets, self.cfg, self.plan.loss)
+
+    def decode(
+        self,
+        tokens: jax.Array,
+        cache: list[KVCache],
+        cache_index: jax.Array | int,
+        positions: jax.Array | None = None,
+        key_mask: jax.Array | None = None,
+    ) -> tuple[jax.Array, list[KVCache]]:
+        """One decoding step (or the prefill): tokens (B, T) written to cache slots
+        cache_index .. cache_index + T - 1 -> (logits (B, T, V), new cache). positions (B, T)
+        default to the slots; key_mask (B, S) hides padding slots."""
+        check_tokens(tokens, self.cfg, allow_empty=True)
+        if positions is None:
+            positions = default_positions(tokens, cache_index)
+        inputs = AttentionInputs(positions, True, key_mask, cache_index)
+        x, cache = self.hidden(tokens, inputs, cache)
+        return self.logits(x), cache
+
+
+# ----------------------------------------------------------------------------- inputs, cache
+
+
+def default_positions(tokens: jax.Array, start: jax.Array | int = 0) -> jax.Array:
+    """(B, T) absolute positions start, ..., start + T - 1."""
+    b, t = tokens.shape
+    return jnp.broadcast_to(jnp.arange(t) + start, (b, t))
+
+
+def check_tokens(tokens: jax.Array, cfg: ModelConfig, allow_empty: bool = False) -> None:
+    """Raise ValueError for token ids the model cannot take.
+
+    Shapes are static, so length is checked at trace time; ids are checked only when the
+    array is concrete (outside jit), since a traced value has no contents yet.
+    """
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must have shape (batch, time), got {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+    t = tokens.shape[1]
+    if t > cfg.context_length:
+        raise ValueError(
+            f"sequence length {t} exceeds the model's context_length {cfg.context_length}"
+        )
+    if t == 0 and not allow_empty:
+        raise ValueError("sequence length must be >= 1")
+    _check_id_range("token ids", tokens, 0, cfg.vocab_size)
+
+
+def check_targets(targets: jax.Array, tokens: jax.Array, cfg: ModelConfig) -> None:
+    """Targets have the tokens' shape and hold ids in [0, V) or IGNORE (-1)."""
+    if targets.shape != tokens.shape:
+        raise ValueError(f"targets shape {targets.shape} must equal tokens shape {tokens.shape}")
+    _check_id_range("targets", targets, IGNORE, cfg.vocab_size)
+
+
+def _check_id_range(what: str, ids: jax.Array, lo: int, vocab: int) -> None:
+    if isinstance(ids, jax.core.Tracer) or not ids.size:
+        return
+    try:
+        got_lo, got_hi = int(np.min(ids)), int(np.max(ids))
+    except jax.errors.ConcretizationTypeError:  # e.g. under jax.eval_shape: nothing to check
+        return
+    if got_lo < lo or got_hi >= vocab:
+        extra = " or -1 (no loss)" if lo < 0 else ""
+        raise ValueError(
+            f"{what} must be in [0, {vocab - 1}] (vocab_size {vocab}){extra}, "
+            f"got min {got_lo}, max {got_hi}"
+        )
+
+
+def init_kv_cache(cfg: ModelConfig, batch: int, length: int) -> list[KVCache]:
+    """Zeroed per-layer caches of `length` slots: k, v (B, S, H, Dh) in the compute dtype."""
+    if not 1 <= length <= cfg.context_length:
+        raise ValueError(f"cache length must be in [1, {cfg.context_length}], got {length}")
+    shape = (batch, length, cfg.n_heads, cfg.head_dim)
+    dtype = jnp.dtype(cfg.compute_dtype)
+    return [
+        {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.n_layers)
+    ]
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def lm_loss(
+    x: jax.Array, head: jax.Array, targets: jax.Array, cfg: ModelConfig, path: str
+) -> tuple[jax.Array, Sums]:
+    """Mean next-token cross-entropy over the targets that are not IGNORE.
+
+    x (B, T, D) final hidden states; head (V, D) the LM-head matrix (logits = x head^T, in
+    cfg.compute_dtype); targets (B, T) int. Returns (loss, {loss_sum, correct, count}): sums
+    over the batch, so metrics of several batches add up exactly; "correct" counts targets whose
+    logit is the row's maximum. `path` ("xla" | "pallas") comes from the OpPlan.
+    """
+    d = x.shape[-1]
+    valid = (targets != IGNORE).reshape(-1)  # (N,)
+    count = jnp.sum(valid)
+    weights = valid / jnp.maximum(count, 1).astype(jnp.float32)
+    safe = jnp.where(valid, targets.reshape(-1), 0)
+    dtype = jnp.dtype(cfg.compute_dtype)
+    loss, ce, hit = ops.linear_cross_entropy(x.reshape(-1, d), head, safe, weights, dtype, path)
+    return loss, {
+        "loss_sum": jnp.sum(jnp.where(valid, ce, 0.0)),
+        "correct": jnp.sum(valid & hit),
+        "count": count,
+    }

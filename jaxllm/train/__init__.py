@@ -1,0 +1,1 @@
+"""Training: optimizer and schedule, train state and steps, the loop, checkpoints, run logs."""
