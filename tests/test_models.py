@@ -119,7 +119,8 @@ def test_fused_qkv_is_concatenation_of_separate_projections():
         "params": {"qkv": {"kernel": np.concatenate([wq, wk, wv], axis=1)}, "out": {"kernel": wo}}
     }
     pos = jnp.arange(t)[None]
-    y, _ = mha.apply(params, jnp.asarray(x), AttentionInputs(pos))
+    with jax.default_matmul_precision("highest"):  # GPUs run float32 matmuls as TF32 otherwise
+        y, _ = mha.apply(params, jnp.asarray(x), AttentionInputs(pos))
     q, k, v = ((x @ w).reshape(1, t, h, d // h) for w in (wq, wk, wv))
     s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // h)
     s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
