@@ -35,7 +35,9 @@ from jax.experimental.pallas import triton as pltriton
 from .triton_backend import compiler_params, resolve_interpret
 
 VOCAB_ALIGN = 128  # pad the vocabulary to a multiple of this for the GEMMs
-_MASKED = -1e30  # finite: exp(_MASKED - m) underflows to 0 without inf - inf = NaN
+# finite: exp(MASK_VALUE - m) underflows to 0 without inf - inf = NaN. The same value as
+# jaxllm.functional.MASK_VALUE (tests/test_layout.py checks; this package may not import jaxllm).
+MASK_VALUE = -1e30
 
 
 class Config(NamedTuple):
@@ -80,7 +82,7 @@ def _kernel(z_ref, t_ref, w_ref, *out_refs, vocab: int, cfg: Config, steps: int)
             j = _i32(j)
             cols = j * c + jnp.arange(c, dtype=jnp.int32)  # (C,)
             ok = row_ok[:, None] & (cols < vocab)[None, :]
-            z = pltriton.load(z_ref.at[rows, pl.ds(j * c, c)], mask=ok, other=_MASKED)
+            z = pltriton.load(z_ref.at[rows, pl.ds(j * c, c)], mask=ok, other=MASK_VALUE)
             return cols, z.astype(jnp.float32)  # (C,), (R, C)
 
         def stats(j, carry):  # online max, rescaled sum and the target's logit
@@ -92,7 +94,7 @@ def _kernel(z_ref, t_ref, w_ref, *out_refs, vocab: int, cfg: Config, steps: int)
             return m_new, s, z_t
 
         zeros = jnp.zeros((r,), jnp.float32)
-        init = (jnp.full((r,), _MASKED, jnp.float32), zeros, zeros)
+        init = (jnp.full((r,), MASK_VALUE, jnp.float32), zeros, zeros)
         m, s, z_t = jax.lax.fori_loop(0, pl.cdiv(vocab, c), stats, init)
         lse = m + jnp.log(s)
         pltriton.store(ce_ref.at[rows], lse - z_t, mask=row_ok)

@@ -6,19 +6,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_config
 
-from jaxllm.config import ModelConfig
 from jaxllm.layers import DepthwiseConv1d
 from jaxllm.models import build_model, init_kv_cache
 from jaxllm.train.state import loss_and_sums
 
-TINY = dict(vocab_size=37, context_length=16, d_model=32, n_layers=1, n_heads=2)
+# One layer, two heads: each Pallas kernel on CPU runs in (slow) interpret mode.
+TINY = dict(vocab_size=37, n_layers=1, n_heads=2)
 
 
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
 def test_gpt2_pallas_matches_xla(dtype, tol):
-    xla = build_model(ModelConfig(**TINY, compute_dtype=dtype))
-    pallas = build_model(ModelConfig(**TINY, compute_dtype=dtype, kernels="pallas"))
+    xla = build_model(tiny_config(**TINY, compute_dtype=dtype))
+    pallas = build_model(tiny_config(**TINY, compute_dtype=dtype, kernels="pallas"))
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 0, 37)
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
     params = xla.init(jax.random.PRNGKey(1), tokens)["params"]
@@ -37,8 +38,8 @@ def test_gpt2_pallas_matches_xla(dtype, tol):
 def test_decoding_with_pallas_norms_matches_xla():
     """Decoding over a KV cache with a padded prompt: attention is XLA on every plan, the
     LayerNorms run the Pallas kernels; logits equal the all-XLA model's."""
-    cfg = ModelConfig(**TINY, kernels="pallas")
-    model, ref = build_model(cfg), build_model(ModelConfig(**TINY))
+    cfg = tiny_config(**TINY, kernels="pallas")
+    model, ref = build_model(cfg), build_model(tiny_config(**TINY))
     tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 8), 0, 37)
     params = model.init(jax.random.PRNGKey(3), tokens)
     key_mask = jnp.array([[True] * 8, [False] * 3 + [True] * 5])
@@ -65,9 +66,10 @@ def test_depthwise_conv_layer_switch(mode):
 def test_fused_loss_matches_xla_loss(arch, dtype, tol):
     """loss_impl: pallas (fused head + cross-entropy) = the logits path, with ignored targets,
     for a tied (gpt2) and an untied (transformer_lm) head."""
-    extra = {"bias": False, "qkv_bias": False, "tie_embeddings": False}
-    base = dict(TINY, arch=arch, compute_dtype=dtype, **(extra if arch != "gpt2" else {}))
-    xla, fused = (build_model(ModelConfig(**base, loss_impl=impl)) for impl in ("xla", "pallas"))
+    xla, fused = (
+        build_model(tiny_config(arch, **TINY, compute_dtype=dtype, loss_impl=impl))
+        for impl in ("xla", "pallas")
+    )
     tokens = jax.random.randint(jax.random.PRNGKey(6), (3, 8), 0, 37)
     targets = jnp.roll(tokens, -1, axis=1).at[:, :3].set(-1)  # IGNORE the first three
     batch = {"inputs": tokens, "targets": targets}

@@ -31,3 +31,10 @@ def test_only_ops_imports_pallas_kernels():
     }
     assert users <= ALLOWED, users - ALLOWED
     assert "jaxllm/ops.py" in users
+
+
+def test_one_mask_value():
+    from jaxllm.functional import MASK_VALUE
+    from pallas_kernels.cross_entropy import MASK_VALUE as KERNEL_MASK_VALUE
+
+    assert KERNEL_MASK_VALUE == MASK_VALUE
