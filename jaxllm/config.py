@@ -21,6 +21,8 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
+from jaxllm.atomic_file import write_text_atomic
+
 
 class ConfigError(ValueError):
     """A config file or override that does not fit the schema."""
@@ -177,12 +179,40 @@ class TokensConfig(Section):
 
 
 @dataclass(frozen=True)
+class TranslationConfig(Section):
+    """Parallel text for `src <eos_src> tgt <eos_tgt>` training (jaxllm.data.translation).
+
+    Files: each entry is a path prefix P naming `P.<src_lang>` and `P.<tgt_lang>`, relative to
+    $JAXLLM_DATA_DIR when it is set. With `hf_dataset`, train/valid/test are split names of that
+    Hugging Face dataset instead (rows {"translation": {src_lang: ..., tgt_lang: ...}})."""
+
+    PATH: ClassVar[str] = "data.translation"
+
+    src_lang: str = spec("de", nonempty=True)
+    tgt_lang: str = spec("en", nonempty=True)
+    train: tuple[str, ...] = ("multi30k_de_en/train",)  # prefixes, concatenated in order
+    valid: str = spec("multi30k_de_en/val", nonempty=True)
+    test: str = spec("multi30k_de_en/test", nonempty=True)
+    hf_dataset: str | None = None  # e.g. bbaaaa/iwslt14-de-en-preprocess (needs hub access)
+    vocab_size: int = spec(10_000, ge=300)  # byte-level BPE trained on the training pairs
+    # The course's length filter: keep a pair if len(src.split()) + len(tgt.split()) < max_words
+    # (all splits). Pairs whose layout exceeds model.context_length are dropped too, counted.
+    max_words: int | None = spec(None, gt=0)
+    test_limit: int | None = spec(None, gt=0)  # score only the first N test pairs (course: 100)
+    pad_multiple: int = spec(16, gt=0)  # batch length rounded up: few shapes, few recompiles
+    beam_width: int = spec(1, ge=1)  # 1: greedy
+    length_penalty: float = spec(1.0, ge=0.0)  # GNMT's alpha for beam search
+    bleu_split: Literal["valid", "test"] = "valid"  # scored with BLEU after every epoch
+
+
+@dataclass(frozen=True)
 class DataConfig(Section):
     PATH: ClassVar[str] = "data"
 
-    kind: Literal["associative_recall", "tokens"] = "associative_recall"
+    kind: Literal["associative_recall", "tokens", "translation"] = "associative_recall"
     associative_recall: AssociativeRecallConfig = field(default_factory=AssociativeRecallConfig)
     tokens: TokensConfig = field(default_factory=TokensConfig)
+    translation: TranslationConfig = field(default_factory=TranslationConfig)
 
 
 @dataclass(frozen=True)
@@ -210,8 +240,11 @@ class TrainConfig(Section):
 
     seed: int = spec(0, ge=0)
     batch_size: int = spec(64, gt=0)
-    steps: int = spec(1000, gt=0)
-    eval_every: int = spec(200, gt=0)  # steps between evaluations (and at the end)
+    # The run's length: `steps`, or `epochs` over a data source that has epochs (translation);
+    # exactly one is set. With epochs, evaluation runs at the end of every epoch.
+    steps: int | None = spec(1000, gt=0)
+    epochs: int | None = spec(None, gt=0)
+    eval_every: int | None = spec(200, gt=0)  # steps between evaluations (and at the end)
     eval_batches: int = spec(16, gt=0)  # held-out batches per evaluation (token data)
     log_every: int = spec(10, gt=0)
     run_dir: str = spec("runs/default", nonempty=True)
@@ -229,8 +262,26 @@ class Config(Section):
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def _check(self) -> None:
-        m = self.model
-        if self.optim.warmup_steps >= self.train.steps:
+        m, t = self.model, self.train
+        if (t.steps is None) == (t.epochs is None):
+            raise ConfigError(
+                f"set exactly one of train.steps ({t.steps}) and train.epochs ({t.epochs}); "
+                "the other must be null"
+            )
+        if t.epochs is not None:
+            if self.data.kind != "translation":
+                raise ConfigError(
+                    f"train.epochs needs data with epochs (kind translation), not {self.data.kind}"
+                    "; use train.steps"
+                )
+            if t.eval_every is not None:
+                raise ConfigError(
+                    "train.eval_every must be null with train.epochs: evaluation runs at the "
+                    "end of every epoch"
+                )
+        elif t.eval_every is None:
+            raise ConfigError("train.eval_every must be set (> 0) when training by train.steps")
+        if t.steps is not None and self.optim.warmup_steps >= t.steps:
             raise ConfigError(
                 f"optim.warmup_steps ({self.optim.warmup_steps}) must be < train.steps "
                 f"({self.train.steps})"
@@ -247,6 +298,11 @@ class Config(Section):
                     f"model.context_length ({m.context_length}) must be >= "
                     f"2 * num_pairs + 1 = {2 * ar.num_pairs + 1}"
                 )
+        elif self.data.kind == "translation" and m.vocab_size < self.data.translation.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size ({m.vocab_size}) must be >= data.translation.vocab_size "
+                f"({self.data.translation.vocab_size}), the tokenizer's size"
+            )
         elif self.data.kind == "tokens" and m.vocab_size < TokensConfig.GPT2_VOCAB:
             raise ConfigError(
                 f"token files use the GPT-2 vocabulary ({TokensConfig.GPT2_VOCAB} ids); "
@@ -294,6 +350,11 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError("; ".join(errors))
+    if origin is tuple:  # tuple[X, ...]: a YAML list
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ConfigError(f"{path} must be a non-empty list, got {value!r}")
+        (item,) = typing.get_args(tp)[:1]
+        return tuple(_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{path} must be true or false, got {value!r}")
@@ -386,7 +447,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def save_config(cfg: Config, path: str | Path) -> None:
     """Write `cfg` as YAML (temp name, then rename), loadable by `load_config`."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    tmp.replace(path)
+    write_text_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,4 +1,5 @@
-"""Autoregressive decoding with a KV cache: greedy, temperature, top-k and top-p sampling.
+"""Autoregressive decoding with a KV cache: greedy, temperature, top-k and top-p sampling, and
+beam search.
 
 `generate` left-pads a batch of prompts to the longest one (P tokens), runs all prompts through
 the model once (prefill) into a cache of S = P + max_new_tokens slots, then feeds one token per
@@ -9,7 +10,8 @@ padding; it re-runs every sequence in full at each step.
 
 Both draw step i's randomness from `fold_in(key, i)`, so at the same seed they give the same
 tokens. Returned lists exclude the prompt and end just before the first eos (eos itself is not
-returned); they never hold more than max_new_tokens ids.
+returned); they never hold more than max_new_tokens ids. `beam_search` reuses the same cache
+layout with beam_width rows per prompt; `sequence_logprob` scores a continuation teacher-forced.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +133,15 @@ def _check_request(
     return arrays
 
 
+def _left_pad(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts -> tokens (B, P) left-padded to the longest, pad_len (B,)."""
+    p = max(a.size for a in arrays)
+    tokens = np.zeros((len(arrays), p), np.int32)  # pad id 0: any id works, pads are masked
+    for row, a in zip(tokens, arrays, strict=True):
+        row[p - a.size :] = a
+    return tokens, np.array([p - a.size for a in arrays], np.int32)
+
+
 def _as_key(seed: Seed) -> jax.Array:
     return jax.random.PRNGKey(seed) if isinstance(seed, (int, np.integer)) else seed
 
@@ -196,11 +207,7 @@ def generate(
     cfg = model.cfg
     arrays = _check_request(cfg, prompts, max_new_tokens)
     eos = resolve_eos_id(cfg, sampling.eos_id)
-    p = max(a.size for a in arrays)
-    tokens = np.zeros((len(arrays), p), np.int32)  # pad id 0: any id works, pads are masked
-    for row, a in zip(tokens, arrays, strict=True):
-        row[p - a.size :] = a
-    pad_len = np.array([p - a.size for a in arrays], np.int32)
+    tokens, pad_len = _left_pad(arrays)
     top_k = cfg.vocab_size if sampling.top_k is None else min(sampling.top_k, cfg.vocab_size)
     out = _decoder(model, int(max_new_tokens))(
         params,
@@ -274,3 +281,186 @@ def generate_text(
             raise ValueError(f"prompt {i} encodes to no tokens; prompts must be non-empty text")
     out = generate(model, params, ids, max_new_tokens, sampling, seed)
     return [tokenizer.decode(o) for o in out]
+
+
+# ----------------------------------------------------------------------------- beam search
+
+
+@dataclass(frozen=True)
+class BeamSearch(Section):
+    """Beam search settings (see `beam_search`), validated on construction."""
+
+    PATH: ClassVar[str] = "beam_search"
+
+    beam_width: int = spec(4, ge=1)  # 1 = greedy; at most the vocab size
+    length_penalty: float = spec(1.0, ge=0.0)  # GNMT alpha; 0 = rank by the raw log-prob sum
+    eos_id: int | None | Literal["auto"] = spec("auto", ge=0)  # "auto": see resolve_eos_id
+
+
+class Beam(NamedTuple):
+    """One final hypothesis of `beam_search_nbest`."""
+
+    tokens: list[int]  # the new ids, cut before eos
+    logprob: float  # sum of the generated tokens' log-probs, eos included
+    score: float  # logprob / ((5 + length) / 6) ** length_penalty; length counts eos
+    finished: bool  # emitted eos
+
+
+def _expand(
+    scores: jax.Array, done: jax.Array, logits: jax.Array, eos_id: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One beam step. scores, done (B, K); logits (B*K, V), or (B, V) when every beam of a
+    prompt shares them -> new (scores, parent, token, done), each (B, K). A finished beam's only
+    continuation is eos at +0, so it keeps its score; top_k ranks ties by the lower index."""
+    b, k = scores.shape
+    v = logits.shape[-1]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(b, -1, v)
+    frozen = jnp.where(jnp.arange(v) == eos_id, 0.0, -jnp.inf)  # (V,)
+    logp = jnp.where(done[..., None], frozen, logp)  # (B, K, V)
+    scores, idx = jax.lax.top_k((scores[..., None] + logp).reshape(b, k * v), k)  # (B, K)
+    parent, tok = idx // v, (idx % v).astype(jnp.int32)
+    done = jnp.take_along_axis(done, parent, axis=1) | (tok == eos_id)
+    return scores, parent, tok, done
+
+
+@functools.lru_cache(maxsize=16)
+def _beam_decoder(model: Decoder, max_new_tokens: int, beam_width: int) -> Callable[..., tuple]:
+    """Jitted prefill + beam loop for one model, output length and width (cached like
+    `_decoder`; eos_id is traced). Returns tokens (B, K, N), log-prob sums (B, K), done (B, K)."""
+    n, k = max_new_tokens, beam_width
+
+    def run(params, tokens, pad_len, eos_id) -> tuple[jax.Array, jax.Array, jax.Array]:
+        b, p = tokens.shape  # tokens (B, P) left-padded; pad_len (B,)
+        slots = jnp.arange(p + n)
+        key_mask = slots[None, :] >= pad_len[:, None]  # (B, S) False on padding
+        positions = jnp.maximum(slots[None, :p] - pad_len[:, None], 0)  # (B, P)
+        cache = init_kv_cache(model.cfg, b, p + n)
+        logits, cache = model.apply(params, tokens, cache, 0, positions, key_mask, method="decode")
+        # All K beams of a prompt start identical: beams 1..K-1 at -inf, so the first expansion
+        # takes the K best first tokens of beam 0 (K <= V keeps them all finite).
+        scores = jnp.full((b, k), -jnp.inf, jnp.float32).at[:, 0].set(0.0)
+        scores, _, tok, done = _expand(scores, jnp.zeros((b, k), bool), logits[:, -1], eos_id)
+        out = jnp.zeros((b, k, n), jnp.int32).at[:, :, 0].set(tok)
+        # Row b * K + j holds beam j of prompt b.
+        cache = jax.tree.map(lambda c: jnp.repeat(c, k, axis=0), cache)  # (B*K, S, H, Dh)
+        key_mask = jnp.repeat(key_mask, k, axis=0)  # (B*K, S)
+        pad_len = jnp.repeat(pad_len, k)  # (B*K,)
+        prompt_row = jnp.arange(b)[:, None]  # (B, 1)
+
+        def cond(carry: tuple) -> jax.Array:
+            i, _, _, _, _, done = carry
+            return (i < n) & ~jnp.all(done)
+
+        def body(carry: tuple) -> tuple:
+            i, cache, scores, tok, out, done = carry
+            slot = p + i - 1  # where the previous token's key/value go
+            logits, cache = model.apply(
+                params, tok.reshape(-1, 1), cache, slot, (slot - pad_len)[:, None], key_mask,
+                method="decode",
+            )  # fmt: skip
+            scores, parent, tok, done = _expand(scores, done, logits[:, 0], eos_id)
+            src = (prompt_row * k + parent).reshape(-1)  # (B*K,) each new beam's parent row
+            cache = jax.tree.map(lambda c: c[src], cache)
+            out = out[prompt_row, parent].at[:, :, i].set(tok)  # (B, K, N)
+            return i + 1, cache, scores, tok, out, done
+
+        carry = (jnp.int32(1), cache, scores, tok, out, done)
+        _, _, scores, _, out, done = jax.lax.while_loop(cond, body, carry)
+        return out, scores, done
+
+    return jax.jit(run)
+
+
+def beam_search_nbest(
+    model: Decoder,
+    params: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    search: BeamSearch = BeamSearch(),
+) -> list[list[Beam]]:
+    """Like `beam_search`, but every prompt's beam_width final beams, best score first."""
+    cfg = model.cfg
+    arrays = _check_request(cfg, prompts, max_new_tokens)
+    eos = resolve_eos_id(cfg, search.eos_id)
+    k = search.beam_width
+    if k > cfg.vocab_size:
+        raise ValueError(
+            f"beam_search.beam_width must be in [1, {cfg.vocab_size}] (the vocab size), got {k}"
+        )
+    tokens, pad_len = _left_pad(arrays)
+    out, logprob, done = _beam_decoder(model, int(max_new_tokens), k)(
+        params, tokens, pad_len, np.int32(-1 if eos is None else eos)
+    )
+    out, logprob, done = np.asarray(out), np.asarray(logprob, np.float64), np.asarray(done)
+    result = []
+    for b in range(len(arrays)):
+        beams = []
+        for j in range(k):
+            new = _until_eos(out[b, j], eos)
+            length = len(new) + bool(done[b, j])  # an unfinished beam ran all max_new_tokens
+            penalty = ((5.0 + length) / 6.0) ** search.length_penalty
+            score = float(logprob[b, j] / penalty)
+            beams.append(Beam(new, float(logprob[b, j]), score, bool(done[b, j])))
+        result.append(sorted(beams, key=lambda h: -h.score))  # stable: ties keep beam order
+    return result
+
+
+def beam_search(
+    model: Decoder,
+    params: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    search: BeamSearch = BeamSearch(),
+) -> list[list[int]]:
+    """The most likely continuation of each prompt found by beam search (new ids, cut before
+    eos, as `generate` returns them).
+
+    Algorithm: prefill the B left-padded prompts once, repeat the cache to B*K rows (K =
+    beam_width). Each step scores every beam's V continuations, beam logprob + log_softmax(logits)
+    in float32 (a beam that emitted eos only continues with eos at +0, so it stays as it is), keeps
+    the top K of the K*V candidates per prompt, and gathers the cache rows of the chosen parent
+    beams. The loop (jitted `lax.while_loop`) stops when every beam has emitted eos or after
+    max_new_tokens. The answer per prompt is the beam with the best logprob / ((5 + len) / 6) **
+    length_penalty (GNMT; len counts eos). beam_width 1 is greedy decoding.
+    """
+    return [
+        beams[0].tokens
+        for beams in beam_search_nbest(model, params, prompts, max_new_tokens, search)
+    ]
+
+
+@functools.lru_cache(maxsize=16)
+def _forward(model: Decoder) -> Callable[..., jax.Array]:
+    """Jitted `model.apply(params, tokens)` -> logits (cached per model)."""
+    return jax.jit(model.apply)
+
+
+def sequence_logprob(
+    model: Decoder, params: Any, prompt: Sequence[int], continuation: Sequence[int]
+) -> float:
+    """Teacher-forced sum of log p(continuation[j] | prompt + continuation[:j]), log_softmax in
+    float32 (an empty continuation gives 0). len(prompt) + len(continuation) - 1 must fit in
+    context_length. Inputs are right-padded to a power of two (causal attention keeps the pad
+    from touching the logits read), so a few shapes compile."""
+    cfg = model.cfg
+    (prompt_ids,) = _check_request(cfg, [prompt], 1)
+    cont = np.asarray(continuation)
+    if cont.size == 0:
+        return 0.0
+    if cont.ndim != 1 or not np.issubdtype(cont.dtype, np.integer):
+        raise ValueError(f"continuation must be a list of int token ids, got shape {cont.shape}")
+    if cont.min() < 0 or cont.max() >= cfg.vocab_size:
+        raise ValueError(f"continuation has token ids outside [0, {cfg.vocab_size - 1}]")
+    ids = np.concatenate([prompt_ids, cont.astype(np.int32)])[:-1]  # the last id is only a target
+    if ids.size > cfg.context_length:
+        raise ValueError(
+            f"prompt + continuation ({ids.size + 1} tokens) needs {ids.size} input positions, "
+            f"more than context_length {cfg.context_length}"
+        )
+    length = min(max(16, 1 << (ids.size - 1).bit_length()), cfg.context_length)
+    tokens = np.zeros((1, length), np.int32)
+    tokens[0, : ids.size] = ids
+    p = prompt_ids.size
+    logits = _forward(model)(params, tokens)[0, p - 1 : p - 1 + cont.size]  # (C, V)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return float(jnp.sum(jnp.take_along_axis(logp, jnp.asarray(cont)[:, None], axis=-1)))

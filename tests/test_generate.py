@@ -1,4 +1,4 @@
-"""Sampling rules, cached vs uncached decoding, padding, eos, seeds and input errors."""
+"""Sampling rules, cached vs uncached decoding, padding, eos, seeds, beam search, input errors."""
 
 import jax
 import jax.numpy as jnp
@@ -8,12 +8,16 @@ from conftest import tiny_config
 
 from jaxllm.config import ModelConfig
 from jaxllm.generate import (
+    BeamSearch,
     Sampling,
+    beam_search,
+    beam_search_nbest,
     generate,
     generate_text,
     generate_uncached,
     resolve_eos_id,
     sample_next,
+    sequence_logprob,
 )
 from jaxllm.models import build_model
 
@@ -269,3 +273,163 @@ def test_bad_sampling_is_refused_on_construction(kw, match):
 def test_eos_id_beyond_the_vocabulary_is_refused(lm):
     with pytest.raises(ValueError, match=r"eos_id must be None, 'auto' or an int in \[0, 60\]"):
         run(lm, [[1]], 4, eos_id=61)
+
+
+# ----------------------------------------------------------------------------- beam search
+# Beam tests reuse PROMPTS and N (beam widths 1 and 4) so the beam decoder compiles few shapes.
+
+
+def beam(lm, prompts=PROMPTS, n=N, k=4, alpha=0.0, eos_id=None):
+    return beam_search(*lm, prompts, n, BeamSearch(k, alpha, eos_id))
+
+
+def nbest(lm, prompts=PROMPTS, n=N, k=4, alpha=0.0, eos_id=None):
+    return beam_search_nbest(*lm, prompts, n, BeamSearch(k, alpha, eos_id))
+
+
+def logprob(lm, prompt, continuation):
+    return sequence_logprob(*lm, prompt, continuation)
+
+
+def greedy_eos(lm):
+    """An eos id that greedy decoding emits mid-row in PROMPTS[2] (like test_stops_at_eos)."""
+    row = run(lm, temperature=0.0, eos_id=None)[2]
+    return row[last_new_token(row)]
+
+
+@pytest.mark.parametrize("with_eos", [False, True])
+def test_beam_width_1_equals_greedy(lm, with_eos):
+    eos = greedy_eos(lm) if with_eos else None
+    greedy = run(lm, temperature=0.0, eos_id=eos)
+    assert beam(lm, k=1, eos_id=eos) == greedy
+    assert beam(lm, k=1, alpha=2.0, eos_id=eos) == greedy  # one beam: the penalty cannot matter
+    assert any(len(r) < N for r in greedy) == with_eos
+
+
+def test_beam_search_beats_greedy_in_logprob(lm):
+    # No eos: every continuation has N tokens, so raw log-prob sums compare.
+    greedy = run(lm, temperature=0.0, eos_id=None)
+    found = beam(lm)
+    gains = []
+    for prompt, g, b in zip(PROMPTS, greedy, found, strict=True):
+        assert len(b) == N
+        gains.append(logprob(lm, prompt, b) - logprob(lm, prompt, g))
+    assert min(gains) >= -1e-4, gains
+    assert max(gains) > 0.1, gains  # strictly better somewhere (here: on every prompt)
+
+
+def test_full_width_beam_is_exact_over_two_tokens(lm):
+    # Beam width V keeps every first token, so over 2 new tokens beam search is exhaustive: for
+    # each 1-token prompt it must find the best of all V * V continuations, which greedy (myopic)
+    # misses for some of them.
+    model, params = lm
+    v = model.cfg.vocab_size
+    prompts = [[t] for t in range(v)]
+    found = np.array(beam(lm, prompts, n=2, k=v))  # (V, 2)
+    pairs = np.stack(np.meshgrid(np.arange(v), np.arange(v), indexing="ij"), -1).reshape(-1, 2)
+    logits = jax.jit(model.apply)(params, jnp.asarray(pairs))  # (V*V, 2, V): prompt, first token
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)).reshape(v, v, 2, v)
+    first = logp[:, 0, 0]  # (prompt, first token)
+    table = first[:, :, None] + logp[:, :, 1]  # (prompt, first, second): the 2-token log-prob
+    best = table.reshape(v, -1).max(axis=1)  # (V,)
+    rows = np.arange(v)
+    np.testing.assert_array_less(best - 1e-4, table[rows, found[:, 0], found[:, 1]])
+    g1 = first.argmax(axis=1)
+    greedy = table[rows, g1, logp[rows, g1, 1].argmax(axis=1)]
+    assert (greedy < best - 0.05).sum() >= 3  # myopic greedy loses on several prompts
+
+
+def test_nbest_beams_are_scored_by_their_teacher_forced_logprob(lm):
+    eos = greedy_eos(lm)
+    for alpha in (0.0, 1.0):
+        hyps = nbest(lm, eos_id=eos, alpha=alpha)
+        for prompt, beams in zip(PROMPTS, hyps, strict=True):
+            assert len(beams) == 4
+            assert len({(tuple(h.tokens), h.finished) for h in beams}) == 4  # all distinct
+            for h in beams:
+                assert eos not in h.tokens and len(h.tokens) <= N
+                assert h.finished or len(h.tokens) == N
+                length = len(h.tokens) + h.finished  # eos counts
+                assert h.score == pytest.approx(h.logprob / ((5 + length) / 6) ** alpha)
+                full = h.tokens + [eos] * h.finished
+                assert h.logprob == pytest.approx(logprob(lm, prompt, full), abs=1e-4)
+            assert [h.score for h in beams] == sorted((h.score for h in beams), reverse=True)
+        assert beam(lm, eos_id=eos, alpha=alpha) == [beams[0].tokens for beams in hyps]
+        finished = [h.finished for beams in hyps for h in beams]
+        assert any(finished) and not all(finished)
+
+
+def test_beam_search_stops_at_eos_per_row(lm):
+    # eos = the first token greedy picks for PROMPTS[0]: the 1-token hypothesis [eos] outscores
+    # every longer one there (each extra token adds a log-prob < 0), so with alpha 0 that row is
+    # empty; the other rows go on on their own.
+    eos = run(lm, temperature=0.0, eos_id=None)[0][0]
+    out = beam(lm, eos_id=eos)
+    assert out[0] == []
+    for row, full in zip(out[1:], beam(lm)[1:], strict=True):
+        assert eos not in row
+        assert row == full or len(row) < N
+    assert beam(lm, [PROMPTS[0]] * 3, eos_id=eos) == [[], [], []]
+
+
+@pytest.mark.parametrize("eos", [None, "greedy"])
+def test_beam_padded_row_equals_that_prompt_alone(lm, eos):
+    eos = greedy_eos(lm) if eos else None
+    batch = nbest(lm, eos_id=eos, alpha=1.0)
+    alone = nbest(lm, [PROMPTS[1]], eos_id=eos, alpha=1.0)[0]
+    assert [h.tokens for h in alone] == [h.tokens for h in batch[1]]
+    np.testing.assert_allclose([h.score for h in alone], [h.score for h in batch[1]], atol=1e-4)
+
+
+def test_sequence_logprob_of_greedy_matches_width_1_beam(lm):
+    greedy = run(lm, temperature=0.0, eos_id=None)
+    hyps = nbest(lm, k=1)
+    for prompt, g, (h,) in zip(PROMPTS, greedy, hyps, strict=True):
+        assert h.tokens == g and not h.finished
+        assert logprob(lm, prompt, g) == pytest.approx(h.logprob, abs=1e-4)
+    assert logprob(lm, [1, 2], []) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(beam_width=0), "beam_search.beam_width must be >= 1, got 0"),
+        (dict(beam_width=2.0), "beam_search.beam_width must be an integer"),
+        (dict(length_penalty=-0.5), "beam_search.length_penalty must be >= 0"),
+        (dict(length_penalty=float("inf")), "beam_search.length_penalty must be a finite number"),
+        (dict(eos_id=-1), "beam_search.eos_id must be >= 0"),
+    ],
+)
+def test_bad_beam_search_settings_are_refused_on_construction(kw, match):
+    with pytest.raises(ValueError, match=match):
+        BeamSearch(**kw)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "n", "search", "match"),
+    [
+        ([], 4, BeamSearch(), "prompts must be a non-empty list"),
+        ([[1, 61]], 4, BeamSearch(), r"outside \[0, 60\]"),
+        ([[1]], 0, BeamSearch(), "max_new_tokens must be >= 1"),
+        ([[1] * 30], 3, BeamSearch(), r"\(30 tokens\) \+ max_new_tokens \(3\) = 33 exceeds"),
+        ([[1]], 4, BeamSearch(beam_width=62), r"beam_search.beam_width must be in \[1, 61\]"),
+        ([[1]], 4, BeamSearch(eos_id=61), r"eos_id must be None, 'auto' or an int in \[0, 60\]"),
+    ],
+)
+def test_bad_beam_search_requests_raise(lm, prompts, n, search, match):
+    with pytest.raises(ValueError, match=match):
+        beam_search(*lm, prompts, n, search)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "cont", "match"),
+    [
+        ([], [1], "prompts must be a non-empty list|prompt 0 must be a non-empty list"),
+        ([1], [61], r"continuation has token ids outside \[0, 60\]"),
+        ([1], [0.5], "continuation must be a list of int token ids"),
+        ([1], [1] * 33, r"exceeds|context_length 32"),
+    ],
+)
+def test_bad_sequence_logprob_requests_raise(lm, prompt, cont, match):
+    with pytest.raises(ValueError, match=match):
+        sequence_logprob(*lm, prompt, cont)

@@ -1,21 +1,25 @@
 """Batch sources for the training loop: `train_batch(step)` and `eval_batches()`.
 
 A train batch is a pure function of (seed, step), so a resumed run sees exactly the batches an
-uninterrupted one would: the data-sampler state is just the step number.
+uninterrupted one would: the data-sampler state is just the step number. A source with epochs
+(translation) also has `steps_per_epoch` and scores a model after each epoch (`score`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from jaxllm.config import Config
+from jaxllm.config import Config, TranslationConfig
 from jaxllm.data import associative_recall as ar
+from jaxllm.data import translation as mt
 from jaxllm.data.token_file import load_tokens
 
 DATA_DIR_ENV = "JAXLLM_DATA_DIR"
@@ -24,6 +28,8 @@ Batch = dict[str, np.ndarray]
 
 
 class BatchSource(Protocol):
+    steps_per_epoch: int | None  # None: no epochs (train by steps)
+
     def train_batch(self, step: int) -> Batch: ...
 
     def eval_batches(self) -> Iterator[Batch]: ...
@@ -35,6 +41,7 @@ class RecallSource:
     test: ar.RecallSplit
     batch_size: int
     seed: int
+    steps_per_epoch = None
 
     def train_batch(self, step: int) -> Batch:
         return ar.train_batch(self.train, self.batch_size, step, self.seed)
@@ -53,6 +60,7 @@ class TokenSource:
     context_length: int
     eval_batches_count: int
     seed: int
+    steps_per_epoch = None
 
     def train_batch(self, step: int) -> Batch:
         rng = np.random.default_rng([self.seed, step])
@@ -117,6 +125,130 @@ def iter_eval_batches(
     )
 
 
+@dataclass(eq=False)  # hashed by identity: _epoch caches per source
+class TranslationSource:
+    """`src <eos_src> tgt <eos_tgt>` examples in length buckets (jaxllm.data.translation).
+
+    Step s is batch s % steps_per_epoch of epoch s // steps_per_epoch; each epoch's bucketed
+    batches are a pure function of (seed, epoch). Full batches only while training (one batch
+    shape per padded length, so few recompiles); evaluation covers every validation pair."""
+
+    tokenizer: mt.TranslationTokenizer
+    train: list[mt.Example]
+    valid: list[mt.Example]
+    score_pairs: list[mt.Pair]  # scored with BLEU after every epoch
+    cfg: TranslationConfig
+    batch_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if len(self.train) < self.batch_size:
+            raise ValueError(
+                f"{len(self.train)} training pairs is fewer than one batch "
+                f"(train.batch_size {self.batch_size})"
+            )
+        self.steps_per_epoch = len(self.train) // self.batch_size
+
+    @functools.lru_cache(maxsize=2)  # noqa: B019 (one source per run; epochs are consecutive)
+    def _epoch(self, epoch: int) -> list[np.ndarray]:
+        lengths = [len(x) for x, _ in self.train]
+        return mt.bucket_batches(lengths, self.batch_size, self.seed, epoch, drop_last=True)
+
+    def _collate(self, examples: list[mt.Example]) -> Batch:
+        longest = max(len(x) for x, _ in examples)
+        length = mt.padded_length(longest, self.cfg.pad_multiple)
+        return mt.collate(examples, self.tokenizer.pad_id, length)
+
+    def train_batch(self, step: int) -> Batch:
+        epoch, i = divmod(step, self.steps_per_epoch)
+        return self._collate([self.train[j] for j in self._epoch(epoch)[i]])
+
+    def eval_batches(self) -> Iterator[Batch]:
+        lengths = [len(x) for x, _ in self.valid]
+        for idx in mt.bucket_batches(lengths, self.batch_size, 0, 0, shuffle=False):
+            yield self._collate([self.valid[j] for j in idx])
+
+    def score(self, model: Any, params: Any) -> tuple[dict[str, Any], list[str]]:
+        """BLEU of the model's translations of `score_pairs`: (metrics, hypotheses)."""
+        from jaxllm.translate import score_translations  # the decoder needs the models
+
+        return score_translations(
+            model, params, self.tokenizer, self.score_pairs, self.cfg, self.batch_size
+        )
+
+
+def load_translation_split(tc: TranslationConfig, which: str) -> list[mt.Pair]:
+    """The pairs of split `which` ("train", "valid" or "test") as the config names them."""
+    names = {"train": tc.train, "valid": (tc.valid,), "test": (tc.test,)}[which]
+    pairs: list[mt.Pair] = []
+    for name in names:
+        if tc.hf_dataset is not None:
+            pairs += mt.load_hf_parallel(tc.hf_dataset, name, tc.src_lang, tc.tgt_lang)
+        else:
+            prefix = str(resolve_data_path(name))
+            pairs += mt.load_parallel_files(f"{prefix}.{tc.src_lang}", f"{prefix}.{tc.tgt_lang}")
+    return pairs
+
+
+def translation_tokenizer(cfg: Config, train_pairs: list[mt.Pair]) -> mt.TranslationTokenizer:
+    """The run dir's tokenizer.json if it exists (resume, evaluation: same ids), else a BPE
+    trained on the training pairs and saved there."""
+    tc = cfg.data.translation
+    path = Path(cfg.train.run_dir) / "tokenizer.json"
+    if path.is_file():
+        tok = mt.TranslationTokenizer.load(path)
+        if (tok.src_lang, tok.tgt_lang) != (tc.src_lang, tc.tgt_lang):
+            raise ValueError(
+                f"{path} is a {tok.src_lang}->{tok.tgt_lang} tokenizer; the config asks for "
+                f"{tc.src_lang}->{tc.tgt_lang}"
+            )
+        return tok
+    if not train_pairs:
+        raise FileNotFoundError(f"{path} not found: the run dir has no translation tokenizer")
+    texts = [s for pair in train_pairs for s in pair]
+    tok = mt.TranslationTokenizer.train(texts, tc.vocab_size, tc.src_lang, tc.tgt_lang)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(path)
+    return tok
+
+
+def _filtered(
+    pairs: list[mt.Pair], what: str, cfg: Config, tok: mt.TranslationTokenizer
+) -> list[mt.Pair]:
+    tc = cfg.data.translation
+    kept, dropped = mt.filter_pairs(pairs, tc.max_words, cfg.model.context_length, tok)
+    if dropped:
+        rule = f"max_words {tc.max_words} or " if tc.max_words else ""
+        print(
+            f"{what}: dropped {dropped} of {len(pairs)} pairs longer than {rule}the context "
+            f"({cfg.model.context_length} tokens)",
+            file=sys.stderr,
+        )
+    if not kept:
+        raise ValueError(f"{what}: no pair is left after the length filter")
+    return kept
+
+
+def make_translation_source(cfg: Config) -> TranslationSource:
+    tc = cfg.data.translation
+    train_pairs = load_translation_split(tc, "train")
+    tok = translation_tokenizer(cfg, train_pairs)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tok.vocab_size} ids; model.vocab_size is {cfg.model.vocab_size}"
+        )
+    train = mt.encode_pairs(tok, _filtered(train_pairs, "train", cfg, tok))
+    valid_pairs = _filtered(load_translation_split(tc, "valid"), "valid", cfg, tok)
+    score_pairs = valid_pairs
+    if tc.bleu_split == "test":
+        score_pairs = _filtered(load_translation_split(tc, "test"), "test", cfg, tok)
+        score_pairs = score_pairs[: tc.test_limit]
+    return TranslationSource(
+        tok, train, mt.encode_pairs(tok, valid_pairs), score_pairs, tc,
+        cfg.train.batch_size, cfg.train.seed,
+    )  # fmt: skip
+
+
 def resolve_data_path(path: str) -> Path:
     """Relative paths resolve against $JAXLLM_DATA_DIR when it is set, else the cwd."""
     p = Path(path).expanduser()
@@ -125,6 +257,8 @@ def resolve_data_path(path: str) -> Path:
 
 
 def make_source(cfg: Config) -> BatchSource:
+    if cfg.data.kind == "translation":
+        return make_translation_source(cfg)
     if cfg.data.kind == "associative_recall":
         train, test = ar.make_splits(cfg.data.associative_recall)
         return RecallSource(train, test, cfg.train.batch_size, cfg.train.seed)

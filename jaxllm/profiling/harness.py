@@ -37,9 +37,10 @@ def random_batch(cfg: Config, batch_size: int | None = None, seed: int = 0) -> B
 
 
 def make_state(cfg: Config, batch: Batch, seed: int = 0) -> TrainState:
-    """Fresh float32 parameters and AdamW state for cfg (the schedule spans cfg.train.steps)."""
+    """Fresh float32 parameters and AdamW state for cfg. The schedule's length does not change
+    what a step costs: it spans train.steps, or just past the warm-up for an epochs run."""
     model = build_model(cfg.model)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg.optim, cfg.train.steps or cfg.optim.warmup_steps + 1)
     return create_state(model, tx, jax.random.PRNGKey(seed), batch["inputs"])
 
 

@@ -105,7 +105,8 @@ def load_run(run_dir: str | Path, which: str = "latest") -> tuple[Any, Any, int]
     cfg = load_config(run_dir / "config.yaml")
     model = build_model(cfg.model)
     example = jnp.zeros((1, 1), jnp.int32)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    # The optimizer state's structure does not depend on the schedule's length.
+    tx = make_optimizer(cfg.optim, cfg.optim.warmup_steps + 1)
     abstract = jax.eval_shape(lambda: create_state(model, tx, jax.random.PRNGKey(0), example))
     ckpt = Checkpointer(run_dir, cfg.train.keep_checkpoints)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
+from jaxllm.atomic_file import write_text_atomic
 from jaxllm.config import Config, save_config
 from jaxllm.data.sources import BatchSource, make_source
 from jaxllm.models import build_model
@@ -33,6 +35,7 @@ class TrainResult:
     wall_time_s: float
     losses: list[float]  # training loss at every logged step of this process
     tokens_per_s: float  # mean over this process's logged intervals (compile excluded)
+    bleu: float = math.nan  # translation: BLEU after the last epoch
 
 
 def evaluate(state, source: BatchSource) -> dict[str, float]:
@@ -52,8 +55,18 @@ def _first_bad(bad: jax.Array, loss: jax.Array, step: jax.Array) -> jax.Array:
     return jnp.where((bad < 0) & ~jnp.isfinite(loss), step, bad)
 
 
+def total_steps(cfg: Config, source: BatchSource) -> int:
+    """train.steps, or train.epochs x the source's batches per epoch."""
+    if cfg.train.steps is not None:
+        return cfg.train.steps
+    if source.steps_per_epoch is None:
+        raise ValueError(f"data kind {cfg.data.kind} has no epochs; set train.steps")
+    return cfg.train.epochs * source.steps_per_epoch
+
+
 def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
-    """Train `cfg.model` on `cfg.data` for `cfg.train.steps` steps; returns the final metrics.
+    """Train `cfg.model` on `cfg.data` for train.steps steps (or train.epochs epochs); returns
+    the final metrics.
 
     With `train.resume` (the default) a run dir that holds checkpoints continues from the
     latest one: batches and dropout depend only on (seed, step), so the loss curve is the one
@@ -65,10 +78,12 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
     source = source or make_source(cfg)
     model = build_model(cfg.model)
     plan = model.plan
-    schedule = lr_schedule(cfg.optim, tc.steps)
+    total = total_steps(cfg, source)
+    per_epoch = source.steps_per_epoch if tc.epochs is not None else None
+    schedule = lr_schedule(cfg.optim, total)
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(tc.seed))
     example = jnp.asarray(source.train_batch(0)["inputs"])
-    state = create_state(model, make_optimizer(cfg.optim, tc.steps), init_rng, example)
+    state = create_state(model, make_optimizer(cfg.optim, total), init_rng, example)
 
     ckpt = Checkpointer(run_dir, tc.keep_checkpoints)
     start_step, best_eval = 0, math.inf
@@ -95,17 +110,20 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
         }
     )
     bar = tqdm(
-        total=tc.steps,
+        total=total,
         initial=start_step,
         desc="train",
         disable=not tc.progress,
         dynamic_ncols=True,
     )
     bar.write(plan.describe())
-    tokens_per_batch = example.size
+    if per_epoch:
+        bar.write(f"{tc.epochs} epochs of {per_epoch} steps = {total} steps")
+    tokens = 0  # (padded) input tokens since the last log
     bad = jnp.int32(-1)
     losses, rates = [], []
     ev = {"loss": math.nan, "accuracy": math.nan}
+    bleu = math.nan
     start = last_time = time.perf_counter()
     last_step = start_step
 
@@ -120,11 +138,13 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
         ckpt.save(state, meta, best=best)
 
     try:
-        for step in range(start_step, tc.steps):
-            state, metrics = train_step(state, source.train_batch(step), dropout_rng)
+        for step in range(start_step, total):
+            batch = source.train_batch(step)
+            tokens += batch["inputs"].size
+            state, metrics = train_step(state, batch, dropout_rng)
             bad = _first_bad(bad, metrics["loss"], step + 1)
             done = step + 1
-            if done % tc.log_every == 0 or done == tc.steps:
+            if done % tc.log_every == 0 or done == total:
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 if int(bad) >= 0:
                     raise NonFiniteLossError(
@@ -134,7 +154,8 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
                         "a stricter optim.grad_clip."
                     )
                 now = time.perf_counter()
-                rate = tokens_per_batch * (done - last_step) / (now - last_time)
+                rate = tokens / (now - last_time)
+                tokens = 0
                 if last_step > start_step:  # the first interval includes compilation
                     rates.append(rate)
                 rec = {
@@ -150,18 +171,31 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
                 losses.append(m["loss"])
                 last_step, last_time = done, now
                 bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{rec['lr']:.2e}")
-            if done % tc.eval_every == 0 or done == tc.steps:
+            end_of_epoch = per_epoch is not None and done % per_epoch == 0
+            if (tc.eval_every and done % tc.eval_every == 0) or done == total or end_of_epoch:
                 ev = evaluate(state, source)
-                log.write(
-                    {"step": done, "split": "eval", **ev, "wall_time": time.perf_counter() - start},
-                    prefix="eval",
-                )
-                bar.write(f"step {done}: eval loss {ev['loss']:.4f}  accuracy {ev['accuracy']:.4f}")
+                rec = {"step": done, "split": "eval", **ev}
+                line = f"step {done}: eval loss {ev['loss']:.4f}  accuracy {ev['accuracy']:.4f}"
+                if per_epoch is not None:
+                    epoch = done // per_epoch
+                    scores, hyps = source.score(model, {"params": state.params})
+                    bleu = scores["bleu"]
+                    rec |= {"epoch": epoch, "bleu": bleu}
+                    line += f"  BLEU {bleu:.2f} (epoch {epoch})"
+                    hyp_file = run_dir / f"hypotheses_epoch{epoch}.txt"
+                    write_text_atomic(hyp_file, "\n".join(hyps) + "\n")
+                    result = {"epoch": epoch, "step": done, "validation_loss": ev["loss"]}
+                    result |= scores | {"hypotheses": hyp_file.name}
+                    write_text_atomic(
+                        run_dir / f"eval_results_epoch{epoch}.json", json.dumps(result, indent=2)
+                    )
+                log.write(rec | {"wall_time": time.perf_counter() - start}, prefix="eval")
+                bar.write(line)
                 improved = ev["loss"] < best_eval
                 best_eval = min(best_eval, ev["loss"])
                 if (
                     improved
-                    or done == tc.steps
+                    or done == total
                     or (tc.checkpoint_every and done % tc.checkpoint_every == 0)
                 ):
                     save(done, best=improved)
@@ -170,9 +204,9 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
                 save(done)
                 last_time = time.perf_counter()
             bar.update(1)
-        if start_step >= tc.steps:  # a finished run: report its final evaluation again
+        if start_step >= total:  # a finished run: report its final evaluation again
             bar.write(
-                f"{run_dir} already holds the finished run (step {start_step} of {tc.steps}); "
+                f"{run_dir} already holds the finished run (step {start_step} of {total}); "
                 "evaluating its last checkpoint. Choose another --train.run_dir to train anew."
             )
             ev = evaluate(state, source)
@@ -182,11 +216,12 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
         ckpt.close()
     wall = time.perf_counter() - start
     return TrainResult(
-        final_step=tc.steps,
+        final_step=total,
         train_loss=losses[-1] if losses else math.nan,
         eval_loss=ev["loss"],
         eval_accuracy=ev["accuracy"],
         wall_time_s=wall,
         losses=losses,
         tokens_per_s=sum(rates) / len(rates) if rates else math.nan,
+        bleu=bleu,
     )
