@@ -30,11 +30,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         parser.error(str(e))
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # bad data or settings
+        parser.exit(2, f"error: {e}\n")
+    bleu = "" if result.bleu != result.bleu else f" | BLEU {result.bleu:.2f}"  # NaN: no BLEU
     print(
         f"done: {result.final_step} steps in {result.wall_time_s:.1f} s | train loss "
         f"{result.train_loss:.4f} | eval loss {result.eval_loss:.4f} | "
-        f"eval accuracy {result.eval_accuracy:.4f} | run dir {cfg.train.run_dir}"
+        f"eval accuracy {result.eval_accuracy:.4f}{bleu} | run dir {cfg.train.run_dir}"
     )
     return 0
 

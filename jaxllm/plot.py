@@ -1,6 +1,7 @@
 """Learning curves of a run: `python -m jaxllm.plot RUN_DIR [--out curve.png]`.
 
-Reads RUN_DIR/metrics.jsonl and draws train and eval loss against step and wall time.
+Reads RUN_DIR/metrics.jsonl and draws train and eval loss against step and wall time, and for
+a translation run the BLEU of every epoch.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, dpi: int = 80) 
     """Write the learning-curve PNG (default RUN_DIR/learning_curve.png); returns its path."""
     train, evals = read_metrics(run_dir)
     out = Path(out) if out else Path(run_dir) / "learning_curve.png"
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
+    bleu = [r for r in evals if "bleu" in r]
+    fig, axes = plt.subplots(1, 3 if bleu else 2, figsize=(13.5 if bleu else 9, 3.2))
+    axes[1].sharey(axes[0])
     for ax, key, label in ((axes[0], "step", "step"), (axes[1], "wall_time", "wall time (s)")):
         ax.plot([r[key] for r in train], [r["loss"] for r in train], label="train", lw=1)
         if evals:
@@ -45,7 +48,14 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, dpi: int = 80) 
     axes[0].set_ylabel("loss (nats/token)")
     axes[0].legend()
     best = min((r["loss"] for r in evals), default=float("nan"))
-    fig.suptitle(f"{Path(run_dir).name}: best eval loss {best:.3f}", fontsize=10)
+    title = f"{Path(run_dir).name}: best eval loss {best:.3f}"
+    if bleu:
+        axes[2].plot([r["epoch"] for r in bleu], [r["bleu"] for r in bleu], "o-", ms=3, lw=1)
+        axes[2].set_xlabel("epoch")
+        axes[2].set_ylabel("BLEU")
+        axes[2].grid(alpha=0.3)
+        title += f", best BLEU {max(r['bleu'] for r in bleu):.2f}"
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     tmp = out.with_name(out.stem + ".tmp.png")
     fig.savefig(tmp, dpi=dpi)

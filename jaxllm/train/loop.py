@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from jaxllm.atomic_file import write_text_atomic
-from jaxllm.config import Config, save_config
+from jaxllm.config import Config, ConfigError, save_config
 from jaxllm.data.sources import BatchSource, make_source
 from jaxllm.models import build_model
 from jaxllm.train.checkpoint import Checkpointer
@@ -80,6 +80,11 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
     plan = model.plan
     total = total_steps(cfg, source)
     per_epoch = source.steps_per_epoch if tc.epochs is not None else None
+    if cfg.optim.warmup_steps >= total:
+        raise ConfigError(
+            f"optim.warmup_steps ({cfg.optim.warmup_steps}) must be < the run's {total} steps"
+            + (f" ({tc.epochs} epochs x {per_epoch})" if per_epoch else "")
+        )
     schedule = lr_schedule(cfg.optim, total)
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(tc.seed))
     example = jnp.asarray(source.train_batch(0)["inputs"])
