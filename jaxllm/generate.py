@@ -101,7 +101,10 @@ def resolve_eos_id(cfg: ModelConfig, eos_id: EosId) -> int | None:
 
 
 def _check_request(
-    cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    pad_to: int | None = None,
 ) -> list[np.ndarray]:
     """Raise ValueError for a request `generate` cannot serve; return the prompts as arrays."""
     if isinstance(prompts, str) or len(prompts) == 0:
@@ -125,6 +128,16 @@ def _check_request(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     longest = max(a.size for a in arrays)
+    if pad_to is not None:
+        if (
+            isinstance(pad_to, bool)
+            or not isinstance(pad_to, (int, np.integer))
+            or pad_to < longest
+        ):
+            raise ValueError(
+                f"pad_to must be an int >= the longest prompt ({longest}), got {pad_to!r}"
+            )
+        longest = pad_to
     if longest + max_new_tokens > cfg.context_length:
         raise ValueError(
             f"longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = "
@@ -133,9 +146,13 @@ def _check_request(
     return arrays
 
 
-def _left_pad(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Prompts -> tokens (B, P) left-padded to the longest, pad_len (B,)."""
+def _left_pad(arrays: list[np.ndarray], pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts -> tokens (B, P) left-padded to the longest (or to pad_to), pad_len (B,)."""
     p = max(a.size for a in arrays)
+    if pad_to is not None:
+        if pad_to < p:
+            raise ValueError(f"pad_to ({pad_to}) is shorter than the longest prompt ({p})")
+        p = pad_to
     tokens = np.zeros((len(arrays), p), np.int32)  # pad id 0: any id works, pads are masked
     for row, a in zip(tokens, arrays, strict=True):
         row[p - a.size :] = a
@@ -197,17 +214,20 @@ def generate(
     max_new_tokens: int,
     sampling: Sampling = Sampling(),
     seed: Seed = 0,
+    *,
+    pad_to: int | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (a list of token ids; lengths may differ) by up to max_new_tokens.
 
     Returns one list per prompt: the new ids only, ending before the first eos (eos_id None:
     never stop early). Needs longest prompt + max_new_tokens <= context_length. seed is an int
-    or a PRNG key.
+    or a PRNG key. `pad_to` left-pads every prompt to that many tokens, so batches of other
+    lengths reuse one compiled decoder (the padding is masked: results do not change).
     """
     cfg = model.cfg
-    arrays = _check_request(cfg, prompts, max_new_tokens)
+    arrays = _check_request(cfg, prompts, max_new_tokens, pad_to)
     eos = resolve_eos_id(cfg, sampling.eos_id)
-    tokens, pad_len = _left_pad(arrays)
+    tokens, pad_len = _left_pad(arrays, pad_to)
     top_k = cfg.vocab_size if sampling.top_k is None else min(sampling.top_k, cfg.vocab_size)
     out = _decoder(model, int(max_new_tokens))(
         params,
@@ -377,17 +397,19 @@ def beam_search_nbest(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     search: BeamSearch = BeamSearch(),
+    *,
+    pad_to: int | None = None,
 ) -> list[list[Beam]]:
     """Like `beam_search`, but every prompt's beam_width final beams, best score first."""
     cfg = model.cfg
-    arrays = _check_request(cfg, prompts, max_new_tokens)
+    arrays = _check_request(cfg, prompts, max_new_tokens, pad_to)
     eos = resolve_eos_id(cfg, search.eos_id)
     k = search.beam_width
     if k > cfg.vocab_size:
         raise ValueError(
             f"beam_search.beam_width must be in [1, {cfg.vocab_size}] (the vocab size), got {k}"
         )
-    tokens, pad_len = _left_pad(arrays)
+    tokens, pad_len = _left_pad(arrays, pad_to)
     out, logprob, done = _beam_decoder(model, int(max_new_tokens), k)(
         params, tokens, pad_len, np.int32(-1 if eos is None else eos)
     )
@@ -411,6 +433,8 @@ def beam_search(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     search: BeamSearch = BeamSearch(),
+    *,
+    pad_to: int | None = None,
 ) -> list[list[int]]:
     """The most likely continuation of each prompt found by beam search (new ids, cut before
     eos, as `generate` returns them).
@@ -425,7 +449,9 @@ def beam_search(
     """
     return [
         beams[0].tokens
-        for beams in beam_search_nbest(model, params, prompts, max_new_tokens, search)
+        for beams in beam_search_nbest(
+            model, params, prompts, max_new_tokens, search, pad_to=pad_to
+        )
     ]
 
 

@@ -36,8 +36,8 @@ def translate(
     beam_width: int = 1,
     length_penalty: float = 1.0,
 ) -> list[str]:
-    """Translations of `sources`, in order. Prompts are batched by length (less padding, few
-    distinct shapes to compile); each continues until <eos_tgt> or the context is full."""
+    """Translations of `sources`, in order. Prompts are batched by length; each continues until
+    <eos_tgt> or the context is full (max_new_tokens = context - the longest prompt)."""
     prompts = [mt.encode_prompt(tok, s) for s in sources]
     ctx = model.cfg.context_length
     too_long = [i for i, p in enumerate(prompts) if len(p) >= ctx]
@@ -46,19 +46,22 @@ def translate(
             f"{len(too_long)} source sentences (e.g. #{too_long[0]}) fill the context of {ctx} "
             "tokens; filter them or raise model.context_length"
         )
-    max_new = ctx - max(len(p) for p in prompts)  # one decode length for every batch
+    # One prompt length and one batch size for every batch: the decoder compiles once.
+    pad_to = max(len(p) for p in prompts)
+    max_new = ctx - pad_to
     order = np.argsort([len(p) for p in prompts], kind="stable")
     out: list[str] = [""] * len(prompts)
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         batch = [prompts[i] for i in idx]
+        batch += [batch[0]] * (min(batch_size, len(prompts)) - len(batch))  # filler rows
         if beam_width == 1:
             sampling = Sampling(temperature=0.0, eos_id=tok.eos_tgt_id)
-            ids = generate(model, params, batch, max_new, sampling)
+            ids = generate(model, params, batch, max_new, sampling, pad_to=pad_to)
         else:
             search = BeamSearch(beam_width, length_penalty, tok.eos_tgt_id)
-            ids = beam_search(model, params, batch, max_new, search)
-        for i, row in zip(idx, ids, strict=True):
+            ids = beam_search(model, params, batch, max_new, search, pad_to=pad_to)
+        for i, row in zip(idx, ids, strict=False):  # the filler rows' outputs are dropped
             out[i] = tok.decode(row)
     return out
 

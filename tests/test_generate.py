@@ -433,3 +433,13 @@ def test_bad_beam_search_requests_raise(lm, prompts, n, search, match):
 def test_bad_sequence_logprob_requests_raise(lm, prompt, cont, match):
     with pytest.raises(ValueError, match=match):
         sequence_logprob(*lm, prompt, cont)
+
+
+def test_pad_to_changes_nothing_but_the_shape(lm):
+    greedy = dict(temperature=0.0, eos_id=None)
+    want = run(lm, **greedy)
+    assert generate(*lm, PROMPTS, N, Sampling(**greedy), pad_to=9) == want
+    with pytest.raises(ValueError, match=r"pad_to must be an int >= the longest prompt \(5\)"):
+        generate(*lm, PROMPTS, N, pad_to=4)
+    with pytest.raises(ValueError, match="exceeds the model's context_length"):
+        generate(*lm, PROMPTS, N, pad_to=30)
