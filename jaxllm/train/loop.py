@@ -99,7 +99,7 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
                 "pass --train.resume=true to continue it or choose another --train.run_dir"
             )
         state, meta = ckpt.restore(state)
-        start_step, best_eval = int(state.step), meta.get("best_eval_loss", math.inf)
+        start_step, best_eval = int(state.step), meta.get("best_score", math.inf)
         truncate_metrics(run_dir / "metrics.jsonl", start_step)
     save_config(cfg, run_dir / "config.yaml")
 
@@ -138,7 +138,7 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
         meta = {
             "config": cfg.to_dict(),
             "sampler": {"seed": tc.seed, "next_step": step},
-            "best_eval_loss": best_eval,
+            "best_score": best_eval,  # lower is better: eval loss, or -BLEU (translation)
         }
         ckpt.save(state, meta, best=best)
 
@@ -196,8 +196,11 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
                     )
                 log.write(rec | {"wall_time": time.perf_counter() - start}, prefix="eval")
                 bar.write(line)
-                improved = ev["loss"] < best_eval
-                best_eval = min(best_eval, ev["loss"])
+                # The best checkpoint: lowest eval loss, or highest BLEU where BLEU is scored
+                # (a translation model's BLEU keeps rising after its eval loss turns up).
+                score = -bleu if per_epoch is not None else ev["loss"]
+                improved = score < best_eval
+                best_eval = min(best_eval, score)
                 if (
                     improved
                     or done == total
