@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from jaxllm.config import ConfigError, load_config
-from jaxllm.train.loop import train
+from jaxllm.train.loop import NonFiniteLossError, train
+from jaxllm.train.run_lock import RunDirLockedError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "ar.yaml"
 
@@ -29,14 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
-        parser.error(str(e))
+        parser.exit(2, f"error: {e}\n")
     try:
         result = train(cfg)
-    except (ConfigError, FileNotFoundError, ValueError) as e:  # bad data or settings
-        parser.exit(2, f"error: {e}\n")
+    except (ConfigError, FileNotFoundError, ValueError, RunDirLockedError) as e:
+        parser.exit(2, f"error: {e}\n")  # bad data or settings, a busy run dir: one line
+    except NonFiniteLossError as e:
+        parser.exit(1, f"error: {e}\n")
     bleu = "" if result.bleu != result.bleu else f" | BLEU {result.bleu:.2f}"  # NaN: no BLEU
     print(
-        f"done: {result.final_step} steps in {result.wall_time_s:.1f} s | train loss "
+        f"done: ran {result.final_step - result.start_step} steps "
+        f"({result.start_step} -> {result.final_step}) in {result.wall_time_s:.1f} s | train loss "
         f"{result.train_loss:.4f} | eval loss {result.eval_loss:.4f} | "
         f"eval accuracy {result.eval_accuracy:.4f}{bleu} | run dir {cfg.train.run_dir}"
     )

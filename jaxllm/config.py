@@ -251,7 +251,16 @@ class TrainConfig(Section):
     checkpoint_every: int = spec(0, ge=0)  # 0: only at the end
     keep_checkpoints: int = spec(3, gt=0)  # the last K; the best by eval loss is kept apart
     resume: bool = True  # continue from run_dir's latest checkpoint if there is one
+    # Resuming with settings that change the result (model, data, optimizer, schedule, seed)
+    # is refused with the list of differences, unless this is true.
+    allow_config_change: bool = False
     progress: bool = True  # tqdm bar
+
+    # What may differ when a run resumes: how it is watched and kept, not what it computes.
+    NO_EFFECT: ClassVar[tuple[str, ...]] = (
+        "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
+        "resume", "allow_config_change", "progress", "run_dir",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -311,6 +320,22 @@ class Config(Section):
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def config_changes(old: Config, new: Config) -> list[str]:
+    """'section.key: old -> new' for every field that differs and changes what a run computes
+    (TrainConfig.NO_EFFECT fields are left out)."""
+
+    def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+        return out
+
+    a, b = flat(old.to_dict()), flat(new.to_dict())
+    skip = {f"train.{k}" for k in TrainConfig.NO_EFFECT}
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
+            if k not in skip and a.get(k) != b.get(k)]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- parsing

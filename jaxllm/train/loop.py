@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,17 +14,22 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from jaxllm.atomic_file import write_text_atomic
-from jaxllm.config import Config, ConfigError, save_config
+from jaxllm.config import Config, ConfigError, config_changes, load_config, save_config
 from jaxllm.data.sources import BatchSource, make_source
 from jaxllm.models import build_model
 from jaxllm.train.checkpoint import Checkpointer
 from jaxllm.train.metrics_log import MetricsLog, truncate_metrics
 from jaxllm.train.optim import lr_schedule, make_optimizer
+from jaxllm.train.run_lock import RunDirLock
 from jaxllm.train.state import create_state, eval_step, train_step
 
 
 class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or inf; the run stopped at the last good checkpoint."""
+    """The loss or the gradient became NaN or inf; the run stopped at the last good checkpoint."""
+
+
+class ResumeConfigError(ConfigError):
+    """Resuming a run dir with settings that would change its result."""
 
 
 @dataclass
@@ -35,6 +41,7 @@ class TrainResult:
     wall_time_s: float
     losses: list[float]  # training loss at every logged step of this process
     tokens_per_s: float  # mean over this process's logged intervals (compile excluded)
+    start_step: int = 0  # where this process began (> 0: resumed)
     bleu: float = math.nan  # translation: BLEU after the last epoch
 
 
@@ -50,9 +57,43 @@ def evaluate(state, source: BatchSource) -> dict[str, float]:
 
 
 @jax.jit
-def _first_bad(bad: jax.Array, loss: jax.Array, step: jax.Array) -> jax.Array:
-    # Device-side record of the first step with a non-finite loss: no host sync per step.
-    return jnp.where((bad < 0) & ~jnp.isfinite(loss), step, bad)
+def _first_bad(bad: jax.Array, metrics: dict, step: jax.Array) -> jax.Array:
+    # Device-side record of the first step whose loss or gradient norm is not finite.
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    return jnp.where((bad < 0) & ~ok, step, bad)
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
+
+
+def check_resume(old: Config, new: Config, old_total: int, new_total: int) -> None:
+    """Refuse (ResumeConfigError) a resume whose settings change the result, listing each
+    difference; a longer run is allowed only where the lr schedule of the steps already planned
+    is unchanged (a cosine spans the whole run, so usually it is not)."""
+    if new.train.allow_config_change:
+        return
+    changes = [
+        c for c in config_changes(old, new) if not c.startswith(("train.steps", "train.epochs"))
+    ]
+    if old_total != new_total:
+        steps = jnp.arange(min(old_total, new_total))
+        same = jnp.allclose(
+            lr_schedule(old.optim, old_total)(steps), lr_schedule(new.optim, new_total)(steps)
+        )
+        if not same or new_total < old_total:
+            changes.append(
+                f"run length: {old_total} -> {new_total} steps, which changes the learning-rate "
+                "schedule (the cosine decays to min_lr at the last step)"
+            )
+    if changes:
+        raise ResumeConfigError(
+            f"{new.train.run_dir} holds a run with other settings: "
+            + "; ".join(changes)
+            + ". Choose another --train.run_dir, or pass --train.allow_config_change=true "
+            "to continue with the new settings"
+        )
 
 
 def total_steps(cfg: Config, source: BatchSource) -> int:
@@ -68,10 +109,16 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
     """Train `cfg.model` on `cfg.data` for train.steps steps (or train.epochs epochs); returns
     the final metrics.
 
-    With `train.resume` (the default) a run dir that holds checkpoints continues from the
-    latest one: batches and dropout depend only on (seed, step), so the loss curve is the one
-    an uninterrupted run would give.
+    The run dir is locked for the whole run (RunDirLock: a second process is refused). With
+    `train.resume` (the default) a run dir that holds checkpoints continues from the latest
+    one: batches and dropout depend only on (seed, step), so the loss curve is the one an
+    uninterrupted run would give; settings that would change it are refused (check_resume).
     """
+    with RunDirLock(cfg.train.run_dir):
+        return _train(cfg, source)
+
+
+def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
     tc = cfg.train
     run_dir = Path(tc.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -98,9 +145,14 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
                 f"{run_dir} already holds checkpoints (latest step {ckpt.latest_step()}); "
                 "pass --train.resume=true to continue it or choose another --train.run_dir"
             )
+        saved = run_dir / "config.yaml"
+        if saved.is_file():
+            old = load_config(saved)
+            check_resume(old, cfg, total_steps(old, source), total)
         state, meta = ckpt.restore(state)
         start_step, best_eval = int(state.step), meta.get("best_score", math.inf)
         truncate_metrics(run_dir / "metrics.jsonl", start_step)
+        print(f"resuming from step {start_step} ({run_dir / 'checkpoints'})", file=sys.stderr)
     save_config(cfg, run_dir / "config.yaml")
 
     log = MetricsLog(run_dir)
@@ -132,9 +184,25 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
     start = last_time = time.perf_counter()
     last_step = start_step
 
-    def save(step: int, best: bool = False) -> None:
-        if int(bad) >= 0:  # never checkpoint a diverged state
+    def stop_if_diverged(bad_step: int) -> None:
+        if bad_step < 0:
             return
+        kept = ckpt.latest_step()
+        where = (
+            f"The last good checkpoint (step {kept}) is kept in {run_dir}."
+            if kept is not None
+            else "No checkpoint was saved before it."
+        )
+        raise NonFiniteLossError(
+            f"the loss or the gradient norm became non-finite at step {bad_step}; stopped. "
+            f"{where} Try a lower optim.lr or a stricter optim.grad_clip."
+        )
+
+    def save(step: int, best: bool = False) -> None:
+        # Never checkpoint a diverged state: the flag, then every parameter and moment, on device.
+        stop_if_diverged(int(bad))
+        if not bool(_all_finite((state.params, state.opt_state))):
+            stop_if_diverged(step)
         meta = {
             "config": cfg.to_dict(),
             "sampler": {"seed": tc.seed, "next_step": step},
@@ -146,18 +214,16 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
         for step in range(start_step, total):
             batch = source.train_batch(step)
             tokens += batch["inputs"].size
+            prev_bad = bad
             state, metrics = train_step(state, batch, dropout_rng)
-            bad = _first_bad(bad, metrics["loss"], step + 1)
+            bad = _first_bad(bad, metrics, step + 1)
+            # The previous step's flag: reading it waits for that step only, while this one
+            # runs, so the loop stops one step after the first bad one at the latest.
+            stop_if_diverged(int(prev_bad))
             done = step + 1
             if done % tc.log_every == 0 or done == total:
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                if int(bad) >= 0:
-                    raise NonFiniteLossError(
-                        f"loss became {m['loss'] if int(bad) == done else 'non-finite'} at step "
-                        f"{int(bad)}; stopped. The last good checkpoint (step "
-                        f"{ckpt.latest_step()}) is kept in {run_dir}. Try a lower optim.lr or "
-                        "a stricter optim.grad_clip."
-                    )
+                stop_if_diverged(int(bad))
                 now = time.perf_counter()
                 rate = tokens / (now - last_time)
                 tokens = 0
@@ -231,5 +297,6 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
         wall_time_s=wall,
         losses=losses,
         tokens_per_s=sum(rates) / len(rates) if rates else math.nan,
+        start_step=start_step,
         bleu=bleu,
     )

@@ -1,0 +1,139 @@
+"""Runs that survive faults (issue 15): one process per run dir, honest resume, never a
+diverged checkpoint, one-line errors from the CLIs."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.config import load_config
+from jaxllm.models import build_model
+from jaxllm.train.checkpoint import Checkpointer
+from jaxllm.train.loop import NonFiniteLossError, ResumeConfigError, train
+from jaxllm.train.optim import make_optimizer
+from jaxllm.train.run_lock import RunDirLock, RunDirLockedError
+from jaxllm.train.state import create_state
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--model.n_layers=1", "--train.progress=false", "--train.eval_every=20",
+        "--train.log_every=10", "--optim.warmup_steps=5"]  # fmt: skip
+
+
+def ar(run_dir, *extra):
+    return load_config(ROOT / "configs/ar.yaml", [*TINY, f"--train.run_dir={run_dir}", *extra])
+
+
+def cli(script, *args, cwd=ROOT):
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *args],
+        capture_output=True, text=True, cwd=cwd, timeout=300,
+    )  # fmt: skip
+
+
+def test_a_locked_run_dir_is_refused_naming_the_holder(tmp_path):
+    with RunDirLock(tmp_path):
+        with pytest.raises(RunDirLockedError, match="pid"):
+            train(ar(tmp_path, "--train.steps=20"))
+        out = cli("train.py", *TINY, "--train.steps=20", f"--train.run_dir={tmp_path}")
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr
+    assert f"pid {__import__('os').getpid()}" in out.stderr
+    assert not (tmp_path / "checkpoints").exists()  # the refused run wrote nothing
+
+
+def test_resume_says_where_it_starts_and_counts_only_its_steps(tmp_path, capsys):
+    train(ar(tmp_path, "--train.steps=40"))
+    # As if killed after the step-20 save: drop the step-40 checkpoints.
+    for d in ("checkpoints/40", "best/40"):
+        shutil.rmtree(tmp_path / d, ignore_errors=True)
+    result = train(ar(tmp_path, "--train.steps=40"))
+    assert f"resuming from step 20 ({tmp_path / 'checkpoints'})" in capsys.readouterr().err
+    assert (result.start_step, result.final_step) == (20, 40)
+    assert Checkpointer(tmp_path).latest_step() == 40
+
+
+def test_resume_with_other_settings_is_refused_with_the_differences(tmp_path):
+    train(ar(tmp_path, "--train.steps=20"))
+    with pytest.raises(ResumeConfigError, match=r"model.n_heads: 4 -> 2; optim.lr: 0.001 -> 0.002"):
+        train(ar(tmp_path, "--train.steps=20", "--optim.lr=2e-3", "--model.n_heads=2"))
+    with pytest.raises(ResumeConfigError, match="run length: 20 -> 40 steps, which changes"):
+        train(ar(tmp_path, "--train.steps=40"))
+    # How a run is watched may change; the explicit flag lets a changed run go on.
+    train(ar(tmp_path, "--train.steps=20", "--train.log_every=5"))
+    longer = train(ar(tmp_path, "--train.steps=40", "--train.allow_config_change=true"))
+    assert longer.start_step == 20 and longer.final_step == 40
+
+
+def test_a_longer_run_with_a_constant_schedule_may_resume(tmp_path):
+    flat = ["--optim.min_lr=1e-3", "--optim.warmup_steps=0"]  # lr constant: same schedule
+    train(ar(tmp_path, "--train.steps=20", *flat))
+    assert train(ar(tmp_path, "--train.steps=30", *flat)).start_step == 20
+
+
+def test_divergence_stops_at_the_first_bad_step_and_no_checkpoint_holds_it(tmp_path):
+    args = ["--train.steps=40", "--optim.lr=1e6", "--optim.grad_clip=0", "--optim.warmup_steps=0",
+            "--train.checkpoint_every=1", "--train.log_every=50"]  # fmt: skip
+    with pytest.raises(NonFiniteLossError, match=r"non-finite at step \d+"):
+        train(ar(tmp_path, *args))
+    cfg = ar(tmp_path, *args)
+    model = build_model(cfg.model)
+    template = create_state(
+        model, make_optimizer(cfg.optim, 40), jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32)
+    )
+    ckpt = Checkpointer(tmp_path)
+    steps = ckpt.latest.all_steps()
+    assert steps and max(steps) < 50  # stopped at once, not at the next log step (50)
+    for step in steps:  # every checkpoint that exists is finite
+        state, _ = ckpt.restore(template, step=step)
+        leaves = jax.tree_util.tree_leaves((state.params, state.opt_state))
+        assert all(np.isfinite(np.asarray(x)).all() for x in leaves)
+    ckpt.close()
+
+
+def test_divergence_before_any_checkpoint_says_so(tmp_path):
+    args = ["--train.steps=40", "--optim.lr=1e6", "--optim.grad_clip=0", "--optim.warmup_steps=0"]
+    with pytest.raises(NonFiniteLossError, match="No checkpoint was saved before it"):
+        train(ar(tmp_path, *args))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--data.kind=tokens", "--model.vocab_size=50257", *TINY, "--train.steps=20"],
+            "token file not found",
+        ),  # fmt: skip
+        (["--config", "BAD_YAML"], "is not valid YAML"),
+        (["--optim.grad_clip=nan"], "optim.grad_clip must be a finite number"),
+        (["--train.run_dir="], "train.run_dir must be a non-empty string"),
+        (["--train.seed=-1"], "train.seed must be >= 0"),
+    ],
+)
+def test_train_cli_errors_are_one_line(tmp_path, args, message):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("model: [unclosed\n")
+    args = [str(bad_yaml) if a == "BAD_YAML" else a for a in args]
+    out = cli("train.py", f"--train.run_dir={tmp_path / 'r'}", *args, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and message in out.stderr
+
+
+def test_resuming_a_changed_model_is_one_line(tmp_path):
+    train(ar(tmp_path, "--train.steps=20"))
+    out = cli("train.py", *TINY, "--train.steps=20", "--model.d_model=32",
+              f"--train.run_dir={tmp_path}")  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "model.d_model: 64 -> 32" in out.stderr
+
+
+def test_generate_cli_errors_are_one_line(tmp_path):
+    out = cli("generate.py", "--run-dir", str(tmp_path), "--prompt", "x", "--max-new-tokens", "0")
+    assert out.returncode == 2 and "--max-new-tokens must be >= 1" in out.stderr
+    out = cli("generate.py", "--run-dir", str(tmp_path), "--prompt", "x")
+    assert out.returncode == 2 and "not a train.py run dir" in out.stderr
+    assert "Traceback" not in out.stderr
