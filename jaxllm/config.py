@@ -103,6 +103,10 @@ class ModelConfig(Section):
     init_std: float = spec(0.02, gt=0.0)
     rope_theta: float = spec(10000.0, gt=0.0)  # transformer_lm only
     norm_eps: float = spec(1e-5, gt=0.0)
+    # A causal depthwise conv1d over the normed input of every attention (H3 / Based "shift"):
+    # each position sees its short_conv_size - 1 predecessors before attention does.
+    short_conv: bool = False
+    short_conv_size: int = spec(3, ge=2, le=7)  # the Pallas conv kernel takes K <= 7
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # matmul dtype; params stay f32
     # Which implementation runs is decided in jaxllm/ops.py (`plan_ops`), which says it out loud:
     kernels: Literal["xla", "pallas"] = "xla"  # norms + attention softmax via pallas_kernels

@@ -228,3 +228,20 @@ def test_rotary_theta_and_relative_positions():
     np.testing.assert_allclose(score(3, 1), score(12, 10), rtol=1e-5)
     assert abs(score(3, 1) - score(3, 2)) > 1e-4
     assert not np.allclose(rope(q, 3, theta=10000.0), rope(q, 3))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_short_conv_is_causal_and_refuses_cached_decoding(arch):
+    cfg = tiny_config(arch, short_conv=True, short_conv_size=4)
+    model, params = init(cfg)
+    assert params["params"]["h1"]["conv"]["kernel"].shape == (32, 4)
+    rng = np.random.default_rng(2)
+    base = rng.integers(0, 61, size=(2, 16))
+    changed = base.copy()
+    changed[:, 9:] = rng.integers(0, 61, size=(2, 7))
+    a, b = model.apply(params, jnp.asarray(base)), model.apply(params, jnp.asarray(changed))
+    np.testing.assert_allclose(a[:, :9], b[:, :9], atol=1e-5)
+    assert not np.allclose(a[:, 9:], b[:, 9:])
+    cache = init_kv_cache(cfg, 2, 16)
+    with pytest.raises(ValueError, match="generate_uncached"):
+        model.apply(params, jnp.asarray(base), cache, 0, method="decode")

@@ -115,6 +115,11 @@ class Decoder(nn.Module):
         cache_index .. cache_index + T - 1 -> (logits (B, T, V), new cache). positions (B, T)
         default to the slots; key_mask (B, S) hides padding slots."""
         check_tokens(tokens, self.cfg, allow_empty=True)
+        if self.cfg.short_conv:
+            raise ValueError(
+                "model.short_conv models have no convolution state in the KV cache yet: decode "
+                "with jaxllm.generate.generate_uncached"
+            )
         if positions is None:
             positions = default_positions(tokens, cache_index)
         inputs = AttentionInputs(positions, True, key_mask, cache_index)

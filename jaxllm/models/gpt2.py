@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxllm.config import ModelConfig
 from jaxllm.layers import (
     AttentionInputs,
+    DepthwiseConv1d,
     Dropout,
     Embedding,
     FeedForward,
@@ -46,6 +47,8 @@ class Block(nn.Module):
         mlp = FeedForward(cfg.ffn_dim, cfg.bias, cfg.dropout, init, out_init, dtype, name="mlp")
 
         x, y = add_and_norm(ln(name="ln1"), x, h)  # (B, T, D) stream, (B, T, D) compute dtype
+        if cfg.short_conv:  # each position mixes in its predecessors before attending
+            y = DepthwiseConv1d(cfg.short_conv_size, "causal", self.plan.conv, name="conv")(y)
         h, cache = attn(y, inputs, cache)
         x, y = ln(name="ln2")(x, residual=h)
         return x, mlp(y, inputs.deterministic), cache

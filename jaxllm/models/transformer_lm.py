@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxllm.config import ModelConfig
 from jaxllm.layers import (
     AttentionInputs,
+    DepthwiseConv1d,
     Embedding,
     KVCache,
     MultiHeadAttention,
@@ -41,6 +42,8 @@ class Block(nn.Module):
         mlp = SwiGLU(cfg.ffn_dim, cs336_init(), dtype, name="mlp")
 
         x, y = add_and_norm(RMSNorm(cfg.norm_eps, name="ln1"), x, h)  # (B, T, D) each
+        if cfg.short_conv:  # each position mixes in its predecessors before attending
+            y = DepthwiseConv1d(cfg.short_conv_size, "causal", self.plan.conv, name="conv")(y)
         h, cache = attn(y, inputs, cache)
         x, y = RMSNorm(cfg.norm_eps, name="ln2")(x, residual=h)
         return x, mlp(y, inputs.deterministic), cache

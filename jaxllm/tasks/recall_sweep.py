@@ -1,0 +1,128 @@
+"""Associative recall vs depth (CS229S project 0, part 1): train GPT-2s of 1..L layers at a few
+widths and seeds on the AR preset, plot test accuracy against the number of layers.
+
+    python -m jaxllm.tasks.recall_sweep --out runs/ar_sweep [--layers 1 2 3 4] [--widths 32 64]
+        [--seeds 0 1 2] [--steps 2500] [--short-conv] [--workers 2]
+
+Writes OUT/results.jsonl (one line per run), OUT/accuracy_vs_layers.png (seed mean per width,
+every run as a dot, the 90% line) and prints a Markdown table and the smallest depth whose
+every run reaches 90%. Each run is `configs/ar.yaml` with n_layers, d_model, init_std =
+1/sqrt(d_model) (what ar.yaml uses at d 64) and the seed overridden, in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import multiprocessing
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+PRESET = Path(__file__).resolve().parents[2] / "configs" / "ar.yaml"
+TARGET = 0.9
+
+
+def run_one(layers: int, width: int, seed: int, steps: int, short_conv: bool, out: str) -> dict:
+    """Train one AR model; returns its settings and test accuracy."""
+    from jaxllm.config import load_config
+    from jaxllm.train.loop import train
+
+    name = f"L{layers}_d{width}_s{seed}" + ("_conv" if short_conv else "")
+    overrides = [
+        f"--model.n_layers={layers}",
+        f"--model.d_model={width}",
+        f"--model.init_std={1 / math.sqrt(width):.6g}",
+        f"--model.short_conv={str(short_conv).lower()}",
+        f"--train.seed={seed}",
+        f"--train.steps={steps}",
+        f"--train.eval_every={steps}",
+        "--train.progress=false",
+        "--train.resume=false",
+        f"--train.run_dir={Path(out) / 'runs' / name}",
+    ]
+    result = train(load_config(PRESET, overrides))
+    return {
+        "layers": layers, "width": width, "seed": seed, "short_conv": short_conv,
+        "steps": steps, "accuracy": result.eval_accuracy, "seconds": result.wall_time_s,
+    }  # fmt: skip
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for (width, conv), group in itertools.groupby(
+        sorted(results, key=lambda r: (r["width"], r["short_conv"], r["layers"])),
+        key=lambda r: (r["width"], r["short_conv"]),
+    ):
+        group = list(group)
+        layers = sorted({r["layers"] for r in group})
+        mean = [sum(r["accuracy"] for r in group if r["layers"] == n)
+                / sum(r["layers"] == n for r in group) for n in layers]  # fmt: skip
+        label = f"d {width}" + (" + short conv" if conv else "")
+        (line,) = ax.plot(layers, mean, "o-", label=label)
+        ax.scatter([r["layers"] for r in group], [r["accuracy"] for r in group], s=10,
+                   alpha=0.4, color=line.get_color())  # fmt: skip
+    ax.axhline(TARGET, color="gray", ls="--", lw=1, label="90%")
+    ax.set_xlabel("layers")
+    ax.set_ylabel("test accuracy")
+    ax.set_xticks(sorted({r["layers"] for r in results}))
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("associative recall (8 pairs, vocab 32): accuracy vs depth", fontsize=9)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxllm.tasks.recall_sweep", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--out", required=True, help="output dir (results.jsonl, PNG, runs/)")
+    p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 3, 4])
+    p.add_argument("--widths", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=2500)
+    p.add_argument("--short-conv", action="store_true", help="model.short_conv=true in every run")
+    p.add_argument("--workers", type=int, default=1, help="runs in parallel (processes)")
+    args = p.parse_args(argv)
+    if min(args.layers + args.widths + [args.workers]) < 1:
+        p.error("--layers, --widths and --workers must be >= 1")
+    if args.steps <= 100:
+        p.error(f"--steps must be > 100 (the preset's warm-up), got {args.steps}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = [(n, w, s, args.steps, args.short_conv, str(out))
+            for n, w, s in itertools.product(args.layers, args.widths, args.seeds)]  # fmt: skip
+    context = multiprocessing.get_context("spawn")  # fork + JAX threads can deadlock
+    results = []
+    with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
+        for r in pool.map(run_one, *zip(*jobs, strict=True)):
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    plot(results, out / "accuracy_vs_layers.png")
+    print("\n| layers | width | short conv | accuracy per seed | mean |\n|---|---|---|---|---|")
+    depth_ok = {}
+    for (n, w), group in itertools.groupby(results, key=lambda r: (r["layers"], r["width"])):
+        accs = [r["accuracy"] for r in group]
+        depth_ok.setdefault(n, []).extend(accs)
+        cells = ", ".join(f"{a:.3f}" for a in accs)
+        print(f"| {n} | {w} | {args.short_conv} | {cells} | {sum(accs) / len(accs):.3f} |")
+    ok = [n for n, accs in sorted(depth_ok.items()) if min(accs) >= TARGET]
+    print(f"\nsmallest depth with every run >= 90%: {ok[0] if ok else 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""The AR layer sweep CLI: one tiny run end to end (results file, plot, table)."""
+
+import json
+
+import pytest
+
+from jaxllm.tasks import recall_sweep
+
+
+def test_sweep_writes_results_and_plot(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    args = ["--out", str(out), "--layers", "1", "--widths", "16", "--seeds", "0", "--steps", "150"]
+    assert recall_sweep.main([*args, "--short-conv"]) == 0
+    (rec,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert rec["layers"] == 1 and rec["width"] == 16 and rec["short_conv"] is True
+    assert 0.0 <= rec["accuracy"] <= 1.0
+    assert (out / "accuracy_vs_layers.png").stat().st_size > 1000
+    assert "smallest depth with every run >= 90%" in capsys.readouterr().out
+
+
+def test_sweep_rejects_bad_arguments(tmp_path):
+    with pytest.raises(SystemExit):
+        recall_sweep.main(["--out", str(tmp_path), "--steps", "50"])
