@@ -44,3 +44,12 @@ def test_train_batches_are_epoch_permutations():
 def test_bad_config():
     with pytest.raises(ConfigError, match="num_pairs"):
         ar.make_splits(AssociativeRecallConfig(vocab_size=8, num_pairs=5))
+
+
+def test_a_task_too_small_for_its_splits_is_an_error_not_a_hang():
+    from jaxllm.config import AssociativeRecallConfig
+    from jaxllm.data.associative_recall import make_splits
+
+    cfg = AssociativeRecallConfig(vocab_size=16, num_pairs=1, num_train=10_000, num_test=1_000)
+    with pytest.raises(ValueError, match="has 64 distinct sequences"):
+        make_splits(cfg)

@@ -9,6 +9,7 @@ attention: one layer cannot move a key's identity onto its value.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,10 +52,19 @@ def make_splits(cfg: AssociativeRecallConfig) -> tuple[RecallSplit, RecallSplit]
     seen = {row.tobytes() for row in train.inputs}
     rng = np.random.default_rng([cfg.seed, 1])
     inputs, targets = [], []
-    count = 0
+    count, idle = 0, 0
     while count < cfg.num_test:
         cand = make_examples(cfg.num_test, cfg.vocab_size, cfg.num_pairs, rng)
         fresh = np.array([row.tobytes() not in seen for row in cand.inputs])
+        idle = 0 if fresh.any() else idle + 1
+        if idle == 20:  # the task has too few distinct sequences: never loop forever
+            half = cfg.vocab_size // 2
+            distinct = math.perm(half, cfg.num_pairs) * half**cfg.num_pairs * cfg.num_pairs
+            raise ValueError(
+                f"data.associative_recall: vocab {cfg.vocab_size} with {cfg.num_pairs} pairs has "
+                f"{distinct} distinct sequences; only {count} test examples outside the training "
+                f"set could be drawn of num_test {cfg.num_test}: lower num_train or num_test"
+            )
         inputs.append(cand.inputs[fresh])
         targets.append(cand.targets[fresh])
         seen.update(row.tobytes() for row in cand.inputs[fresh])
