@@ -15,7 +15,7 @@ def test_sweep_writes_results_and_plot(tmp_path, capsys):
     assert rec["layers"] == 1 and rec["width"] == 16 and rec["short_conv"] is True
     assert 0.0 <= rec["accuracy"] <= 1.0
     assert (out / "accuracy_vs_layers.png").stat().st_size > 1000
-    assert "smallest depth with every run >= 90%" in capsys.readouterr().out
+    assert "width 16: smallest depth with every run >= 90%" in capsys.readouterr().out
 
 
 def test_sweep_rejects_bad_arguments(tmp_path):

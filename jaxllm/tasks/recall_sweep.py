@@ -5,8 +5,8 @@ widths and seeds on the AR preset, plot test accuracy against the number of laye
         [--seeds 0 1 2] [--steps 2500] [--short-conv] [--workers 2]
 
 Writes OUT/results.jsonl (one line per run), OUT/accuracy_vs_layers.png (seed mean per width,
-every run as a dot, the 90% line) and prints a Markdown table and the smallest depth whose
-every run reaches 90%. Each run is `configs/ar.yaml` with n_layers, d_model, init_std =
+every run as a dot, the 90% line) and prints a Markdown table and, per width, the smallest
+depth whose every run reaches 90%. Each run is `configs/ar.yaml` with n_layers, d_model, init_std =
 1/sqrt(d_model) (what ar.yaml uses at d 64) and the seed overridden, in its own process.
 """
 
@@ -113,14 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     plot(results, out / "accuracy_vs_layers.png")
     print("\n| layers | width | short conv | accuracy per seed | mean |\n|---|---|---|---|---|")
-    depth_ok = {}
-    for (n, w), group in itertools.groupby(results, key=lambda r: (r["layers"], r["width"])):
-        accs = [r["accuracy"] for r in group]
-        depth_ok.setdefault(n, []).extend(accs)
+    by_cell: dict[tuple[int, int], list[float]] = {}
+    for r in results:
+        by_cell.setdefault((r["layers"], r["width"]), []).append(r["accuracy"])
+    for (n, w), accs in sorted(by_cell.items()):
         cells = ", ".join(f"{a:.3f}" for a in accs)
         print(f"| {n} | {w} | {args.short_conv} | {cells} | {sum(accs) / len(accs):.3f} |")
-    ok = [n for n, accs in sorted(depth_ok.items()) if min(accs) >= TARGET]
-    print(f"\nsmallest depth with every run >= 90%: {ok[0] if ok else 'none'}")
+    for w in sorted(set(args.widths)):
+        ok = [n for (n, w2), accs in sorted(by_cell.items()) if w2 == w and min(accs) >= TARGET]
+        print(f"width {w}: smallest depth with every run >= 90%: {ok[0] if ok else 'none'}")
     return 0
 
 
