@@ -159,6 +159,19 @@ def _left_pad(arrays: list[np.ndarray], pad_to: int | None = None) -> tuple[np.n
     return tokens, np.array([p - a.size for a in arrays], np.int32)
 
 
+def _request(
+    model: Decoder,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_id: EosId,
+    pad_to: int | None,
+) -> tuple[np.ndarray, np.ndarray, int | None]:
+    """Check a decoding request; (tokens (B, P) left-padded, pad_len (B,), eos id or None)."""
+    arrays = _check_request(model.cfg, prompts, max_new_tokens, pad_to)
+    tokens, pad_len = _left_pad(arrays, pad_to)
+    return tokens, pad_len, resolve_eos_id(model.cfg, eos_id)
+
+
 def _as_key(seed: Seed) -> jax.Array:
     return jax.random.PRNGKey(seed) if isinstance(seed, (int, np.integer)) else seed
 
@@ -168,6 +181,21 @@ def _until_eos(tokens: Sequence[int], eos_id: int | None) -> list[int]:
     return tokens[: tokens.index(eos_id)] if eos_id in tokens else tokens
 
 
+def _prefill(
+    model: Decoder, params: Any, tokens: jax.Array, pad_len: jax.Array, max_new_tokens: int
+) -> tuple[jax.Array, list, jax.Array]:
+    """Run the left-padded prompts (B, P) into a fresh cache of P + max_new_tokens slots.
+    Returns (logits (B, P, V), cache, key_mask (B, S)): padding slots are masked and positions
+    count from each prompt's first real token, so a row decodes as if it were alone."""
+    b, p = tokens.shape
+    slots = jnp.arange(p + max_new_tokens)
+    key_mask = slots[None, :] >= pad_len[:, None]  # (B, S) False on padding
+    positions = jnp.maximum(slots[None, :p] - pad_len[:, None], 0)  # (B, P)
+    cache = init_kv_cache(model.cfg, b, p + max_new_tokens)
+    logits, cache = model.apply(params, tokens, cache, 0, positions, key_mask, method="decode")
+    return logits, cache, key_mask
+
+
 @functools.lru_cache(maxsize=16)
 def _decoder(model: Decoder, max_new_tokens: int) -> Callable[..., jax.Array]:
     """Jitted prefill + decode loop for one model and output length (cached, so repeat calls
@@ -175,11 +203,7 @@ def _decoder(model: Decoder, max_new_tokens: int) -> Callable[..., jax.Array]:
 
     def run(params, tokens, pad_len, key, temperature, top_k, top_p, eos_id) -> jax.Array:
         b, p = tokens.shape  # tokens (B, P) left-padded; pad_len (B,)
-        slots = jnp.arange(p + max_new_tokens)
-        key_mask = slots[None, :] >= pad_len[:, None]  # (B, S) False on padding
-        positions = jnp.maximum(slots[None, :p] - pad_len[:, None], 0)  # (B, P)
-        cache = init_kv_cache(model.cfg, b, p + max_new_tokens)
-        logits, cache = model.apply(params, tokens, cache, 0, positions, key_mask, method="decode")
+        logits, cache, key_mask = _prefill(model, params, tokens, pad_len, max_new_tokens)
 
         def sample(logits: jax.Array, step: jax.Array | int) -> jax.Array:
             return sample_next(logits, jax.random.fold_in(key, step), temperature, top_k, top_p)
@@ -225,9 +249,7 @@ def generate(
     lengths reuse one compiled decoder (the padding is masked: results do not change).
     """
     cfg = model.cfg
-    arrays = _check_request(cfg, prompts, max_new_tokens, pad_to)
-    eos = resolve_eos_id(cfg, sampling.eos_id)
-    tokens, pad_len = _left_pad(arrays, pad_to)
+    tokens, pad_len, eos = _request(model, prompts, max_new_tokens, sampling.eos_id, pad_to)
     top_k = cfg.vocab_size if sampling.top_k is None else min(sampling.top_k, cfg.vocab_size)
     out = _decoder(model, int(max_new_tokens))(
         params,
@@ -351,11 +373,7 @@ def _beam_decoder(model: Decoder, max_new_tokens: int, beam_width: int) -> Calla
 
     def run(params, tokens, pad_len, eos_id) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, p = tokens.shape  # tokens (B, P) left-padded; pad_len (B,)
-        slots = jnp.arange(p + n)
-        key_mask = slots[None, :] >= pad_len[:, None]  # (B, S) False on padding
-        positions = jnp.maximum(slots[None, :p] - pad_len[:, None], 0)  # (B, P)
-        cache = init_kv_cache(model.cfg, b, p + n)
-        logits, cache = model.apply(params, tokens, cache, 0, positions, key_mask, method="decode")
+        logits, cache, key_mask = _prefill(model, params, tokens, pad_len, n)
         # All K beams of a prompt start identical: beams 1..K-1 at -inf, so the first expansion
         # takes the K best first tokens of beam 0 (K <= V keeps them all finite).
         scores = jnp.full((b, k), -jnp.inf, jnp.float32).at[:, 0].set(0.0)
@@ -402,20 +420,18 @@ def beam_search_nbest(
 ) -> list[list[Beam]]:
     """Like `beam_search`, but every prompt's beam_width final beams, best score first."""
     cfg = model.cfg
-    arrays = _check_request(cfg, prompts, max_new_tokens, pad_to)
-    eos = resolve_eos_id(cfg, search.eos_id)
+    tokens, pad_len, eos = _request(model, prompts, max_new_tokens, search.eos_id, pad_to)
     k = search.beam_width
     if k > cfg.vocab_size:
         raise ValueError(
             f"beam_search.beam_width must be in [1, {cfg.vocab_size}] (the vocab size), got {k}"
         )
-    tokens, pad_len = _left_pad(arrays, pad_to)
     out, logprob, done = _beam_decoder(model, int(max_new_tokens), k)(
         params, tokens, pad_len, np.int32(-1 if eos is None else eos)
     )
     out, logprob, done = np.asarray(out), np.asarray(logprob, np.float64), np.asarray(done)
     result = []
-    for b in range(len(arrays)):
+    for b in range(len(tokens)):
         beams = []
         for j in range(k):
             new = _until_eos(out[b, j], eos)
