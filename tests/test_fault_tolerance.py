@@ -137,3 +137,32 @@ def test_generate_cli_errors_are_one_line(tmp_path):
     out = cli("generate.py", "--run-dir", str(tmp_path), "--prompt", "x")
     assert out.returncode == 2 and "not a train.py run dir" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+class _CorruptAt:
+    """A batch source whose train batch at `step` holds ids beyond the vocabulary."""
+
+    def __init__(self, source, step, bad_id):
+        self.source, self.step, self.bad_id = source, step, bad_id
+        self.steps_per_epoch = source.steps_per_epoch
+
+    def train_batch(self, step):
+        batch = dict(self.source.train_batch(step))
+        if step == self.step:
+            batch["inputs"] = batch["inputs"].copy()
+            batch["inputs"][0, ::3] = self.bad_id
+        return batch
+
+    def eval_batches(self):
+        return self.source.eval_batches()
+
+
+def test_out_of_vocabulary_ids_inside_jit_stop_the_run_naming_the_batch(tmp_path):
+    from jaxllm.data.sources import make_source
+    from jaxllm.train.state import BadTokenIdsError
+
+    cfg = ar(tmp_path, "--train.steps=20", "--train.checkpoint_every=1")
+    source = _CorruptAt(make_source(cfg), step=6, bad_id=1000)
+    with pytest.raises(BadTokenIdsError, match=r"train batch at step 7 holds 6 token ids"):
+        train(cfg, source)
+    assert max(Checkpointer(tmp_path).latest.all_steps()) <= 7

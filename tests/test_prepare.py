@@ -384,3 +384,51 @@ def test_iter_eval_batches(tmp_path):
         sources.iter_eval_batches(data, 4, 16, 0)
     with pytest.raises(ValueError, match="tokens"):
         sources.iter_eval_batches(data[:10], 4, 16, 1)
+
+
+@needs_bpe
+def test_ids_beyond_the_model_vocab_are_refused_on_open(tmp_path, monkeypatch):
+    """A file with ids >= model.vocab_size used to train until the loss blew up (and the message
+    blamed the learning rate); the sidecar's max_id now refuses it when the file is opened."""
+    src = _tinystories_v2(tmp_path / "stories.txt")
+    out = tmp_path / "train.bin"
+    (meta,) = _prepare(src, out, chunk_chars=200)
+    data = np.fromfile(out, np.uint16)
+    assert meta["max_id"] == data.max() == 50256  # every document ends with <|endoftext|>
+    token_file.load_tokens(out, vocab_size=50257)
+    with pytest.raises(token_file.StaleTokensError, match="max id 50256.*vocab_size is 50000"):
+        token_file.load_tokens(out, vocab_size=50000)
+
+    sidecar = token_file.sidecar_path(out)
+    data[::7] = 60000  # out-of-vocabulary ids, same size: num_tokens still fits
+    data.tofile(out)
+    bad = tmp_path / "bad.bin"
+    data.tofile(bad)
+    token_file.sidecar_path(bad).write_text(json.dumps(meta | {"max_id": 60000}))
+    with pytest.raises(token_file.StaleTokensError, match=r"bad\.bin.*max id 60000.*50257"):
+        token_file.load_tokens(bad, vocab_size=50257)
+    # A sidecar copied from the good file: its max_id is a lie only a full read can see.
+    token_file.load_tokens(out, vocab_size=50257)  # trusted without verify_hash
+    with pytest.raises(token_file.StaleTokensError, match="max_id is 50256.*largest id is 60000"):
+        token_file.load_tokens(out, verify_hash=True)
+    # An older sidecar without max_id: the max is computed from the file (one read).
+    sidecar.write_text(json.dumps({k: v for k, v in meta.items() if k != "max_id"}))
+    with pytest.raises(token_file.StaleTokensError, match="max id 60000"):
+        token_file.load_tokens(out, vocab_size=50257)
+    assert token_file.load_tokens(out).size == meta["num_tokens"]  # no vocab: nothing to check
+
+    # make_source checks both files against model.vocab_size.
+    from jaxllm.config import load_config
+
+    good = tmp_path / "good.bin"
+    _prepare(src, good)
+    monkeypatch.setenv(sources.DATA_DIR_ENV, str(tmp_path))
+    root = Path(__file__).resolve().parents[1]
+    paths = ["--data.tokens.train_path=good.bin"]
+    cfg = load_config(root / "configs/tinystories.yaml", [*paths, "--data.tokens.val_path=bad.bin"])
+    with pytest.raises(token_file.StaleTokensError, match="bad.bin"):
+        sources.make_source(cfg)
+    cfg = load_config(
+        root / "configs/tinystories.yaml", [*paths, "--data.tokens.val_path=good.bin"]
+    )
+    assert isinstance(sources.make_source(cfg), sources.TokenSource)

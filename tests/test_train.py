@@ -131,3 +131,37 @@ def test_ar_preset_reaches_90_percent(tmp_path):
         ROOT / "configs" / "ar.yaml", ["--train.progress=false", f"--train.run_dir={tmp_path}"]
     )
     assert train(cfg).eval_accuracy >= 0.9
+
+
+def _tiny_state_and_batch():
+    from conftest import tiny_config  # vocab 61
+
+    model = build_model(tiny_config(n_layers=1))
+    x = jnp.ones((2, 8), jnp.int32)
+    tx = make_optimizer(OptimConfig(warmup_steps=0), 10)
+    return create_state(model, tx, jax.random.PRNGKey(0), x), {"inputs": x, "targets": x}
+
+
+def test_steps_count_out_of_range_ids_under_jit():
+    """Inside jit the model cannot raise: ids >= vocab gave a NaN loss, targets < -1 a finite
+    wrong one. The steps count them (metrics["bad_ids"]) so the loop can stop with a message."""
+    from jaxllm.train.state import BadTokenIdsError, eval_step, raise_for_bad_ids
+
+    state, clean = _tiny_state_and_batch()
+    assert state.vocab_size == 61
+    x, y = clean["inputs"], clean["targets"]
+    cases = [  # (batch, bad ids in it)
+        (clean, 0),
+        ({"inputs": x.at[0, 3].set(61), "targets": y}, 1),  # id == vocab_size
+        ({"inputs": x.at[:, 0].set(-1), "targets": y.at[1, 2].set(61)}, 3),
+        ({"inputs": x, "targets": y.at[0, :3].set(-5).at[1, 0].set(-1)}, 3),  # -1 is IGNORE
+    ]
+    for batch, n_bad in cases:
+        assert int(eval_step(state, batch)["bad_ids"]) == n_bad
+        copy = jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), state)  # donated
+        _, metrics = train_step(copy, batch, jax.random.PRNGKey(1))
+        assert metrics["bad_ids"].dtype == jnp.int32 and int(metrics["bad_ids"]) == n_bad
+    raise_for_bad_ids(0, step=5, where="train")  # nothing to report
+    with pytest.raises(BadTokenIdsError, match=r"step 5.*3 token ids.*\[0, 60\]") as err:
+        raise_for_bad_ids(jnp.int32(3), step=5, where="train", vocab_size=61)
+    assert isinstance(err.value, ValueError)

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     outs = [args.out] + ([val_out] if val_out is not None else [])
     for out, meta in zip(outs, metas, strict=True):
         counts = f"{meta['num_tokens']:,} tokens, {meta['num_documents']:,} documents"
-        print(f"{out}: {counts}, {meta['dtype']}")
+        print(f"{out}: {counts}, {meta['dtype']}, max id {meta['max_id']}")
     print(f"done in {seconds:.2f} s")
 
 

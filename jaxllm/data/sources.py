@@ -262,9 +262,9 @@ def make_source(cfg: Config) -> BatchSource:
     if cfg.data.kind == "associative_recall":
         train, test = ar.make_splits(cfg.data.associative_recall)
         return RecallSource(train, test, cfg.train.batch_size, cfg.train.seed)
-    tc = cfg.data.tokens
-    train = load_tokens(resolve_data_path(tc.train_path))
-    val = load_tokens(resolve_data_path(tc.val_path))
+    tc, vocab = cfg.data.tokens, cfg.model.vocab_size  # ids >= vocab: refused on open
+    train = load_tokens(resolve_data_path(tc.train_path), vocab_size=vocab)
+    val = load_tokens(resolve_data_path(tc.val_path), vocab_size=vocab)
     return TokenSource(
         train,
         val,

@@ -21,7 +21,7 @@ from jaxllm.train.checkpoint import Checkpointer
 from jaxllm.train.metrics_log import MetricsLog, truncate_metrics
 from jaxllm.train.optim import lr_schedule, make_optimizer
 from jaxllm.train.run_lock import RunDirLock
-from jaxllm.train.state import create_state, eval_step, train_step
+from jaxllm.train.state import create_state, eval_step, raise_for_bad_ids, train_step
 
 
 class NonFiniteLossError(RuntimeError):
@@ -50,6 +50,7 @@ def evaluate(state, source: BatchSource) -> dict[str, float]:
     totals = {"loss_sum": 0.0, "correct": 0, "count": 0}
     for batch in source.eval_batches():
         out = jax.device_get(eval_step(state, batch))
+        raise_for_bad_ids(out["bad_ids"], int(state.step), "evaluation", state.vocab_size)
         for k in totals:
             totals[k] += out[k].item()
     n = max(totals["count"], 1)
@@ -58,9 +59,14 @@ def evaluate(state, source: BatchSource) -> dict[str, float]:
 
 @jax.jit
 def _first_bad(bad: jax.Array, metrics: dict, step: jax.Array) -> jax.Array:
-    # Device-side record of the first step whose loss or gradient norm is not finite.
+    # Device-side record (no host sync) of the first step with out-of-vocabulary ids in its
+    # batch and how many (bad[0], bad[1]), and of the first step whose loss or gradient norm is
+    # not finite (bad[2]); -1: none yet.
+    n_ids = metrics["bad_ids"].astype(jnp.int32)
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-    return jnp.where((bad < 0) & ~ok, step, bad)
+    ids = jnp.where(bad[0] < 0, jnp.where(n_ids > 0, jnp.stack([step, n_ids]), -1), bad[:2])
+    nonfinite = jnp.where((bad[2] < 0) & ~ok, step, bad[2])
+    return jnp.concatenate([ids, nonfinite[None]])
 
 
 @jax.jit
@@ -177,14 +183,17 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
     if per_epoch:
         bar.write(f"{tc.epochs} epochs of {per_epoch} steps = {total} steps")
     tokens = 0  # (padded) input tokens since the last log
-    bad = jnp.int32(-1)
+    bad = jnp.full((3,), -1, jnp.int32)
     losses, rates = [], []
     ev = {"loss": math.nan, "accuracy": math.nan}
     bleu = math.nan
     start = last_time = time.perf_counter()
     last_step = start_step
 
-    def stop_if_diverged(bad_step: int) -> None:
+    def stop_if_diverged(flags: jax.Array | int) -> None:
+        ids_step, n_ids, bad_step = (-1, 0, flags) if isinstance(flags, int) else map(int, flags)
+        if ids_step >= 0:  # bad data first: it is what makes the loss blow up
+            raise_for_bad_ids(n_ids, ids_step, "train", cfg.model.vocab_size)
         if bad_step < 0:
             return
         kept = ckpt.latest_step()
@@ -200,7 +209,7 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
 
     def save(step: int, best: bool = False) -> None:
         # Never checkpoint a diverged state: the flag, then every parameter and moment, on device.
-        stop_if_diverged(int(bad))
+        stop_if_diverged(bad)
         if not bool(_all_finite((state.params, state.opt_state))):
             stop_if_diverged(step)
         meta = {
@@ -219,11 +228,11 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
             bad = _first_bad(bad, metrics, step + 1)
             # The previous step's flag: reading it waits for that step only, while this one
             # runs, so the loop stops one step after the first bad one at the latest.
-            stop_if_diverged(int(prev_bad))
+            stop_if_diverged(prev_bad)
             done = step + 1
             if done % tc.log_every == 0 or done == total:
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                stop_if_diverged(int(bad))
+                stop_if_diverged(bad)
                 now = time.perf_counter()
                 rate = tokens / (now - last_time)
                 tokens = 0

@@ -10,17 +10,79 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
 from flax.training.train_state import TrainState
+
+from jaxllm.functional import IGNORE
 
 Batch = dict[str, jax.Array]  # inputs (B, T) int32, targets (B, T) int32 (IGNORE = -1)
 
 
+class LMTrainState(TrainState):
+    """A TrainState that knows its model's vocabulary, so the jitted steps can count bad ids.
+
+    vocab_size is static (not a pytree leaf): checkpoints still hold params, opt_state, step.
+    """
+
+    vocab_size: int = struct.field(pytree_node=False)
+
+
+class BadTokenIdsError(ValueError):
+    """A batch held token ids outside the model's vocabulary (metrics["bad_ids"] > 0)."""
+
+
 def create_state(
-    model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array, example: jax.Array
-) -> TrainState:
-    """Initialise parameters from `rng` (float32) and the optimizer state."""
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    rng: jax.Array,
+    example: jax.Array,
+    vocab_size: int | None = None,
+) -> LMTrainState:
+    """Initialise parameters from `rng` (float32) and the optimizer state. vocab_size defaults
+    to `model.cfg.vocab_size` (every jaxllm model has one)."""
     params = model.init(rng, example)["params"]
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    if vocab_size is None:
+        vocab_size = model.cfg.vocab_size
+    return LMTrainState.create(apply_fn=model.apply, params=params, tx=tx, vocab_size=vocab_size)
+
+
+def count_bad_ids(batch: Batch, vocab_size: int) -> jax.Array:
+    """int32 scalar: inputs outside [0, V) plus targets outside [IGNORE, V), IGNORE = -1.
+
+    Inside jit the model cannot raise on bad ids: an input id >= V gives a NaN loss, a target
+    < -1 a finite wrong one. The count is four compares and two sums over (B, T) ints.
+    Cost, from XLA's cost analysis of the lowered train_step with vs without it: tiny model
+    (V 512, D 64, 2 layers, B 8 x T 64) +5 kFLOP (+0.001%) and +35 KB (+0.01%) of memory
+    traffic; GPT-2 124M (B 8 x T 1024) +0.66 MB of 569 GB (+1e-6), flops unchanged against
+    7.0 TFLOP: ~0.2 us of H100 memory time in a step of tens of ms. Timed on a shared 2-core
+    CPU (tiny model, ~8-13 ms a step): paired difference -0.4% (noise +-6.6%), and the count
+    jitted on its own takes 14 us, dispatch included (< 0.2% of a step).
+    """
+    inputs, targets = batch["inputs"], batch["targets"]
+    bad_in = (inputs < 0) | (inputs >= vocab_size)
+    bad_tgt = (targets < IGNORE) | (targets >= vocab_size)
+    return jnp.sum(bad_in, dtype=jnp.int32) + jnp.sum(bad_tgt, dtype=jnp.int32)
+
+
+def raise_for_bad_ids(
+    count: int | jax.Array, step: int, where: str, vocab_size: int | None = None
+) -> None:
+    """Raise BadTokenIdsError when `count` (a fetched metrics["bad_ids"]) is > 0.
+
+    `step` and `where` ("train", "eval", ...) name the batch in the message; vocab_size (the
+    state's `vocab_size`) gives the allowed range.
+    """
+    count = int(count)
+    if count <= 0:
+        return
+    top = "vocab_size - 1" if vocab_size is None else f"{vocab_size - 1}"
+    size = "" if vocab_size is None else f" (vocab_size {vocab_size})"
+    raise BadTokenIdsError(
+        f"{where} batch at step {step} holds {count} token ids outside the model's vocabulary: "
+        f"inputs must be in [0, {top}], targets in [0, {top}] or -1 (no loss){size}. The data "
+        "was made for another vocabulary, or model.vocab_size is too small; re-run "
+        "jaxllm.data.prepare or fix the config"
+    )
 
 
 def loss_and_sums(
@@ -40,25 +102,31 @@ def loss_and_sums(
 
 
 @functools.partial(jax.jit, donate_argnums=0)  # update params/opt state in place
-def train_step(state: TrainState, batch: Batch, rng: jax.Array) -> tuple[TrainState, dict]:
+def train_step(
+    state: LMTrainState, batch: Batch, rng: jax.Array
+) -> tuple[LMTrainState, dict[str, jax.Array]]:
     """One AdamW update. `rng` drives dropout (folded with the step, so each step differs).
 
-    Returns the new state and {loss, accuracy, grad_norm} (scalars, on device).
+    Returns the new state and {loss, accuracy, grad_norm, bad_ids} (scalars, on device);
+    bad_ids > 0 (count_bad_ids) means the loss is garbage: pass it to raise_for_bad_ids.
     """
     step_rng = jax.random.fold_in(rng, state.step)
     grad_fn = jax.value_and_grad(loss_and_sums, has_aux=True)
     (loss, aux), grads = grad_fn(state.params, state.apply_fn, batch, step_rng)
+    bad_ids = count_bad_ids(batch, state.vocab_size)
     state = state.apply_gradients(grads=grads)
     metrics = {
         "loss": loss,
         "accuracy": aux["correct"] / jnp.maximum(aux["count"], 1),
         "grad_norm": optax.tree_utils.tree_norm(grads),
+        "bad_ids": bad_ids,
     }
     return state, metrics
 
 
 @jax.jit
-def eval_step(state: TrainState, batch: Batch) -> dict:
-    """Sums over the batch (loss_sum, correct, count), so batches of any size add up exactly."""
+def eval_step(state: LMTrainState, batch: Batch) -> dict[str, jax.Array]:
+    """Sums over the batch (loss_sum, correct, count), so batches of any size add up exactly,
+    and bad_ids (count_bad_ids; > 0: the sums are garbage)."""
     _, aux = loss_and_sums(state.params, state.apply_fn, batch, None)
-    return aux
+    return aux | {"bad_ids": count_bad_ids(batch, state.vocab_size)}
