@@ -11,16 +11,23 @@ apply_default_xla_flags()  # before jax is imported: XLA reads its flags then
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from jaxllm.config import ConfigError, load_config
+from jaxllm.train.checkpoint import CheckpointSaveError
 from jaxllm.train.loop import NonFiniteLossError, train
 from jaxllm.train.run_lock import RunDirLockedError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "ar.yaml"
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"  # e.g. "checkpoint N could not be restored; restored M"
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _one_line_warning
     parser = argparse.ArgumentParser(
         description=__doc__,
         epilog="Any config field can be overridden: --model.n_layers=4 --train.steps 500",
@@ -33,7 +40,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"error: {e}\n")
     try:
         result = train(cfg)
-    except (ConfigError, FileNotFoundError, ValueError, RunDirLockedError) as e:
+    except (
+        ConfigError,
+        FileNotFoundError,
+        ValueError,
+        RunDirLockedError,
+        CheckpointSaveError,
+    ) as e:
         parser.exit(2, f"error: {e}\n")  # bad data or settings, a busy run dir: one line
     except NonFiniteLossError as e:
         parser.exit(1, f"error: {e}\n")

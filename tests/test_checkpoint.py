@@ -1,22 +1,42 @@
-"""Orbax checkpoints: resume after SIGKILL gives the same loss curve; mismatch errors; logs."""
+"""Orbax checkpoints: resume after SIGKILL gives the same loss curve; mismatch errors; logs;
+faults (issue 15): corrupt checkpoints fall back, a full disk and a kill mid-save are one line."""
 
+import errno
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax.training.train_state import TrainState
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jaxllm.config import load_config
-from jaxllm.train.checkpoint import CheckpointMismatchError
+from jaxllm.config import OptimConfig, load_config
+from jaxllm.models import build_model
+from jaxllm.train.checkpoint import (
+    CheckpointCorruptError,
+    Checkpointer,
+    CheckpointFallbackWarning,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+)
 from jaxllm.train.loop import train
+from jaxllm.train.optim import make_optimizer
+from jaxllm.train.run_lock import RunDirLock
+from jaxllm.train.state import create_state
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = [
+ARGS = [  # small and short: these tests check bookkeeping, not learning
+    "--model.n_layers=1",
+    "--train.batch_size=16",
     "--data.associative_recall.num_train=640",
     "--data.associative_recall.num_test=64",
     "--model.dropout=0.1",  # dropout rng must resume too
@@ -62,9 +82,15 @@ def test_restore_into_other_model_names_parameter(tmp_path):
         ROOT / "configs/ar.yaml", [*ARGS, "--train.steps=10", f"--train.run_dir={tmp_path}"]
     )
     train(cfg)
-    other = load_config(
+    other = load_config(  # past the resume check: the checkpoint itself must refuse
         ROOT / "configs/ar.yaml",
-        [*ARGS, "--train.steps=20", "--model.d_model=32", f"--train.run_dir={tmp_path}"],
+        [
+            *ARGS,
+            "--train.steps=20",
+            "--model.d_model=32",
+            "--train.allow_config_change=true",
+            f"--train.run_dir={tmp_path}",
+        ],
     )
     with pytest.raises(
         CheckpointMismatchError,
@@ -100,7 +126,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
         "--train.log_every=1",
         f"--train.run_dir={tmp_path}",
     ]
-    with pytest.raises(RuntimeError, match=r"loss became .* at step \d+"):
+    with pytest.raises(RuntimeError, match=r"became non-finite at step \d+"):
         train(load_config(ROOT / "configs/ar.yaml", args))
     steps = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -123,3 +149,336 @@ def test_tensorboard_events_written(tmp_path):
     tags = set(acc.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "eval/loss"} <= tags
     assert [e.step for e in acc.Scalars("train/loss")] == [5, 10, 15, 20]
+
+
+# --- Faults (issue 15): corrupt checkpoints, a full disk, a kill during the save into best/ ------
+# Tiny TrainStates saved and restored directly, without training: each test takes a second or two.
+
+
+def tiny_state(grad_clip: float = 1.0, step: int = 0) -> TrainState:
+    """A few parameters (one of 128 KiB of random floats, stored out of line by orbax) under
+    the project's optimizer; the values depend on `step`, so checkpoints differ."""
+    key = jax.random.PRNGKey(step)
+    params = {
+        "big": {"kernel": jax.random.normal(key, (256, 128))},
+        "layers": {f"l{i}": {"kernel": jnp.full((8, 8), step + i / 10)} for i in range(6)},
+        "bias": jnp.arange(16, dtype=jnp.float32) + step,
+    }
+    tx = make_optimizer(OptimConfig(warmup_steps=0, grad_clip=grad_clip), 10)
+    return TrainState.create(apply_fn=None, params=params, tx=tx).replace(step=step)
+
+
+def save_steps(run_dir: Path, steps=(1, 2, 3), best=()) -> dict[int, TrainState]:
+    ckpt = Checkpointer(run_dir)
+    states = {s: tiny_state(step=s) for s in steps}
+    for s, state in states.items():
+        ckpt.save(state, {"note": s}, best=s in best)
+    ckpt.close()
+    return states
+
+
+def same_params(a: TrainState, b: TrainState) -> bool:
+    leaves = jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)
+    pairs = zip(*leaves, strict=True)
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in pairs)
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    offset = len(data) // 2 if offset is None else offset
+    data[offset] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def largest_file(directory: Path) -> Path:
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def assert_quiet(capfd) -> None:
+    """Nothing of orbax's on stderr: its stray tensorstore callbacks print late, so wait."""
+    time.sleep(0.5)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Event loop is closed" not in err, err[-3000:]
+    assert "ERROR:absl" not in err, err[-3000:]
+
+
+def corrupt_btree_node(step_dir: Path) -> None:
+    flip_byte(next((step_dir / "state/d").iterdir()), 100)  # the b-tree node of all arrays
+
+
+def corrupt_manifest(step_dir: Path) -> None:
+    flip_byte(step_dir / "state/manifest.ocdbt", 60)
+
+
+def delete_state_item(step_dir: Path) -> None:
+    shutil.rmtree(step_dir / "state")
+
+
+def garble_meta(step_dir: Path) -> None:
+    (step_dir / "meta/metadata").write_text('{"step": 3, "param_sh')
+
+
+def flip_array_byte(step_dir: Path) -> None:
+    # The bytes of the largest array (random floats, stored raw): no orbax or tensorstore check
+    # covers them, so without the checksum this restores a different state without an error.
+    flip_byte(largest_file(step_dir / "state/ocdbt.process_0/d"))
+
+
+CORRUPTIONS = {
+    "btree": (corrupt_btree_node, "Error decoding b-tree node"),
+    "manifest": (corrupt_manifest, "manifest"),
+    "no state item": (delete_state_item, 'Item "state" was not found'),
+    "meta": (garble_meta, "its record is unreadable"),
+    "array bytes": (flip_array_byte, r"array \['params'\]\['big'\]\['kernel'\] does not match"),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_corrupt_newest_checkpoint_falls_back_in_one_line(tmp_path, capfd, corruption):
+    corrupt, reason = CORRUPTIONS[corruption]
+    states = save_steps(tmp_path)
+    corrupt(tmp_path / "checkpoints/3")
+    ckpt = Checkpointer(tmp_path)
+    with pytest.warns(CheckpointFallbackWarning) as record:
+        state, meta = ckpt.restore(tiny_state())
+    ckpt.close()
+    assert (int(state.step), meta["note"]) == (2, 2) and same_params(state, states[2])
+    assert len(record) == 1, [str(r.message) for r in record]
+    line = str(record[0].message)
+    assert "\n" not in line and re.search(reason, line), line
+    assert line.startswith(f"checkpoint {tmp_path / 'checkpoints/3'} (")
+    assert line.endswith(f"restored step 2 ({tmp_path / 'checkpoints/2'}) instead")
+    assert_quiet(capfd)
+
+
+def test_no_intact_checkpoint_is_one_error_listing_what_was_tried(tmp_path, capfd):
+    save_steps(tmp_path, steps=(1, 2))
+    corrupt_manifest(tmp_path / "checkpoints/2")
+    delete_state_item(tmp_path / "checkpoints/1")
+    ckpt = Checkpointer(tmp_path)
+    with pytest.raises(CheckpointCorruptError) as info:
+        ckpt.restore(tiny_state())
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith(f"no checkpoint in {tmp_path / 'checkpoints'} could")
+    assert f"tried {tmp_path / 'checkpoints/2'} (" in msg and "checkpoints/1 (" in msg
+    assert isinstance(info.value, ValueError)  # train.py: one line, exit code 2
+    assert_quiet(capfd)
+
+
+def test_best_copy_of_the_same_step_is_tried_before_older_steps(tmp_path):
+    states = save_steps(tmp_path, best=(3,))
+    corrupt_btree_node(tmp_path / "checkpoints/3")
+    with pytest.warns(CheckpointFallbackWarning, match=r"restored step 3 \(.*best/3\) instead"):
+        state, _ = Checkpointer(tmp_path).restore(tiny_state())
+    assert int(state.step) == 3 and same_params(state, states[3])
+
+
+def test_restore_a_chosen_step(tmp_path):
+    states = save_steps(tmp_path)
+    ckpt = Checkpointer(tmp_path)
+    state, meta = ckpt.restore(tiny_state(), step=1)
+    assert (int(state.step), meta["note"]) == (1, 1) and same_params(state, states[1])
+    with pytest.raises(
+        FileNotFoundError, match=r"no checkpoint at step 7 in .*available steps: 1, 2, 3"
+    ):
+        ckpt.restore(tiny_state(), step=7)
+    corrupt_manifest(tmp_path / "checkpoints/2")  # a chosen step is never swapped for another
+    with pytest.raises(CheckpointCorruptError, match="checkpoints/2"):
+        ckpt.restore(tiny_state(), step=2)
+
+
+def test_checkpoint_without_checksums_restores_unverified(tmp_path):
+    """Checkpoints saved before checksums were recorded still restore (and are not checked)."""
+    states = save_steps(tmp_path, steps=(1,))
+    meta_file = tmp_path / "checkpoints/1/meta/metadata"
+    meta = json.loads(meta_file.read_text())
+    assert set(meta["checksums"]["arrays"]) >= {"['params']['big']['kernel']", "['step']"}
+    del meta["checksums"]
+    meta_file.write_text(json.dumps(meta))
+    state, _ = Checkpointer(tmp_path).restore(tiny_state())
+    assert same_params(state, states[1])
+
+
+def test_a_corrupt_step_is_moved_aside_when_that_step_is_saved_again(tmp_path):
+    save_steps(tmp_path, steps=(1, 2))
+    corrupt_manifest(tmp_path / "checkpoints/2")
+    ckpt = Checkpointer(tmp_path)
+    with pytest.warns(CheckpointFallbackWarning):
+        ckpt.restore(tiny_state())  # step 1; the run goes on from there
+    again = tiny_state(step=2)
+    ckpt.save(again, {"note": "again"})  # orbax alone skips a step not newer than its latest
+    state, meta = ckpt.restore(tiny_state())
+    ckpt.close()
+    assert meta["note"] == "again" and same_params(state, again)
+    assert (tmp_path / "corrupt_checkpoints/checkpoints_2/state/manifest.ocdbt").is_file()
+
+
+def test_changed_optimizer_structure_is_a_mismatch_error(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(tiny_state(grad_clip=1.0, step=1), {})
+    no_clip = tiny_state(grad_clip=0.0)
+    msg = (
+        r"the optimizer state does not fit: optim settings differ from the checkpoint's "
+        r"\(e.g. grad_clip on/off\)"
+    )
+    with pytest.raises(CheckpointMismatchError, match=msg):
+        ckpt.restore(no_clip)
+    # The same from orbax's own check, for checkpoints saved without checksums.
+    meta_file = tmp_path / "checkpoints/1/meta/metadata"
+    meta = json.loads(meta_file.read_text())
+    del meta["checksums"]
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointMismatchError, match=msg) as info:
+        ckpt.restore(no_clip)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE fault injection: Linux")
+def test_a_failed_write_during_save_is_one_line_and_leaves_no_temp_dir(tmp_path, capfd):
+    """The kernel refuses the write of the array file (RLIMIT_FSIZE: EFBIG, 'File too large'),
+    as it would with ENOSPC: the save fails inside tensorstore's C++ writer."""
+    import resource
+
+    states = save_steps(tmp_path, steps=(1,))
+    ckpt = Checkpointer(tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, hard))
+    try:
+        with pytest.raises(CheckpointSaveError) as info:
+            ckpt.save(tiny_state(step=2), {})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    msg = str(info.value)
+    assert "\n" not in msg and "File too large" in msg, msg
+    assert msg.endswith(
+        f"while saving step 2 to {tmp_path / 'checkpoints'}; checkpoint 1 is intact"
+    )
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
+    assert_quiet(capfd)
+    state, _ = ckpt.restore(tiny_state())
+    assert int(state.step) == 1 and same_params(state, states[1])
+    ckpt.save(tiny_state(step=2), {})  # the same Checkpointer saves again once it can
+    assert ckpt.latest_step() == 2
+    ckpt.close()
+
+
+DISK_FULL_SCRIPT = """
+import json, shutil, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from test_checkpoint import save_steps, tiny_state
+from jaxllm.train.checkpoint import Checkpointer, CheckpointSaveError
+mnt = Path(sys.argv[1])
+save_steps(mnt / "run", steps=(1,))
+ckpt = Checkpointer(mnt / "run")
+(mnt / "filler").write_bytes(bytes(shutil.disk_usage(mnt).free - 16384))
+try:
+    ckpt.save(tiny_state(step=2), {{}})
+    out = {{"error": None}}
+except CheckpointSaveError as e:
+    out = {{"error": str(e), "errno": e.errno}}
+out["left"] = sorted(p.name for p in (mnt / "run/checkpoints").iterdir())
+out["restored"] = int(ckpt.restore(tiny_state())[0].step)
+print(json.dumps(out))
+"""
+
+
+def test_disk_full_during_save_on_a_small_tmpfs(tmp_path):
+    """A real ENOSPC: a 2 MiB tmpfs, mounted in a private mount (and user) namespace."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    unshare = [
+        "unshare",
+        "-Urm",
+        "sh",
+        "-c",
+        'mount -t tmpfs -o size=2m tmpfs "$0" && exec "$@"',
+    ]
+    probe = subprocess.run([*unshare, str(mnt), "true"], capture_output=True)
+    if shutil.which("unshare") is None or probe.returncode != 0:
+        pytest.skip("cannot mount a tmpfs in a user namespace here")
+    script = DISK_FULL_SCRIPT.format(tests=str(ROOT / "tests"))
+    res = subprocess.run(
+        [*unshare, str(mnt), sys.executable, "-c", script, str(mnt)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["error"] == (
+        f"no space left on device while saving step 2 to {mnt / 'run/checkpoints'}; "
+        "checkpoint 1 is intact"
+    )
+    assert out["errno"] == errno.ENOSPC and out["left"] == ["1"] and out["restored"] == 1
+    assert "Traceback" not in res.stderr and "absl" not in res.stderr, res.stderr[-3000:]
+
+
+def test_start_removes_stale_temp_dirs_and_completes_best(tmp_path):
+    """As if killed while copying step 2 into best/: checkpoints/2 is marked best, best/ holds
+    step 1 and orbax's temp dir; another save was cut off in checkpoints/ too."""
+    states = save_steps(tmp_path, steps=(1, 2), best=(1, 2))
+    shutil.copytree(tmp_path / "best/2", tmp_path / "best/2.orbax-checkpoint-tmp")
+    shutil.rmtree(tmp_path / "best/2")
+    shutil.copytree(tmp_path / "checkpoints/1", tmp_path / "best/1")
+    (tmp_path / "checkpoints/3.orbax-checkpoint-tmp-1234").mkdir()
+    (tmp_path / "checkpoints/notes.orbax-checkpoint-tmp.txt").write_text("x")
+    (tmp_path / "checkpoints/keep.txt").write_text("not orbax's")
+    (tmp_path / "checkpoints/1/x.orbax-checkpoint-tmp").mkdir()  # not directly under: kept
+    assert Checkpointer(tmp_path, repair=False).best.all_steps() == [1]  # the stale state
+
+    ckpt = Checkpointer(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "2", "keep.txt"]
+    assert sorted(p.name for p in (tmp_path / "best").iterdir()) == ["2"]
+    assert (tmp_path / "checkpoints/1/x.orbax-checkpoint-tmp").is_dir()
+    state, meta = ckpt.restore(tiny_state(), which="best")
+    assert meta["is_best"] and int(state.step) == 2 and same_params(state, states[2])
+    ckpt.close()
+
+
+def test_a_run_dir_in_use_by_another_process_is_not_repaired(tmp_path):
+    save_steps(tmp_path, steps=(1,))
+    stale = tmp_path / "checkpoints/2.orbax-checkpoint-tmp"
+    stale.mkdir()  # might be that process's save in progress
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    try:
+        lock.info_path.write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": "-"}))
+        Checkpointer(tmp_path).close()
+        assert stale.is_dir()
+    finally:
+        lock.release()
+    Checkpointer(tmp_path).close()  # free again: the owner cleans up
+    assert not stale.exists()
+
+
+@pytest.mark.slow  # two short trainings
+def test_training_resumes_past_a_corrupt_newest_checkpoint(tmp_path, capfd):
+    """The loop end to end: the newest checkpoint and its copy in best/ are corrupt; the re-run
+    says so in one warning, resumes from the one before and gives the uninterrupted curve."""
+    args = [*ARGS, "--train.steps=40", f"--train.run_dir={tmp_path}"]
+    train(load_config(ROOT / "configs/ar.yaml", args))
+    curve = train_curve(tmp_path)
+    assert Checkpointer(tmp_path).latest.all_steps() == [20, 30, 40]
+    corrupt_manifest(tmp_path / "checkpoints/40")
+    corrupt_btree_node(tmp_path / "best/40")
+    capfd.readouterr()
+    with pytest.warns(CheckpointFallbackWarning) as record:
+        result = train(load_config(ROOT / "configs/ar.yaml", args))
+    assert len(record) == 1, [str(r.message) for r in record]
+    line = str(record[0].message)
+    assert "checkpoints/40 (DATA_LOSS" in line and "best/40 (" in line
+    assert line.endswith(f"restored step 30 ({tmp_path / 'checkpoints/30'}) instead")
+    assert result.start_step == 30 and train_curve(tmp_path) == curve  # bit-exact on CPU
+    assert "resuming from step 30" in capfd.readouterr().err
+    assert_quiet(capfd)
+    assert (tmp_path / "corrupt_checkpoints/checkpoints_40").is_dir()  # step 40 saved anew
+    assert int(Checkpointer(tmp_path).restore(tiny_state_of_ar(args))[0].step) == 40
+
+
+def tiny_state_of_ar(args: list[str]) -> TrainState:
+    """A template of the ar preset's state under `args`."""
+    cfg = load_config(ROOT / "configs/ar.yaml", args)
+    model = build_model(cfg.model)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    return create_state(model, tx, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
