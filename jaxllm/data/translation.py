@@ -16,13 +16,13 @@ At test time the prompt is `src <eos_src>` and decoding stops at `<eos_tgt>`.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from jaxllm.atomic_file import write_text_atomic
 from jaxllm.functional import IGNORE  # target id of positions that carry no loss
 
 Pair = tuple[str, str]  # (source sentence, target sentence)
@@ -174,16 +174,7 @@ class TranslationTokenizer:
         """Write the tokenizer as one JSON file (the standard `tokenizers` format), atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # A temp file in the same directory, then os.replace: a crash leaves the old file or
-        # the new one, never half a file.
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(self._tok.to_str(pretty=True))
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text_atomic(path, self._tok.to_str(pretty=True))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> TranslationTokenizer:

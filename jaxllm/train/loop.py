@@ -48,9 +48,10 @@ class TrainResult:
 def evaluate(state, source: BatchSource) -> dict[str, float]:
     """Exact mean loss and accuracy over all evaluation batches."""
     totals = {"loss_sum": 0.0, "correct": 0, "count": 0}
+    step = int(state.step)
     for batch in source.eval_batches():
         out = jax.device_get(eval_step(state, batch))
-        raise_for_bad_ids(out["bad_ids"], int(state.step), "evaluation", state.vocab_size)
+        raise_for_bad_ids(out["bad_ids"], step, "evaluation", state.vocab_size)
         for k in totals:
             totals[k] += out[k].item()
     n = max(totals["count"], 1)

@@ -9,6 +9,8 @@ from pathlib import Path
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+from jaxllm.atomic_file import write_text_atomic
+
 
 class MetricsLog:
     """Appends one JSON object per line to run_dir/metrics.jsonl (flushed each write) and
@@ -52,6 +54,4 @@ def truncate_metrics(path: Path, last_step: int) -> None:
             continue
         if rec.get("step", 0) <= last_step:
             keep.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in keep))
-    tmp.replace(path)
+    write_text_atomic(path, "".join(f"{line}\n" for line in keep))

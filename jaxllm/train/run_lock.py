@@ -26,6 +26,8 @@ from types import TracebackType
 
 from filelock import FileLock, Timeout
 
+from jaxllm.atomic_file import write_text_atomic
+
 LOCK_NAME = ".lock"
 INFO_NAME = ".lock.json"
 
@@ -98,10 +100,7 @@ class RunDirLock:
             .astimezone()
             .isoformat(timespec="seconds"),  # local, with offset
         }
-        # temp + rename: a reader sees the old file or the whole new one, never half of it
-        tmp = self.info_path.with_name(f"{INFO_NAME}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(info) + "\n")
-        os.replace(tmp, self.info_path)
+        write_text_atomic(self.info_path, json.dumps(info) + "\n")  # never half a file
 
     def __enter__(self) -> RunDirLock:
         self.acquire()
