@@ -95,6 +95,8 @@ class ModelConfig(Section):
     n_heads: int = spec(12, gt=0)
     d_ff: int | None = spec(None, gt=0)  # None: 4 * d_model
     dropout: float = spec(0.0, ge=0.0, lt=1.0)
+    # Training targets (1 - e) onehot + e / V; evaluation losses stay plain cross-entropy.
+    label_smoothing: float = spec(0.0, ge=0.0, lt=1.0)
     bias: bool = True  # biases of the linear layers and LayerNorms (gpt2 only)
     qkv_bias: bool = True  # bias of the fused q/k/v projection (gpt2 only)
     tie_embeddings: bool = True  # LM head shares the token embedding matrix
@@ -139,6 +141,11 @@ class ModelConfig(Section):
                 raise ConfigError(
                     "transformer_lm needs an even head dim (d_model / n_heads) for RoPE"
                 )
+        if self.label_smoothing and self.loss_impl == "pallas":
+            raise ConfigError(
+                "model.label_smoothing needs model.loss_impl=xla: the fused Pallas loss has no "
+                f"smoothing term (got label_smoothing={self.label_smoothing})"
+            )
         if self.attention_impl == "dot_product_attention" and self.dropout > 0:
             raise ConfigError(
                 "model.attention_impl=dot_product_attention has no attention dropout; "

@@ -6,6 +6,7 @@ logsumexp, losses) run in float32 whatever the input dtype, because bfloat16 sum
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -87,30 +88,39 @@ def softmax(x: jax.Array, axis: int = -1, temperature: float = 1.0) -> jax.Array
     return e / jnp.sum(e, axis=axis, keepdims=True)
 
 
-@jax.custom_vjp
-def softmax_loss(logits: jax.Array, target: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def softmax_loss(logits: jax.Array, target: jax.Array, label_smoothing: float = 0.0) -> jax.Array:
     """Per-example cross-entropy: logits (..., V), target (...) int -> (...) float32 =
     logsumexp(z) - z_y, computed in float32.
+
+    label_smoothing e in [0, 1): the target distribution is (1 - e) onehot(y) + e / V
+    (Szegedy et al. 2016), so the loss is logsumexp(z) - (1 - e) z_y - e mean(z).
 
     The custom VJP keeps the logits in their own dtype as the saved residual and recomputes
     softmax in the backward: for a (B*T, 50257) bf16 LM head this avoids writing and re-reading
     a float32 copy of the logits.
     """
-    return _softmax_loss_fwd(logits, target)[0]
+    return _softmax_loss_fwd(logits, target, label_smoothing)[0]
 
 
-def _softmax_loss_fwd(logits: jax.Array, target: jax.Array):
+def _softmax_loss_fwd(logits: jax.Array, target: jax.Array, label_smoothing: float = 0.0):
     lse = logsumexp(logits, axis=-1)  # (...,) float32
     idx = target[..., None].astype(jnp.int32)
     z_y = _atleast_f32(jnp.take_along_axis(logits, idx, axis=-1)[..., 0])
-    return lse - z_y, (logits, idx, lse)
+    loss = lse - z_y
+    if label_smoothing:
+        z_mean = jnp.mean(_atleast_f32(logits), axis=-1)
+        loss = lse - (1.0 - label_smoothing) * z_y - label_smoothing * z_mean
+    return loss, (logits, idx, lse)
 
 
-def _softmax_loss_bwd(res, g: jax.Array):
+def _softmax_loss_bwd(label_smoothing: float, res, g: jax.Array):
     logits, idx, lse = res
     p = jnp.exp(_atleast_f32(logits) - lse[..., None])  # softmax, (..., V)
     hit = jnp.arange(logits.shape[-1]) == idx  # one-hot of the target
-    dlogits = (p - hit) * g[..., None].astype(p.dtype)
+    # the gradient of the loss is softmax minus the target distribution
+    q = (1.0 - label_smoothing) * hit + label_smoothing / logits.shape[-1]
+    dlogits = (p - q) * g[..., None].astype(p.dtype)
     return dlogits.astype(logits.dtype), None
 
 
@@ -247,20 +257,23 @@ def linear_cross_entropy(
     targets: jax.Array,
     weights: jax.Array,
     compute_dtype: jnp.dtype = jnp.bfloat16,
+    label_smoothing: float = 0.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The LM-head loss on XLA: logits = x W^T in compute_dtype, then `softmax_loss`.
 
-    x (N, D), w (V, D), targets (N,) int, weights (N,) -> (sum_i w_i ce_i, ce (N,), hit (N,)),
+    x (N, D), w (V, D), targets (N,) int, weights (N,) -> (sum_i w_i loss_i, ce (N,), hit (N,)),
+    loss_i = the (label-smoothed) objective, ce_i = the plain cross-entropy (the metric),
     hit = the target's logit is the row maximum. ce, hit and the weights carry no gradient, as
     in the fused kernel `pallas_kernels.linear_cross_entropy`.
     """
     weights = jax.lax.stop_gradient(weights)
     logits = jnp.dot(x.astype(compute_dtype), w.astype(compute_dtype).T)  # (N, V)
-    ce = softmax_loss(logits, targets)  # (N,) float32
+    loss = softmax_loss(logits, targets, label_smoothing)  # (N,) float32
+    ce = softmax_loss(logits, targets) if label_smoothing else loss
     z = _atleast_f32(logits)
     z_t = jnp.take_along_axis(z, targets[:, None].astype(jnp.int32), axis=-1)[:, 0]
     hit = z_t >= jnp.max(z, axis=-1)
-    return jnp.sum(weights * ce), jax.lax.stop_gradient(ce), hit
+    return jnp.sum(weights * loss), jax.lax.stop_gradient(ce), hit
 
 
 def depthwise_conv1d(u: jax.Array, w: jax.Array, b: jax.Array, mode: str = "causal") -> jax.Array:

@@ -38,6 +38,11 @@ def test_unknown_key_lists_valid_ones():
         load_config(None, ["--modle.n_layers=2"])
 
 
+def test_label_smoothing_refused_on_the_fused_loss():
+    with pytest.raises(ConfigError, match="label_smoothing needs model.loss_impl=xla"):
+        load_config(None, ["--model.label_smoothing=0.1", "--model.loss_impl=pallas"])
+
+
 def test_unknown_key_in_yaml(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("model:\n  d_modle: 64\n")
@@ -53,6 +58,7 @@ def test_unknown_key_in_yaml(tmp_path):
         ("--model.compute_dtype=float16", r"must be one of \['float32', 'bfloat16'\]"),
         ("--model.d_model=30", "divisible by model.n_heads"),
         ("--model.dropout=1.0", r"dropout must be in \[0, 1\)"),
+        ("--model.label_smoothing=1.0", r"label_smoothing must be in \[0, 1\)"),
         ("--optim.lr=-1", "optim.lr must be > 0"),
         ("--train.steps=0", "train.steps must be > 0"),
         ("--optim.warmup_steps=5000", "warmup_steps"),

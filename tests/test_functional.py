@@ -170,6 +170,39 @@ def test_softmax_loss_gradient_vs_float64():
     np.testing.assert_allclose(np.asarray(gb, np.float64), ref, atol=2e-2)
 
 
+def test_label_smoothed_softmax_loss_vs_float64():
+    eps, v = 0.1, 11
+    logits = RNG.normal(size=(6, v)) * 3
+    target = RNG.integers(0, v, size=6)
+    q = (1 - eps) * np.eye(v)[target] + eps / v  # the smoothed target distribution
+    log_p = logits - np_logsumexp(logits)[:, None]
+    ref = -np.sum(q * log_p, axis=-1)
+    z = jnp.asarray(logits, jnp.float32)
+    got = F.softmax_loss(z, jnp.asarray(target), eps)
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    g = jax.grad(lambda z: F.softmax_loss(z, jnp.asarray(target), eps).sum())(z)
+    np.testing.assert_allclose(g, np_softmax(logits) - q, atol=1e-6)
+    with jax.enable_x64():
+        check_grads(
+            lambda z: F.softmax_loss(z, jnp.asarray(target), eps),
+            (jnp.asarray(logits),),
+            order=1,
+            modes=["rev"],
+        )
+
+
+def test_linear_cross_entropy_smoothing_changes_objective_not_metric():
+    x = jnp.asarray(RNG.normal(size=(8, 5)), jnp.float32)
+    w = jnp.asarray(RNG.normal(size=(13, 5)), jnp.float32)
+    t = jnp.asarray(RNG.integers(0, 13, size=8))
+    wts = jnp.full((8,), 1 / 8)
+    plain, ce, _ = F.linear_cross_entropy(x, w, t, wts, jnp.float32)
+    smooth, ce_s, _ = F.linear_cross_entropy(x, w, t, wts, jnp.float32, 0.2)
+    np.testing.assert_allclose(ce_s, ce)  # the reported cross-entropy is the plain one
+    assert abs(float(smooth) - float(plain)) > 1e-3
+    np.testing.assert_allclose(plain, jnp.mean(ce), rtol=1e-6)
+
+
 def test_cross_entropy_ignores_padding():
     logits = RNG.normal(size=(3, 7, 13))
     targets = RNG.integers(0, 13, size=(3, 7))

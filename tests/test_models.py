@@ -245,3 +245,23 @@ def test_short_conv_is_causal_and_refuses_cached_decoding(arch):
     cache = init_kv_cache(cfg, 2, 16)
     with pytest.raises(ValueError, match="generate_uncached"):
         model.apply(params, jnp.asarray(base), cache, 0, method="decode")
+
+
+def test_label_smoothing_only_in_training_loss(arch):
+    cfg = tiny_config(arch, label_smoothing=0.1)
+    plain = build_model(dataclasses.replace(cfg, label_smoothing=0.0))
+    model = build_model(cfg)
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 0, cfg.vocab_size)
+    params = plain.init(jax.random.PRNGKey(1), tokens)["params"]
+
+    def loss(m, deterministic):
+        rngs = None if deterministic else {"dropout": jax.random.PRNGKey(2)}
+        args = ({"params": params}, tokens, tokens)
+        return m.apply(*args, deterministic=deterministic, rngs=rngs, method="loss")
+
+    ref, ref_sums = loss(plain, True)
+    evaluated, sums = loss(model, True)  # evaluation: plain cross-entropy
+    np.testing.assert_allclose(evaluated, ref, rtol=1e-6)
+    trained, train_sums = loss(model, False)  # training: the smoothed objective (dropout 0)
+    assert abs(float(trained) - float(ref)) > 1e-3
+    np.testing.assert_allclose(train_sums["loss_sum"], ref_sums["loss_sum"], rtol=1e-6)

@@ -101,7 +101,8 @@ class Decoder(nn.Module):
         check_tokens(tokens, self.cfg)
         check_targets(targets, tokens, self.cfg)
         x, _ = self.hidden(tokens, AttentionInputs(default_positions(tokens), deterministic))
-        return lm_loss(x, self.head_matrix(), targets, self.cfg, self.plan.loss)
+        smoothing = 0.0 if deterministic else self.cfg.label_smoothing
+        return lm_loss(x, self.head_matrix(), targets, self.cfg, self.plan.loss, smoothing)
 
     def decode(
         self,
@@ -193,9 +194,15 @@ def init_kv_cache(cfg: ModelConfig, batch: int, length: int) -> list[KVCache]:
 
 
 def lm_loss(
-    x: jax.Array, head: jax.Array, targets: jax.Array, cfg: ModelConfig, path: str
+    x: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    cfg: ModelConfig,
+    path: str,
+    label_smoothing: float = 0.0,
 ) -> tuple[jax.Array, Sums]:
-    """Mean next-token cross-entropy over the targets that are not IGNORE.
+    """Mean next-token cross-entropy over the targets that are not IGNORE (label-smoothed when
+    label_smoothing > 0; the sums always hold the plain cross-entropy).
 
     x (B, T, D) final hidden states; head (V, D) the LM-head matrix (logits = x head^T, in
     cfg.compute_dtype); targets (B, T) int. Returns (loss, {loss_sum, correct, count}): sums
@@ -208,7 +215,9 @@ def lm_loss(
     weights = valid / jnp.maximum(count, 1).astype(jnp.float32)
     safe = jnp.where(valid, targets.reshape(-1), 0)
     dtype = jnp.dtype(cfg.compute_dtype)
-    loss, ce, hit = ops.linear_cross_entropy(x.reshape(-1, d), head, safe, weights, dtype, path)
+    loss, ce, hit = ops.linear_cross_entropy(
+        x.reshape(-1, d), head, safe, weights, dtype, path, label_smoothing
+    )
     return loss, {
         "loss_sum": jnp.sum(jnp.where(valid, ce, 0.0)),
         "correct": jnp.sum(valid & hit),
