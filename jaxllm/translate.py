@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, ConfigError) as e:
         p.error(str(e))
     run_dir = Path(args.run_dir)
-    name = f"{args.split}_step{step}_beam{tc.beam_width}"
+    first = f"_first{args.limit}" if args.limit is not None else ""
+    name = f"{args.split}{first}_step{step}_beam{tc.beam_width}"
     write_text_atomic(run_dir / f"hyps_{name}.txt", "\n".join(hyps) + "\n")
     record = {"split": args.split, "step": step, "checkpoint": args.checkpoint, **metrics}
     write_text_atomic(run_dir / f"bleu_{name}.json", json.dumps(record, indent=2) + "\n")
