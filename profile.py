@@ -1,6 +1,7 @@
 """Profiling CLI. Subcommands:
 
   kernels   benchmark the Pallas kernels against XLA and PyTorch (jaxllm/profiling/kernel_bench.py)
+  roofline  FLOPs, bytes, intensity and roofline verdicts per op (jaxllm/profiling/roofline.py)
 
 Run on a GPU: `python profile.py kernels [--tune] [--only softmax,layer_norm,conv1d]`.
 """
@@ -46,6 +47,43 @@ def _kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- roofline
+def _roofline(args: argparse.Namespace) -> int:
+    from jaxllm.profiling import roofline
+
+    names = ("op", "arch", "batch", "length", "width", "heads", "d_ff", "dtype", "device",
+             "kernel", "conv_padding", "peak_tflops", "peak_gbps", "png", "measured")  # fmt: skip
+    try:
+        print(roofline.report(**{name: getattr(args, name) for name in names}))
+    except ValueError as e:  # bad input: one line naming it and what is allowed
+        raise SystemExit(f"profile.py roofline: {e}") from None
+    return 0
+
+
+def _add_roofline(sub) -> None:
+    r = sub.add_parser("roofline", help="per-op FLOPs, bytes, intensity, roofline verdicts, PNG")
+    r.add_argument("--op", default="layer", help="layer (one decoder layer's ops) or conv1d")
+    r.add_argument("--arch", default="gpt2", help="gpt2 or transformer_lm (RMSNorm, SwiGLU, RoPE)")
+    r.add_argument("--batch", type=int, default=4)
+    r.add_argument("--length", type=int, default=1024, help="sequence length")
+    r.add_argument("--width", "--d-model", dest="width", type=int, default=768, help="d_model")
+    r.add_argument("--heads", type=int, default=12)
+    r.add_argument("--d-ff", type=int, default=None, help="MLP width (default 4 * width)")
+    r.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    device_help = "A100, T4 or H100: the PNG's roof, the conv verdict, the measured machine"
+    r.add_argument("--device", default="H100", help=device_help)
+    conv_help = "conv1d kernel size (--op conv1d: default 3; layer: adds a short conv)"
+    r.add_argument("--kernel", type=int, default=None, help=conv_help)
+    pad_help = "full, causal or same (default: full for --op conv1d, causal in a layer)"
+    r.add_argument("--conv-padding", default=None, help=pad_help)
+    r.add_argument("--peak-tflops", type=float, default=None, help="measured peak TFLOP/s")
+    r.add_argument("--peak-gbps", type=float, default=None, help="measured memory GB/s")
+    r.add_argument("--png", default=None, help="write the roofline plot here")
+    rows_help = "JSONL files of `kernels --jsonl` or {name, flops, bytes, seconds} rows"
+    r.add_argument("--measured", nargs="+", default=(), metavar="FILE", help=rows_help)
+    r.set_defaults(func=_roofline)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--tune", action="store_true", help="also time a few block configs per case")
     k.add_argument("--jsonl", default=None, help="append one JSON line per table row here")
     k.set_defaults(func=_kernels)
+    _add_roofline(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 
