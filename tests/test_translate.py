@@ -127,6 +127,13 @@ def test_source_masks_the_source_side_and_reuses_the_tokenizer(corpus):
     assert (again.train_batch(5)["inputs"] == source.train_batch(5)["inputs"]).all()
 
 
+def test_padding_never_exceeds_the_context(corpus):
+    # pad_multiple 100 would round every batch to 100 tokens; the model's context (48) caps it
+    source = make_source(toy_config(corpus / "run_pad", "--data.translation.pad_multiple=100"))
+    assert source.train_batch(0)["inputs"].shape[1] == 48
+    assert all(b["inputs"].shape[1] == 48 for b in source.eval_batches())
+
+
 def test_translation_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="train.epochs needs data with epochs"):
         load_config(ROOT / "configs/ar.yaml", ["--train.epochs=2", "--train.steps=null",

@@ -140,6 +140,7 @@ class TranslationSource:
     cfg: TranslationConfig
     batch_size: int
     seed: int
+    context_length: int  # the model's; batches are padded up to pad_multiple but never past it
 
     def __post_init__(self) -> None:
         if len(self.train) < self.batch_size:
@@ -156,7 +157,7 @@ class TranslationSource:
 
     def _collate(self, examples: list[mt.Example]) -> Batch:
         longest = max(len(x) for x, _ in examples)
-        length = mt.padded_length(longest, self.cfg.pad_multiple)
+        length = min(mt.padded_length(longest, self.cfg.pad_multiple), self.context_length)
         return mt.collate(examples, self.tokenizer.pad_id, length)
 
     def train_batch(self, step: int) -> Batch:
@@ -245,7 +246,7 @@ def make_translation_source(cfg: Config) -> TranslationSource:
         score_pairs = score_pairs[: tc.test_limit]
     return TranslationSource(
         tok, train, mt.encode_pairs(tok, valid_pairs), score_pairs, tc,
-        cfg.train.batch_size, cfg.train.seed,
+        cfg.train.batch_size, cfg.train.seed, cfg.model.context_length,
     )  # fmt: skip
 
 
