@@ -1,19 +1,28 @@
 """Depthwise conv1d over time with in-kernel zero padding: Pallas kernels with a custom VJP.
 
-u (B, L, D), w (D, K), b (D,); out[:, t, d] = b[d] + sum_k w[d, k] * u[:, t + k - P, d] where P is
-the left padding of the mode ('same': (K-1)//2, 'causal' and 'full': K-1) and reads outside
-[0, L) are zero (masked loads: no padded copy is made). A program owns a (block_t, block_d) tile
-of the output; its K shifted input tiles overlap, so after the first the reads hit L1/L2 and DRAM
-sees u about once.
+u (B, L, D), w (D, K), b (D,): out[:, t, d] = b[d] + sum_k w[d, k] * u[:, t + k - P, d], reads
+outside [0, L) being zeros, with left padding P = K - 1 ('full', 'causal') or (K - 1) // 2
+('same'). 'full' is the CS229S layout (K = 3, two zeros on each side): Lo = L + K - 1 output rows;
+the other modes give Lo = L. No padded copy is made: out-of-range rows are masked loads.
 
-Backward, in one kernel: du is the same correlation of g = dout with the flipped filter and left
-padding K-1-P; dw[d, k] = sum_t g[t, d] * u[t + k - P, d] and db[d] = sum_t g[t, d] accumulate
-in registers while the program walks `steps` time tiles, then go out as per-program float32
-partials reduced by one small jnp.sum (no atomics).
+Work layout (both kernels). A program owns `block_d` channels, i.e. one contiguous segment of
+every row, and a strip of consecutive rows that it walks `block_t` rows per loop step. A step
+loads the next `block_t` rows once, each a coalesced (block_d,) vector, and keeps the newest
+K - 1 of them in registers for the next step, so within a strip every input row is read exactly
+once; a strip re-reads only K - 1 halo rows at its start, (K - 1) / strip of the input (an L2 hit
+when the neighbouring strip ran at the same time). The strip length follows from the target grid
+size (`Config.fwd_programs` / `bwd_programs`): long strips for large inputs, short ones (more
+programs) for small.
 
-Minimal memory traffic, s bytes per element, Lo output length (L, or L + K - 1 for 'full'):
-  forward : read u, write out      = (L + Lo) * B * D * s   (+ w, b)
-  backward: read u, g; write du    = (2 L + Lo) * B * D * s (+ w, and the partials)
+Forward: out[t] = b + sum_k w[k] u[t + k - P] over the sliding window of K input rows.
+Backward, one kernel walking the input rows s: du[s] = sum_k w[k] g[s + P - k] (the same sliding
+window over g = dout, taps reversed), dw[k] += u[s] g[s + P - k] and db += g rows, the last two in
+float32 registers, written once per program as partial sums that one small jnp.sum reduces
+(deterministic, no atomics). Math is float32 for every input dtype.
+
+Memory traffic, s bytes per element (the minimum: each input read once, each output written once):
+  forward : read u, write out    = (L + Lo) B D s   (+ w, b; halo K - 1 rows per strip)
+  backward: read u, g; write du  = (2 L + Lo) B D s (+ w; partials (K + 1) D 4 bytes per strip)
 Backend: Triton lowering (pallas_kernels/triton_backend.py says why).
 """
 
@@ -31,22 +40,32 @@ from .reference import CONV_MODES, conv1d_padding
 from .triton_backend import compiler_params, core_count, resolve_interpret
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-MAX_KERNEL = 7  # the K shifted loads are unrolled
+MAX_KERNEL = 7  # the K taps are unrolled
 
 
 class Config(NamedTuple):
-    block_t: int
-    block_d: int
+    """Tiling of both kernels (module docstring)."""
+
+    block_t: int  # rows per loop step, unrolled: that many row loads in flight per step
+    block_d: int  # channels per program, a power of two
     num_warps: int
-    bwd_programs: int  # target number of backward programs (each walks several time tiles)
-    num_stages: int = 1  # Triton software pipelining of the backward's time loop
+    bwd_programs: int  # target number of backward programs: sets the strip length
+    num_stages: int = 1  # Triton software pipelining of the strip loop
+    fwd_programs: int | None = None  # target number of forward programs; None: bwd_programs
 
 
-def default_config(n_channels: int) -> Config:
-    """Tile sizes. The H100 sweep (benchmarks/RESULTS.md) found 8x512 up to 9% faster for float32
-    and 32x128 for bfloat16; 16x256 is within 9% of the best for both."""
-    block_d = min(256, pl.next_power_of_2(n_channels))
-    return Config(block_t=16, block_d=block_d, num_warps=4, bwd_programs=4 * core_count())
+def default_config(shape: tuple[int, ...], dtype, *, backward: bool = False) -> Config:
+    """Tiling for u of `shape` (B, L, D) and `dtype`: 16-byte loads per thread, block_d a divisor
+    of D where one exists (768 -> 256), four rows per step, eight (forward) or four (backward)
+    programs per SM. A starting point; benchmarks/conv1d_course.py sweeps around it."""
+    n_channels = shape[-1]
+    vec = 16 // jnp.dtype(dtype).itemsize  # elements per 16-byte load
+    cap = 4 * 32 * vec  # four warps of 16-byte loads
+    divisor = n_channels & -n_channels  # largest power of two dividing D
+    block_d = min(cap, divisor if divisor >= 64 else pl.next_power_of_2(n_channels))
+    num_warps = max(1, min(8, block_d // (32 * vec)))
+    programs = (4 if backward else 8) * core_count()
+    return Config(4, block_d, num_warps, programs, 1, programs)
 
 
 def _i32(x) -> jax.Array:
@@ -56,159 +75,178 @@ def _i32(x) -> jax.Array:
     return jax.lax.convert_element_type(x, jnp.int32)
 
 
-def _span(start, size: int) -> jax.Array:
-    """int32 indices start, ..., start + size - 1 of one tile."""
-    return _i32(start) + jnp.arange(size, dtype=jnp.int32)
+def _row(ref, batch, row, d, d_ok) -> jax.Array:
+    """float32 (block_d,) row ref[batch, row, d]; zeros for rows outside [0, len): the padding."""
+    ok = d_ok & (row >= 0) & (row < ref.shape[1])
+    return pltriton.load(ref.at[batch, row, d], mask=ok, other=0.0).astype(jnp.float32)
 
 
-def _shifted(ref, batch, t, d, d_ok, shift):
-    """float32 tile ref[batch, t + shift, d] with zeros outside [0, len): the in-kernel padding."""
-    src = t + shift  # (T,)
-    ok = ((src >= 0) & (src < ref.shape[1]))[:, None] & d_ok[None, :]
-    return pltriton.load(ref.at[batch, src[:, None], d[None, :]], mask=ok, other=0.0).astype(
-        jnp.float32
-    )
+def _store_row(ref, batch, row, d, d_ok, value) -> None:
+    pltriton.store(ref.at[batch, row, d], value.astype(ref.dtype), mask=d_ok & (row < ref.shape[1]))
 
 
-def _correlate(in_ref, taps, batch, t, d, d_ok, pad):
-    """sum_k taps[k] * in[t + k - pad]; also returns the k = pad (unshifted) tile."""
-    acc, centre = None, None
-    for k, tap in enumerate(taps):
-        tile = _shifted(in_ref, batch, t, d, d_ok, k - pad)
-        centre = tile if k == pad else centre
-        acc = tile * tap[None, :] if acc is None else acc + tile * tap[None, :]
-    return acc, centre
-
-
-def _load_taps(w_ref, d, d_ok):
-    """Rows of w transposed (K, D), as K float32 vectors over the tile's channels."""
+def _taps(w_ref, d, d_ok) -> list[jax.Array]:
+    """The K columns of w (D, K) over the program's channels, as float32 (block_d,) vectors."""
     return [
-        pltriton.load(w_ref.at[_i32(k), d], mask=d_ok, other=0.0).astype(jnp.float32)
-        for k in range(w_ref.shape[0])
+        pltriton.load(w_ref.at[d, _i32(k)], mask=d_ok, other=0.0).astype(jnp.float32)
+        for k in range(w_ref.shape[1])
     ]
 
 
-def _fwd_kernel(u_ref, wt_ref, b_ref, o_ref, *, cfg: Config, pad: int):
-    batch, t_blk, d_blk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    t = _span(t_blk * cfg.block_t, cfg.block_t)
-    d = _span(d_blk * cfg.block_d, cfg.block_d)
-    d_ok = d < o_ref.shape[2]
-    acc, _ = _correlate(u_ref, _load_taps(wt_ref, d, d_ok), batch, t, d, d_ok, pad)
-    acc = acc + pltriton.load(b_ref.at[d], mask=d_ok, other=0.0).astype(jnp.float32)[None, :]
-    out = o_ref.at[
-        batch, pl.ds(t_blk * cfg.block_t, cfg.block_t), pl.ds(d_blk * cfg.block_d, cfg.block_d)
-    ]
-    pltriton.store(out, acc.astype(o_ref.dtype), mask=(t < o_ref.shape[1])[:, None] & d_ok[None, :])
+def _program(cfg: Config, n_channels: int, steps: int):
+    """(batch, strip, first row of the strip, channel indices, channel mask) of this program."""
+    d_blk, strip, batch = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    d = _i32(d_blk * cfg.block_d) + jnp.arange(cfg.block_d, dtype=jnp.int32)
+    return batch, strip, _i32(strip * (steps * cfg.block_t)), d, d < n_channels
 
 
-def _bwd_kernel(
-    u_ref, g_ref, wt_flip_ref, du_ref, dw_ref, db_ref, *, cfg: Config, pad: int, steps: int
-):
-    batch, chunk, d_blk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    n_chunks = pl.num_programs(1)
-    n_len, n_channels = du_ref.shape[1], du_ref.shape[2]
-    k_size = wt_flip_ref.shape[0]
-    d = _span(d_blk * cfg.block_d, cfg.block_d)
-    d_ok = d < n_channels
-    taps_flip = _load_taps(wt_flip_ref, d, d_ok)
-    pad_flip = k_size - 1 - pad
+def _fwd_kernel(u_ref, w_ref, b_ref, o_ref, *, cfg: Config, pad: int, steps: int):
+    k_size, rows = w_ref.shape[1], cfg.block_t
+    batch, _, first, d, d_ok = _program(cfg, o_ref.shape[2], steps)
+    taps = _taps(w_ref, d, d_ok)
+    bias = pltriton.load(b_ref.at[d], mask=d_ok, other=0.0).astype(jnp.float32)
 
-    def step(i, acc):
-        t_blk = chunk * steps + _i32(i)
-        t = _span(t_blk * cfg.block_t, cfg.block_t)
-        du, g = _correlate(g_ref, taps_flip, batch, t, d, d_ok, pad_flip)  # g: tile at t
-        t_ok = t < n_len
-        out = du_ref.at[
-            batch, pl.ds(t_blk * cfg.block_t, cfg.block_t), pl.ds(d_blk * cfg.block_d, cfg.block_d)
-        ]
-        pltriton.store(out, du.astype(du_ref.dtype), mask=t_ok[:, None] & d_ok[None, :])
-        dw_acc, db_acc = acc
-        dw_acc = tuple(
-            a + g * _shifted(u_ref, batch, t, d, d_ok, k - pad) for k, a in enumerate(dw_acc)
-        )
-        return dw_acc, db_acc + g
+    def step(i, window):  # window: u rows t - pad + m, m < K - 1, for this step's first row t
+        t = first + _i32(i) * rows
+        new = [_row(u_ref, batch, t - pad + k_size - 1 + j, d, d_ok) for j in range(rows)]
+        window = [*window, *new]  # window[j + k] = u[t + j + k - pad]
+        for j in range(rows):
+            acc = window[j] * taps[0]
+            for k in range(1, k_size):
+                acc = acc + window[j + k] * taps[k]
+            _store_row(o_ref, batch, t + j, d, d_ok, acc + bias)
+        return tuple(window[rows:])
 
-    zeros = jnp.zeros((cfg.block_t, cfg.block_d), jnp.float32)
-    dw_acc, db_acc = jax.lax.fori_loop(0, steps, step, ((zeros,) * k_size, zeros))
-    part = batch * n_chunks + chunk
-    for k, a in enumerate(dw_acc):
-        pltriton.store(dw_ref.at[part, _i32(k), d], jnp.sum(a, axis=0), mask=d_ok)
-    pltriton.store(db_ref.at[part, d], jnp.sum(db_acc, axis=0), mask=d_ok)
+    window = tuple(_row(u_ref, batch, first - pad + m, d, d_ok) for m in range(k_size - 1))
+    jax.lax.fori_loop(0, steps, step, window)
 
 
-def _forward(u, w, b, mode: str, interpret: bool, cfg: Config):
+def _bwd_kernel(u_ref, g_ref, w_ref, du_ref, dw_ref, db_ref, *, cfg: Config, pad: int, steps: int):
+    k_size, rows = w_ref.shape[1], cfg.block_t
+    batch, strip, first, d, d_ok = _program(cfg, du_ref.shape[2], steps)
+    taps = _taps(w_ref, d, d_ok)
+    zeros = jnp.zeros((cfg.block_d,), jnp.float32)
+
+    def step(i, carry):  # window: g rows s + pad - (K - 1) + m, m < K - 1, for first row s
+        window, dw, db = carry
+        s = first + _i32(i) * rows
+        new = [_row(g_ref, batch, s + pad + j, d, d_ok) for j in range(rows)]
+        us = [_row(u_ref, batch, s + j, d, d_ok) for j in range(rows)]  # all loads before stores
+        window, dw = [*window, *new], list(dw)  # window[j + K - 1 - k] = g[s + j + pad - k]
+        for j in range(rows):
+            du = None
+            for k in range(k_size):
+                g = window[j + k_size - 1 - k]
+                du = g * taps[k] if du is None else du + g * taps[k]
+                dw[k] = dw[k] + us[j] * g
+            _store_row(du_ref, batch, s + j, d, d_ok, du)
+            db = db + new[j]
+        return tuple(window[rows:]), tuple(dw), db
+
+    window = tuple(
+        _row(g_ref, batch, first + pad - k_size + 1 + m, d, d_ok) for m in range(k_size - 1)
+    )
+    # g rows before the first step's `new` ones count towards db once: in strip 0 only.
+    db = jnp.where(strip == 0, functools.reduce(jnp.add, window, zeros), zeros)
+    _, dw, db = jax.lax.fori_loop(0, steps, step, (window, (zeros,) * k_size, db))
+    part = batch * pl.num_programs(1) + strip
+    for k in range(k_size):
+        pltriton.store(dw_ref.at[part, d, _i32(k)], dw[k], mask=d_ok)
+    pltriton.store(db_ref.at[part, d], db, mask=d_ok)
+
+
+def _grid(n_batch: int, n_rows: int, n_channels: int, cfg: Config, programs: int):
+    """(grid, steps per strip) for programs walking n_rows rows, cfg.block_t rows per step.
+
+    Grid (channel blocks, strips, batch): neighbouring programs share rows, so the programs in
+    flight read whole rows of DRAM, and a strip's halo rows were just read by its neighbour."""
+    n_dblocks = pl.cdiv(n_channels, cfg.block_d)
+    n_steps = pl.cdiv(n_rows, cfg.block_t)
+    strips = max(1, min(n_steps, programs // (n_batch * n_dblocks)))
+    steps = pl.cdiv(n_steps, strips)
+    return (n_dblocks, pl.cdiv(n_steps, steps), n_batch), steps
+
+
+def _forward(u, w, b, mode: str, interpret: bool, cfg: Config) -> jax.Array:
     n_batch, n_len, n_channels = u.shape
     left, right = conv1d_padding(w.shape[1], mode)
     out_len = n_len + left + right - w.shape[1] + 1
+    programs = cfg.bwd_programs if cfg.fwd_programs is None else cfg.fwd_programs
+    grid, steps = _grid(n_batch, out_len, n_channels, cfg, programs)
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg, pad=left),
+        functools.partial(_fwd_kernel, cfg=cfg, pad=left, steps=steps),
         out_shape=jax.ShapeDtypeStruct((n_batch, out_len, n_channels), u.dtype),
-        grid=(n_batch, pl.cdiv(out_len, cfg.block_t), pl.cdiv(n_channels, cfg.block_d)),
-        compiler_params=compiler_params(cfg.num_warps),
+        grid=grid,
+        compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="depthwise_conv1d_fwd",
-    )(u, w.T, b)  # w.T: (K, D), so each tap is a contiguous row
+    )(u, w, b)
 
 
 def _backward(u, w, g, mode: str, interpret: bool, cfg: Config):
     n_batch, n_len, n_channels = u.shape
     k_size = w.shape[1]
     left, _ = conv1d_padding(k_size, mode)
-    n_tblocks = pl.cdiv(g.shape[1], cfg.block_t)  # g is at least as long as u
-    n_dblocks = pl.cdiv(n_channels, cfg.block_d)
-    per_batch = max(1, cfg.bwd_programs // (n_batch * n_dblocks))
-    steps = pl.cdiv(n_tblocks, per_batch)
-    n_chunks = pl.cdiv(n_tblocks, steps)
-    n_parts = n_batch * n_chunks
+    grid, steps = _grid(n_batch, n_len, n_channels, cfg, cfg.bwd_programs)
+    n_parts = n_batch * grid[1]
     du, dw_part, db_part = pl.pallas_call(
         functools.partial(_bwd_kernel, cfg=cfg, pad=left, steps=steps),
         out_shape=(
             jax.ShapeDtypeStruct(u.shape, u.dtype),
-            jax.ShapeDtypeStruct((n_parts, k_size, n_channels), jnp.float32),
+            jax.ShapeDtypeStruct((n_parts, n_channels, k_size), jnp.float32),
             jax.ShapeDtypeStruct((n_parts, n_channels), jnp.float32),
         ),
-        grid=(n_batch, n_chunks, n_dblocks),
+        grid=grid,
         compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name="depthwise_conv1d_bwd",
-    )(u, g, w.T[::-1])  # flipped taps (K, D) for du
-    return du, jnp.sum(dw_part, axis=0).T, jnp.sum(db_part, axis=0)  # dw (D, K)
+    )(u, g, w)
+    return du, jnp.sum(dw_part, axis=0), jnp.sum(db_part, axis=0)  # dw (D, K), db (D,)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _conv(u, w, b, mode, interpret, cfg):
-    return _forward(u, w, b, mode, interpret, cfg)
+def _conv(u, w, b, mode, interpret, cfgs):
+    return _forward(u, w, b, mode, interpret, cfgs[0])
 
 
-def _conv_fwd(u, w, b, mode, interpret, cfg):
-    return _forward(u, w, b, mode, interpret, cfg), (u, w, b)
+def _conv_fwd(u, w, b, mode, interpret, cfgs):
+    return _forward(u, w, b, mode, interpret, cfgs[0]), (u, w, b)
 
 
-def _conv_bwd(mode, interpret, cfg, res, g):
+def _conv_bwd(mode, interpret, cfgs, res, g):
     u, w, b = res
-    du, dw, db = _backward(u, w, g, mode, interpret, cfg)
+    du, dw, db = _backward(u, w, g, mode, interpret, cfgs[1])
     return du, dw.astype(w.dtype), db.astype(b.dtype)
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)
 
 
-def _check(u, w, b, mode) -> None:
-    if u.ndim != 3:
-        raise ValueError(f"u must be 3-D (B, L, D), got shape {u.shape}")
-    if w.ndim != 2 or w.shape[0] != u.shape[2]:
-        raise ValueError(f"w must be 2-D (D, K) with D = {u.shape[2]}, got shape {w.shape}")
-    if b.shape != (u.shape[2],):
-        raise ValueError(f"b must have shape ({u.shape[2]},), got {b.shape}")
+def _check(u, w, b, mode: str, config: Config | None) -> None:
+    if getattr(u, "ndim", None) != 3:
+        raise ValueError(f"u must be 3-D (B, L, D), got shape {jnp.shape(u)}")
+    if any(n < 1 for n in u.shape):
+        raise ValueError(f"u must have B, L, D >= 1, got shape {u.shape}")
+    if getattr(w, "ndim", None) != 2 or w.shape[0] != u.shape[2]:
+        raise ValueError(f"w must be 2-D (D, K) with D = {u.shape[2]}, got shape {jnp.shape(w)}")
+    if jnp.shape(b) != (u.shape[2],):
+        raise ValueError(f"b must have shape ({u.shape[2]},), got {jnp.shape(b)}")
     if not 1 <= w.shape[1] <= MAX_KERNEL:
         raise ValueError(f"kernel size K must be in [1, {MAX_KERNEL}], got {w.shape[1]}")
-    if u.shape[1] < 1:
-        raise ValueError(f"sequence length L must be at least 1, got {u.shape[1]}")
     for name, a in (("u", u), ("w", w), ("b", b)):
         if a.dtype not in DTYPES:
             raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {a.dtype}")
     if mode not in CONV_MODES:
         raise ValueError(f"mode must be one of {CONV_MODES}, got {mode!r}")
+    if config is not None:
+        programs = (
+            config.bwd_programs,
+            config.bwd_programs if config.fwd_programs is None else config.fwd_programs,
+        )
+        if config.block_d < 1 or config.block_d & (config.block_d - 1):
+            raise ValueError(f"config.block_d must be a power of two, got {config.block_d}")
+        if min(config.block_t, config.num_warps, config.num_stages, *programs) < 1:
+            raise ValueError(f"config fields must be positive, got {config}")
 
 
 def depthwise_conv1d(
@@ -222,9 +260,12 @@ def depthwise_conv1d(
 ) -> jax.Array:
     """Depthwise conv1d: u (B, L, D), w (D, K), b (D,) -> (B, Lo, D) in u's dtype.
 
-    Lo = L for 'same' and 'causal', L + K - 1 for 'full'. Math is float32. `config` overrides the
-    tuned tile sizes (benchmarks use it).
+    A cross-correlation (as torch's conv1d). Lo = L for 'same' and 'causal', L + K - 1 for 'full'
+    (the course's padding of K - 1 zeros on both ends). K may exceed L: the padding defines it.
+    Math is float32; dw and db come back in w's and b's dtypes. `config` overrides the tiling of
+    both kernels (benchmarks use it); by default each direction takes `default_config`.
     """
-    _check(u, w, b, mode)
-    cfg = config or default_config(u.shape[2])
-    return _conv(u, w, b, mode, resolve_interpret(interpret), cfg)
+    _check(u, w, b, mode, config)
+    fwd_cfg = config or default_config(u.shape, u.dtype)
+    bwd_cfg = config or default_config(u.shape, u.dtype, backward=True)
+    return _conv(u, w, b, mode, resolve_interpret(interpret), (fwd_cfg, bwd_cfg))

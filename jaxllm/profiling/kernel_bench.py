@@ -11,24 +11,36 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_kernels import attention_softmax, depthwise_conv1d, layer_norm
 from pallas_kernels.attention_softmax import Config as SoftmaxConfig
 from pallas_kernels.depthwise_conv1d import Config as ConvConfig
+from pallas_kernels.depthwise_conv1d import default_config as conv_default_config
 from pallas_kernels.layer_norm import Config as LayerNormConfig
-from pallas_kernels.reference import attention_softmax_ref, depthwise_conv1d_ref, layer_norm_ref
+from pallas_kernels.reference import (
+    attention_softmax_ref,
+    conv1d_padding,
+    depthwise_conv1d_ref,
+    layer_norm_ref,
+)
 
 from .timing import chained_median_seconds, rotation_count, torch_median_seconds
 
 SOFTMAX_SHAPES = [((64, 16, 128, 128), "causal"), ((8, 12, 1024, 1024), "keypad"),
                   ((8, 16, 2048, 2048), "causal")]  # fmt: skip
 LN_SHAPES = [(16384, 768), (65536, 1024), (16384, 8192)]
-CONV_SHAPES = [((1, 8192, 8192), 3), ((8, 2048, 2048), 3)]
+# CS229S project 0 (part 3): B = 1, L x D grid, K = 3
+CONV_SHAPES = [((1, n_l, n_d), 3) for n_l in (1024, 2048, 4096, 8192)
+               for n_d in (768, 1024, 2048, 8192)]  # fmt: skip
+CONV_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 DTYPES = (jnp.float32, jnp.bfloat16)
 
 
@@ -251,19 +263,157 @@ def _ln_torch(shape, dtype):
     return fwd, bwd
 
 
-def conv_cases(shapes=CONV_SHAPES, dtypes=DTYPES, mode="same") -> Iterator[Case]:
+# ----------------------------------------------------------------------------- conv1d
+# The CS229S course shapes (project 0, part 3): B = 1, K = 3. The course pads two zeros on each
+# side, which is mode 'full' (L + 2 outputs); that output cannot feed the next call, so 'full' is
+# timed by `live_chain_seconds` (benchmarks/conv1d_course.py). The chained cases below, which
+# `profile.py kernels` runs, use mode 'same' (L outputs; flops.kernel_cost assumes it) on the
+# same shapes: the same kernels, two output rows fewer.
+
+
+def conv_out_len(n_len: int, k_size: int, mode: str) -> int:
+    left, right = conv1d_padding(k_size, mode)
+    return n_len + left + right - k_size + 1
+
+
+def conv_bytes(shape: tuple, k_size: int, dtype, mode: str) -> tuple[int, int]:
+    """Minimal (forward, backward) bytes: read u, write out; read u and g, write du."""
+    n_b, n_l, n_d = shape
+    n_o = conv_out_len(n_l, k_size, mode)
+    s = jnp.dtype(dtype).itemsize
+    return (n_l + n_o) * n_b * n_d * s, (2 * n_l + n_o) * n_b * n_d * s
+
+
+def conv_inputs(shape: tuple, k_size: int, dtype, seed: int = 0) -> tuple[jax.Array, ...]:
+    """u ~ N(0, 1); positive taps summing to 1 (chained calls average: never blow up or vanish);
+    a small bias."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    u = jax.random.normal(k1, shape, jnp.float32).astype(dtype)
+    w = jax.nn.softmax(jax.random.normal(k2, (shape[2], k_size)), -1).astype(dtype)
+    b = (0.01 * jax.random.normal(k3, (shape[2],))).astype(dtype)
+    return u, w, b
+
+
+def conv_sweep(shape: tuple, dtype, backward: bool) -> list[ConvConfig]:
+    """Tilings around the default, most promising first: more rows per step (loads in flight),
+    more or fewer programs (strip length), Triton pipelining, half or double the channel block."""
+    base = conv_default_config(shape, dtype, backward=backward)
+    programs = base.bwd_programs
+    out = [
+        base._replace(block_t=8),
+        base._replace(bwd_programs=2 * programs, fwd_programs=2 * programs),
+        base._replace(num_stages=3),
+        base._replace(block_d=base.block_d // 2, num_warps=max(1, base.num_warps // 2)),
+        base._replace(bwd_programs=programs // 2, fwd_programs=programs // 2, block_t=8),
+        base._replace(block_d=2 * base.block_d, num_warps=min(8, 2 * base.num_warps)),
+        base._replace(block_t=2, bwd_programs=2 * programs, fwd_programs=2 * programs),
+    ]
+    widest = max(32, pl.next_power_of_2(shape[2]))  # wider blocks would only mask lanes
+    fits = [c for c in out if 32 <= c.block_d <= widest and c.num_warps * 32 <= c.block_d]
+    return list(dict.fromkeys(c for c in fits if c != base))
+
+
+def conv_torch(shape: tuple, k_size: int, dtype, mode: str = "full"):
+    """(forward, backward) builders for PyTorch's `nn.Conv1d(D, D, K, padding, groups=D)`, or None
+    (no CUDA torch, or a mode torch's symmetric padding cannot express).
+
+    torch's Conv1d wants channels first, (B, D, L): its inputs are made in that layout, so no
+    transpose is timed. 'causal' runs padding K - 1 and keeps the first L outputs (a view). The
+    backward is the op autograd calls for it, `aten.convolution_backward` (du, dw, db).
+    """
+    torch = _torch()
+    left, right = conv1d_padding(k_size, mode)
+    if torch is None or (left != right and mode != "causal"):
+        return None
+    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        jnp.dtype(dtype).name
+    ]
+    n_b, n_l, n_d = shape
+    keep = conv_out_len(n_l, k_size, mode)
+
+    def module_and_input():
+        conv = torch.nn.Conv1d(
+            n_d, n_d, k_size, padding=left, groups=n_d, device="cuda", dtype=tdtype
+        )
+        return conv, torch.randn(n_b, n_d, n_l, device="cuda", dtype=tdtype)
+
+    def fwd():
+        conv, u = module_and_input()
+
+        def call():
+            with torch.no_grad():
+                return conv(u)[..., :keep]
+
+        return call
+
+    def bwd():
+        conv, u = module_and_input()
+        g = torch.randn(n_b, n_d, n_l + 2 * left - k_size + 1, device="cuda", dtype=tdtype)
+        mask = [True, True, True]
+        return lambda: torch.ops.aten.convolution_backward(
+            g, u, conv.weight, [n_d], [1], [left], [1], False, [0], n_d, mask
+        )
+
+    return fwd, bwd
+
+
+def live_chain(fn: Callable, n_sets: int, calls: int = 16) -> Callable:
+    """The executable `live_chain_seconds` times: `calls` calls of fn on rotated argument sets."""
+    call = jax.jit(fn)  # lowered once, however many times it is called
+
+    @jax.jit
+    def run(arg_sets):
+        arg_sets, outs = list(arg_sets), []
+        for i in range(calls):
+            out = call(*arg_sets[i % n_sets])
+            arg_sets[i % n_sets], out = jax.lax.optimization_barrier((arg_sets[i % n_sets], out))
+            outs.append(out)
+        return outs
+
+    return run
+
+
+def live_chain_seconds(
+    fn: Callable,
+    arg_sets: list,
+    *,
+    calls: int = 16,
+    launches: int = 4,
+    repeats: int = 5,
+    run: Callable | None = None,
+) -> float:
+    """Median device seconds per fn(*args) call, for ops whose output cannot be the next call's
+    input (conv1d 'full': L + K - 1 rows out of L).
+
+    As `timing.chained_median_seconds`: one executable makes `calls` calls back to back, rotating
+    argument sets so that reads miss L2 (size the list with `timing.rotation_count`), with an
+    optimization barrier between calls; it is launched `launches` times per host sync, median of
+    `repeats`. Here every call's output is an output of the executable, so XLA can drop none as
+    dead code, and no input is returned (which would cost a copy). `run`: `live_chain(...)`,
+    possibly compiled ahead (`run.lower(arg_sets).compile()`).
+    """
+    run = run or live_chain(fn, len(arg_sets), calls)
+    jax.block_until_ready(run(arg_sets))  # compile and warm up
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(launches):
+            outs = run(arg_sets)
+        jax.block_until_ready(outs)
+        samples.append((time.perf_counter() - t0) / (launches * calls))
+    return statistics.median(samples)
+
+
+def conv_cases(shapes=CONV_SHAPES, dtypes=CONV_DTYPES, mode: str = "same") -> Iterator[Case]:
+    """Chained cases (output -> next input), so modes with L outputs: 'same' or 'causal'."""
+    if mode == "full":
+        raise ValueError("conv_cases chains out -> u, which needs L outputs; time 'full' with "
+                         "live_chain_seconds (benchmarks/conv1d_course.py)")  # fmt: skip
     for shape, k_size in shapes:
         for dtype in dtypes:
-            n_b, n_l, n_d = shape
-            s = jnp.dtype(dtype).itemsize
 
             def make_args(seed=0, shape=shape, dtype=dtype, k_size=k_size):
-                k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-                u = jax.random.normal(k1, shape, jnp.float32).astype(dtype)
-                # positive taps summing to 1: chained calls average, never blow up or vanish
-                w = jax.nn.softmax(jax.random.normal(k2, (shape[2], k_size)), -1).astype(dtype)
-                b = (0.01 * jax.random.normal(k3, (shape[2],))).astype(dtype)
-                return u, w, b
+                return conv_inputs(shape, k_size, dtype, seed)
 
             def pallas(cfg, mode=mode):
                 return lambda u, w, b: depthwise_conv1d(u, w, b, mode, config=cfg)
@@ -271,45 +421,13 @@ def conv_cases(shapes=CONV_SHAPES, dtypes=DTYPES, mode="same") -> Iterator[Case]
             def xla(u, w, b, mode=mode):
                 return depthwise_conv1d_ref(u, w, b, mode)
 
-            tiles = ((16, 256, 4, 528, 1), (32, 128, 4, 528, 1), (8, 512, 4, 528, 1),
-                     (16, 256, 4, 1056, 1), (16, 256, 4, 528, 3), (32, 128, 4, 528, 3))  # fmt: skip
-            configs = [ConvConfig(*tile) for tile in tiles]  # (T, D, warps, programs, stages)
-            n = n_b * n_l * n_d * s
-            yield from _fwd_bwd_cases(
-                "conv1d", shape + (k_size,), dtype, (2 * n, 3 * n), make_args, pallas, xla,
-                configs, _conv_torch(shape, k_size, dtype),
+            fwd, bwd = _fwd_bwd_cases(
+                "conv1d", shape + (k_size,), dtype, conv_bytes(shape, k_size, dtype, mode),
+                make_args, pallas, xla, conv_sweep(shape, dtype, backward=False),
+                conv_torch(shape, k_size, dtype, mode),
             )  # fmt: skip
-
-
-def _conv_torch(shape, k_size, dtype):
-    torch = _torch()
-    if torch is None:
-        return None
-    tdtype = torch.float32 if dtype == jnp.float32 else torch.bfloat16
-    n_b, n_l, n_d = shape
-    pad = (k_size - 1) // 2
-
-    def inputs():
-        u = torch.randn(n_b, n_d, n_l, device="cuda", dtype=tdtype)  # torch's (B, C, L) layout
-        return (
-            u,
-            torch.randn(n_d, 1, k_size, device="cuda", dtype=tdtype),
-            torch.randn(n_d, device="cuda", dtype=tdtype),
-        )
-
-    def fwd():
-        u, w, b = inputs()
-        return lambda: torch.nn.functional.conv1d(u, w, b, padding=pad, groups=n_d)
-
-    def bwd():
-        u, w, _ = inputs()
-        g = torch.randn_like(u)
-        mask = [True, True, True]
-        return lambda: torch.ops.aten.convolution_backward(
-            g, u, w, [n_d], [1], [pad], [1], False, [0], n_d, mask
-        )
-
-    return fwd, bwd
+            yield fwd
+            yield dataclasses.replace(bwd, configs=conv_sweep(shape, dtype, backward=True))
 
 
 def _time_impl(case: Case, impl) -> tuple[float, jax.Array]:
