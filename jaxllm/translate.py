@@ -95,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=None, help="default: train.batch_size")
     args = p.parse_args(argv)
     from jaxllm.config import ConfigError
-    from jaxllm.data.sources import load_translation_split, translation_tokenizer
+    from jaxllm.data.sources import (
+        filter_translation_pairs,
+        load_translation_split,
+        translation_tokenizer,
+    )
     from jaxllm.models import build_model
     from jaxllm.train.checkpoint import load_run
 
@@ -109,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.limit is not None and args.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         tok = translation_tokenizer(cfg, [])
-        pairs = load_translation_split(tc, args.split)[: args.limit]
+        pairs = load_translation_split(tc, args.split)
+        pairs = filter_translation_pairs(pairs, args.split, cfg, tok)[: args.limit]
         model = build_model(cfg.model)
         print(model.plan.describe(), file=sys.stderr)
         metrics, hyps = score_translations(

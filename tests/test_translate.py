@@ -90,14 +90,18 @@ def test_synthetic_translation_reaches_bleu_90(corpus):
     assert len(hyps) == 100
     assert (run / "tokenizer.json").is_file()
 
-    # The module CLI re-scores the best checkpoint on the test split with the saved tokenizer.
+    # The module CLI re-scores the best checkpoint on the test split with the saved tokenizer,
+    # dropping (and counting) a pair that does not fit the context, as training does.
+    long_pair = ("Haus " * 40 + "katze.", "House " * 40 + "cat.")
+    write_split(corpus / "data" / "toy", "test", [*synthetic(100, 2), long_pair])
     out = subprocess.run(
         [sys.executable, "-m", "jaxllm.translate", "--run-dir", str(run), "--split", "test",
          "--beam-width", "3"],
         capture_output=True, text=True, cwd=ROOT, env=_env(corpus),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert "nrefs:1" in out.stdout
+    assert "nrefs:1" in out.stdout and "on 100 test pairs" in out.stdout
+    assert "test: dropped 1 of 101 pairs" in out.stderr
     bleu = float(out.stdout.split()[1])
     assert bleu > 90, out.stdout
 

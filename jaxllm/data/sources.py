@@ -213,9 +213,11 @@ def translation_tokenizer(cfg: Config, train_pairs: list[mt.Pair]) -> mt.Transla
     return tok
 
 
-def _filtered(
+def filter_translation_pairs(
     pairs: list[mt.Pair], what: str, cfg: Config, tok: mt.TranslationTokenizer
 ) -> list[mt.Pair]:
+    """The pairs within data.translation.max_words and the model's context, in order; the
+    dropped ones are counted on stderr (training and scoring apply the same rule)."""
     tc = cfg.data.translation
     kept, dropped = mt.filter_pairs(pairs, tc.max_words, cfg.model.context_length, tok)
     if dropped:
@@ -238,11 +240,11 @@ def make_translation_source(cfg: Config) -> TranslationSource:
         raise ValueError(
             f"the tokenizer has {tok.vocab_size} ids; model.vocab_size is {cfg.model.vocab_size}"
         )
-    train = mt.encode_pairs(tok, _filtered(train_pairs, "train", cfg, tok))
-    valid_pairs = _filtered(load_translation_split(tc, "valid"), "valid", cfg, tok)
+    train = mt.encode_pairs(tok, filter_translation_pairs(train_pairs, "train", cfg, tok))
+    valid_pairs = filter_translation_pairs(load_translation_split(tc, "valid"), "valid", cfg, tok)
     score_pairs = valid_pairs
     if tc.bleu_split == "test":
-        score_pairs = _filtered(load_translation_split(tc, "test"), "test", cfg, tok)
+        score_pairs = filter_translation_pairs(load_translation_split(tc, "test"), "test", cfg, tok)
         score_pairs = score_pairs[: tc.test_limit]
     return TranslationSource(
         tok, train, mt.encode_pairs(tok, valid_pairs), score_pairs, tc,
