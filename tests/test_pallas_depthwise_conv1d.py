@@ -14,7 +14,8 @@ import pytest
 from jax.test_util import check_grads
 
 from pallas_kernels import depthwise_conv1d, depthwise_conv1d_ref
-from pallas_kernels.depthwise_conv1d import Config, default_config
+from pallas_kernels.depthwise_conv1d import _TUNED, Config, default_config
+from pallas_kernels.triton_backend import core_count
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 TOL = {F32: (1e-5, 1e-5, 1e-5), F16: (1e-2, 0.0, 2e-3), BF16: (1e-2, 8e-3, 1e-2)}  # atol, rtol, rel
@@ -133,6 +134,59 @@ def test_default_config(shape, dtype):
         if shape[2] % 64 == 0:
             assert shape[2] % cfg.block_d == 0  # no masked lanes when D allows it
     assert default_config((1, 1024, 768), F32).block_d == 256
+
+
+COURSE_SHAPES = [
+    (1, n_l, n_d) for n_l in (1024, 2048, 4096, 8192) for n_d in (768, 1024, 2048, 8192)
+]
+
+
+def assert_valid_config(cfg, n_channels, dtype):
+    """A tiling the kernels accept, with every thread busy on at most 16 bytes per row."""
+    assert isinstance(cfg, Config)
+    assert min(cfg.block_t, cfg.num_warps, cfg.num_stages, cfg.bwd_programs, cfg.fwd_programs) >= 1
+    assert cfg.block_d & (cfg.block_d - 1) == 0 and n_channels % cfg.block_d == 0
+    assert 32 * cfg.num_warps <= cfg.block_d
+    assert cfg.block_d * jnp.dtype(dtype).itemsize <= 16 * 32 * cfg.num_warps
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("shape", COURSE_SHAPES, ids=lambda s: f"{s[1]}x{s[2]}")
+def test_default_config_course_shapes(shape, dtype):
+    for backward in (False, True):
+        assert_valid_config(default_config(shape, dtype, backward=backward), shape[2], dtype)
+
+
+def test_tuned_table():
+    """Each `_TUNED` entry is a valid tiling of a course shape, returned for B * L ~ L."""
+    assert _TUNED
+    for (direction, dtype, n_l, n_d), tiling in _TUNED.items():
+        assert direction in ("fwd", "bwd") and (1, n_l, n_d) in COURSE_SHAPES
+        backward = direction == "bwd"
+        programs = tiling[3] * core_count()
+        want = Config(*tiling[:3], programs, tiling[4], programs)
+        assert_valid_config(want, n_d, dtype)
+        for shape in ((1, n_l, n_d), (4, n_l // 4, n_d), (1, n_l * 5 // 4, n_d)):
+            assert default_config(shape, jnp.dtype(dtype), backward=backward) == want, shape
+
+
+def test_default_config_off_the_table_is_the_heuristic():
+    fwd, bwd = 8 * core_count(), 4 * core_count()
+    # B * L or D off the course grid: 16-byte loads, block_d a divisor of D where one exists
+    assert default_config((1, 16384, 1024), F32) == Config(4, 512, 4, fwd, 1, fwd)
+    assert default_config((1, 1024, 640), BF16) == Config(4, 128, 1, fwd, 1, fwd)
+    assert default_config((2, 100, 40), F32, backward=True) == Config(4, 64, 1, bwd, 1, bwd)
+
+
+# One tuned tiling per (block_t, num_stages): the fields that change the kernel's loop structure.
+TUNED_SAMPLE = list({(t[0], t[4]): t for t in sorted(set(_TUNED.values()))}.values())
+
+
+@pytest.mark.parametrize("tiling", TUNED_SAMPLE, ids=str)
+def test_tuned_tilings_match_float64_reference(float64_ref, tiling):
+    programs = tiling[3] * core_count()
+    cfg = Config(*tiling[:3], programs, tiling[4], programs)
+    check_against_float64(float64_ref, (2, 37, 40), 3, "full", F32, cfg, seed=2)
 
 
 @pytest.mark.parametrize(
