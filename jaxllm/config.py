@@ -116,6 +116,12 @@ class ModelConfig(Section):
     # Training loss: "xla" = logits, then softmax_loss; "pallas" = the fused LM head +
     # cross-entropy kernel (pallas_kernels.linear_cross_entropy), which never keeps the logits.
     loss_impl: Literal["xla", "pallas"] = "xla"
+    # Activation rematerialisation: "block" wraps every decoder block in jax.checkpoint (saving
+    # nothing inside it), so the backward pass recomputes each block's forward from its input:
+    # activation memory drops from O(layers x block internals) to O(layers x D) per token, for
+    # about one more forward pass of compute. Same loss and gradients. "none": autodiff keeps
+    # what it needs.
+    remat: Literal["none", "block"] = "none"
 
     @property
     def ffn_dim(self) -> int:
@@ -266,12 +272,35 @@ class TrainConfig(Section):
     # is refused with the list of differences, unless this is true.
     allow_config_change: bool = False
     progress: bool = True  # tqdm bar
+    # [start, end]: record a jax.profiler trace (TensorBoard / Perfetto) of updates start ..
+    # end - 1, numbered as in the log (the n-th update is step n), into RUN_DIR/trace/.
+    trace_steps: tuple[int, ...] | None = None
 
     # What may differ when a run resumes: how it is watched and kept, not what it computes.
     NO_EFFECT: ClassVar[tuple[str, ...]] = (
         "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
-        "resume", "allow_config_change", "progress", "run_dir",
+        "resume", "allow_config_change", "progress", "run_dir", "trace_steps",
     )  # fmt: skip
+
+    def _check(self) -> None:
+        if self.trace_steps is None:
+            return
+        if len(self.trace_steps) != 2:
+            raise ConfigError(
+                f"train.trace_steps must be [start, end] (two steps) or null, got "
+                f"{list(self.trace_steps)}"
+            )
+        start, end = self.trace_steps
+        if not 1 <= start < end:
+            raise ConfigError(
+                "train.trace_steps must be [start, end] with 1 <= start < end, got "
+                f"[{start}, {end}]"
+            )
+        if self.steps is not None and end > self.steps + 1:
+            raise ConfigError(
+                f"train.trace_steps end must be <= train.steps + 1 = {self.steps + 1} (the trace "
+                f"covers steps start .. end - 1), got [{start}, {end}]"
+            )
 
 
 @dataclass(frozen=True)

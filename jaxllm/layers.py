@@ -10,11 +10,12 @@ or `cs336_init()` (CS336's truncated normals).
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jaxllm import functional as F
 from jaxllm import ops
@@ -163,11 +164,14 @@ class LMHead(nn.Module):
         return jnp.dot(x.astype(self.compute_dtype), self.kernel.astype(self.compute_dtype))
 
 
-class AttentionInputs(NamedTuple):
-    """What every attention layer of one forward pass shares."""
+@struct.dataclass
+class AttentionInputs:
+    """What every attention layer of one forward pass shares. A pytree whose `deterministic`
+    flag is static (it picks code paths), so a block under jax.checkpoint (model.remat) still
+    sees a Python bool; the arrays are its leaves."""
 
     positions: jax.Array  # (B, T) int absolute positions (RoPE; GPT-2 embeds them outside)
-    deterministic: bool = True  # no dropout
+    deterministic: bool = struct.field(pytree_node=False, default=True)  # no dropout
     key_mask: jax.Array | None = None  # (B, S) bool, True = real key (decoding: S = cache len)
     cache_index: jax.Array | int = 0  # decoding: cache slot of the first of the T new tokens
 
@@ -196,26 +200,30 @@ class MultiHeadAttention(nn.Module):
         b, t, d = x.shape
         h, dh = self.n_heads, d // self.n_heads
         lin = dict(kernel_init=self.kernel_init, compute_dtype=self.compute_dtype)
-        qkv = Linear(3 * d, use_bias=self.qkv_bias, name="qkv", **lin)(x, splits=3)  # 3x (B,T,D)
-        q, k, v = (a.reshape(b, t, h, dh) for a in qkv)  # (B, T, H, Dh)
-        if self.rope_theta is not None:
-            cos, sin = F.rope_angles(inputs.positions, dh, self.rope_theta)
-            q, k = F.apply_rope(q, cos, sin), F.apply_rope(k, cos, sin)
+        with jax.named_scope("qkv"):  # the projection, and RoPE
+            qkv = Linear(3 * d, use_bias=self.qkv_bias, name="qkv", **lin)(x, splits=3)
+            q, k, v = (a.reshape(b, t, h, dh) for a in qkv)  # (B, T, H, Dh)
+            if self.rope_theta is not None:
+                cos, sin = F.rope_angles(inputs.positions, dh, self.rope_theta)
+                q, k = F.apply_rope(q, cos, sin), F.apply_rope(k, cos, sin)
 
         rng = None
         if not inputs.deterministic and self.dropout > 0.0:
             rng = self.make_rng("dropout")
-        if cache is None:
-            y = ops.causal_attention(q, k, v, self.path, self.dropout, rng)
-        else:
-            slot = inputs.cache_index
-            k = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), slot, 1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), slot, 1)
-            cache = {"k": k, "v": v}  # (B, S, H, Dh)
-            mask = F.attention_mask(t, k.shape[1], slot, inputs.key_mask)
-            y = F.attention(q, k, v, mask, self.dropout, rng)
-        out = Linear(d, self.out_bias, self.out_init, self.compute_dtype, name="out")
-        return Dropout(self.dropout)(out(y.reshape(b, t, d)), inputs.deterministic), cache
+        with jax.named_scope("sdpa"):  # softmax(q k^T / sqrt(Dh) + mask) v, + the cache write
+            if cache is None:
+                y = ops.causal_attention(q, k, v, self.path, self.dropout, rng)
+            else:
+                slot, old_k, old_v = inputs.cache_index, cache["k"], cache["v"]
+                k = jax.lax.dynamic_update_slice_in_dim(old_k, k.astype(old_k.dtype), slot, 1)
+                v = jax.lax.dynamic_update_slice_in_dim(old_v, v.astype(old_v.dtype), slot, 1)
+                cache = {"k": k, "v": v}  # (B, S, H, Dh)
+                mask = F.attention_mask(t, k.shape[1], slot, inputs.key_mask)
+                y = F.attention(q, k, v, mask, self.dropout, rng)
+        with jax.named_scope("out"):
+            out = Linear(d, self.out_bias, self.out_init, self.compute_dtype, name="out")
+            y = Dropout(self.dropout)(out(y.reshape(b, t, d)), inputs.deterministic)
+        return y, cache
 
 
 class FeedForward(nn.Module):

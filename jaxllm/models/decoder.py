@@ -10,10 +10,33 @@ Three entry points, one per use (`model.apply(variables, ..., method=...)`):
   __call__(tokens)                        -> logits (B, T, V)                (init, analysis)
   loss(tokens, targets)                   -> (mean loss, {loss_sum, correct, count})  (training)
   decode(tokens, cache, cache_index, ...) -> (logits, cache)                 (generation)
+
+Named scopes (what the profiler's trace viewer and the HLO op names show). Flax's automatic
+per-module scopes are turned off inside the entry points, so every op sits under exactly one of
+these paths (i = 0 .. n_layers - 1, the block whose parameters are h{i}):
+  embed                  token (+ position) embedding
+  block_{i}/ln_1         the pending residual add + the first norm (ln1)
+  block_{i}/conv         the short causal conv (model.short_conv only)
+  block_{i}/attn/qkv     q/k/v projection (+ RoPE)
+  block_{i}/attn/sdpa    softmax(q k^T / sqrt(Dh) + mask) v (+ the KV-cache write when decoding)
+  block_{i}/attn/out     output projection (+ dropout)
+  block_{i}/ln_2         residual add + the second norm (ln2)
+  block_{i}/mlp          the MLP (GELU or SwiGLU)
+  ln_f                   the last residual add + final norm
+  loss                   LM head + cross-entropy (the `loss` method)
+  lm_head                logits (`__call__`, `decode`)
+  optimizer              gradient clipping + the AdamW update (jaxllm.train.state.train_step)
+Under a transformation the names are prefixed, e.g. `jit(train_step)/jvp(GPT2.loss)/block_3/
+attn/qkv/dot_general` (forward) and `transpose(jvp(GPT2.loss))/block_3/...` (backward); with
+model.remat "block" the backward's ops carry `.../block_3/checkpoint/attn/...` and the
+recomputed forward `.../checkpoint/rematted_computation/attn/...` (`profile.py trace` prints
+these as fwd/, bwd/ and recompute/block_3/attn/...). Scopes rename ops only: the compiled
+program is the same.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -27,6 +50,18 @@ from jaxllm.functional import IGNORE
 from jaxllm.layers import AttentionInputs, Embedding, Initializer, KVCache, LMHead, add_and_norm
 
 Sums = dict[str, jax.Array]  # {loss_sum, correct, count}: add up exactly over batches
+
+
+def explicit_scopes(method: Callable) -> Callable:
+    """Run an entry point with Flax's automatic module-name scopes off (trace time only), so the
+    trace shows the scope names listed in the module docstring and nothing between them."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with nn.override_named_call(False):
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 class Decoder(nn.Module):
@@ -51,8 +86,12 @@ class Decoder(nn.Module):
         head_init: Initializer,
     ) -> None:
         """Called from an architecture's `setup`: the n_layers blocks h0, h1, ... (`block(cfg,
-        plan, name=...)`), the final norm ln_f (`norm()`) and, when untied, lm_head."""
+        plan, name=...)`), the final norm ln_f (`norm()`) and, when untied, lm_head.
+        With model.remat "block", each block is rematerialised: the backward pass recomputes its
+        forward from its inputs (jax.checkpoint saving nothing inside the block)."""
         cfg = self.cfg
+        if cfg.remat == "block":
+            block = nn.remat(block, policy=jax.checkpoint_policies.nothing_saveable)
         self.token_embedding = token_embedding
         self.blocks = [block(cfg, self.plan, name=f"h{i}") for i in range(cfg.n_layers)]
         self.ln_f = norm()
@@ -69,12 +108,15 @@ class Decoder(nn.Module):
         cache: list[KVCache] | None = None,
     ) -> tuple[jax.Array, list[KVCache] | None]:
         """tokens (B, T) -> final normed hidden states (B, T, D) in compute dtype, new caches."""
-        x = self.embed(tokens, inputs.positions, inputs.deterministic)  # (B, T, D)
+        with jax.named_scope("embed"):
+            x = self.embed(tokens, inputs.positions, inputs.deterministic)  # (B, T, D)
         h, new_cache = None, []
         for i, block in enumerate(self.blocks):
-            x, h, layer_cache = block(x, h, inputs, None if cache is None else cache[i])
+            with jax.named_scope(f"block_{i}"):
+                x, h, layer_cache = block(x, h, inputs, None if cache is None else cache[i])
             new_cache.append(layer_cache)
-        _, x = add_and_norm(self.ln_f, x, h)  # the last pending residual add
+        with jax.named_scope("ln_f"):
+            _, x = add_and_norm(self.ln_f, x, h)  # the last pending residual add
         return x, (None if cache is None else new_cache)
 
     def head_matrix(self) -> jax.Array:
@@ -83,16 +125,19 @@ class Decoder(nn.Module):
 
     def logits(self, x: jax.Array) -> jax.Array:
         """(B, T, D) -> (B, T, V) in compute dtype (the loss and the sampler upcast)."""
-        if self.cfg.tie_embeddings:
-            return self.token_embedding.attend(x, jnp.dtype(self.cfg.compute_dtype))
-        return self.lm_head(x)
+        with jax.named_scope("lm_head"):
+            if self.cfg.tie_embeddings:
+                return self.token_embedding.attend(x, jnp.dtype(self.cfg.compute_dtype))
+            return self.lm_head(x)
 
+    @explicit_scopes
     def __call__(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
         """tokens (B, T) int -> logits (B, T, V)."""
         check_tokens(tokens, self.cfg)
         x, _ = self.hidden(tokens, AttentionInputs(default_positions(tokens), deterministic))
         return self.logits(x)
 
+    @explicit_scopes
     def loss(
         self, tokens: jax.Array, targets: jax.Array, deterministic: bool = True
     ) -> tuple[jax.Array, Sums]:
@@ -102,8 +147,10 @@ class Decoder(nn.Module):
         check_targets(targets, tokens, self.cfg)
         x, _ = self.hidden(tokens, AttentionInputs(default_positions(tokens), deterministic))
         smoothing = 0.0 if deterministic else self.cfg.label_smoothing
-        return lm_loss(x, self.head_matrix(), targets, self.cfg, self.plan.loss, smoothing)
+        with jax.named_scope("loss"):
+            return lm_loss(x, self.head_matrix(), targets, self.cfg, self.plan.loss, smoothing)
 
+    @explicit_scopes
     def decode(
         self,
         tokens: jax.Array,

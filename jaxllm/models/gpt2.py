@@ -46,12 +46,18 @@ class Block(nn.Module):
         )  # fmt: skip
         mlp = FeedForward(cfg.ffn_dim, cfg.bias, cfg.dropout, init, out_init, dtype, name="mlp")
 
-        x, y = add_and_norm(ln(name="ln1"), x, h)  # (B, T, D) stream, (B, T, D) compute dtype
+        with jax.named_scope("ln_1"):  # (B, T, D) stream, (B, T, D) compute dtype
+            x, y = add_and_norm(ln(name="ln1"), x, h)
         if cfg.short_conv:  # each position mixes in its predecessors before attending
-            y = DepthwiseConv1d(cfg.short_conv_size, "causal", self.plan.conv, name="conv")(y)
-        h, cache = attn(y, inputs, cache)
-        x, y = ln(name="ln2")(x, residual=h)
-        return x, mlp(y, inputs.deterministic), cache
+            with jax.named_scope("conv"):
+                y = DepthwiseConv1d(cfg.short_conv_size, "causal", self.plan.conv, name="conv")(y)
+        with jax.named_scope("attn"):
+            h, cache = attn(y, inputs, cache)
+        with jax.named_scope("ln_2"):
+            x, y = ln(name="ln2")(x, residual=h)
+        with jax.named_scope("mlp"):
+            h = mlp(y, inputs.deterministic)
+        return x, h, cache
 
 
 class GPT2(Decoder):

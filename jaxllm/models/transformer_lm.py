@@ -41,12 +41,18 @@ class Block(nn.Module):
         )  # fmt: skip
         mlp = SwiGLU(cfg.ffn_dim, cs336_init(), dtype, name="mlp")
 
-        x, y = add_and_norm(RMSNorm(cfg.norm_eps, name="ln1"), x, h)  # (B, T, D) each
+        with jax.named_scope("ln_1"):  # (B, T, D) each
+            x, y = add_and_norm(RMSNorm(cfg.norm_eps, name="ln1"), x, h)
         if cfg.short_conv:  # each position mixes in its predecessors before attending
-            y = DepthwiseConv1d(cfg.short_conv_size, "causal", self.plan.conv, name="conv")(y)
-        h, cache = attn(y, inputs, cache)
-        x, y = RMSNorm(cfg.norm_eps, name="ln2")(x, residual=h)
-        return x, mlp(y, inputs.deterministic), cache
+            with jax.named_scope("conv"):
+                y = DepthwiseConv1d(cfg.short_conv_size, "causal", self.plan.conv, name="conv")(y)
+        with jax.named_scope("attn"):
+            h, cache = attn(y, inputs, cache)
+        with jax.named_scope("ln_2"):
+            x, y = RMSNorm(cfg.norm_eps, name="ln2")(x, residual=h)
+        with jax.named_scope("mlp"):
+            h = mlp(y, inputs.deterministic)
+        return x, h, cache
 
 
 class TransformerLM(Decoder):

@@ -17,6 +17,7 @@ from jaxllm.atomic_file import write_text_atomic
 from jaxllm.config import Config, ConfigError, config_changes, load_config, save_config
 from jaxllm.data.sources import BatchSource, make_source
 from jaxllm.models import build_model
+from jaxllm.profiling.trace import StepRangeTrace
 from jaxllm.train.checkpoint import Checkpointer
 from jaxllm.train.metrics_log import MetricsLog, truncate_metrics
 from jaxllm.train.optim import lr_schedule, make_optimizer
@@ -191,6 +192,13 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
     start = last_time = time.perf_counter()
     last_step = start_step
 
+    def say(message: str) -> None:  # on the console and in metrics.jsonl
+        bar.write(message)
+        log.write({"event": "trace", "message": message})
+
+    # train.trace_steps: a jax.profiler trace of those updates in RUN_DIR/trace (else a no-op).
+    trace = StepRangeTrace(tc.trace_steps, run_dir / "trace", say)
+
     def stop_if_diverged(flags: jax.Array | int) -> None:
         ids_step, n_ids, bad_step = (-1, 0, flags) if isinstance(flags, int) else map(int, flags)
         if ids_step >= 0:  # bad data first: it is what makes the loss blow up
@@ -225,7 +233,9 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
             batch = source.train_batch(step)
             tokens += batch["inputs"].size
             prev_bad = bad
+            trace.before_step(step + 1)
             state, metrics = train_step(state, batch, dropout_rng)
+            trace.after_step(step + 1, (state, metrics))
             bad = _first_bad(bad, metrics, step + 1)
             # The previous step's flag: reading it waits for that step only, while this one
             # runs, so the loop stops one step after the first bad one at the latest.
@@ -295,6 +305,7 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
             )
             ev = evaluate(state, source)
     finally:
+        trace.stop()  # a run that ends (or fails) inside the traced range still writes it
         bar.close()
         log.close()
         ckpt.close()

@@ -114,7 +114,8 @@ def train_step(
     grad_fn = jax.value_and_grad(loss_and_sums, has_aux=True)
     (loss, aux), grads = grad_fn(state.params, state.apply_fn, batch, step_rng)
     bad_ids = count_bad_ids(batch, state.vocab_size)
-    state = state.apply_gradients(grads=grads)
+    with jax.named_scope("optimizer"):  # global-norm clipping + AdamW (the trace's name)
+        state = state.apply_gradients(grads=grads)
     metrics = {
         "loss": loss,
         "accuracy": aux["correct"] / jnp.maximum(aux["count"], 1),
