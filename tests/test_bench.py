@@ -1,0 +1,247 @@
+"""`profile.py bench` and `profile.py breakdown` on the CPU with the tiny size (issue 10).
+
+The CLI runs in-process (`profile.main([...])`), as a user would call it; the OOM path is
+simulated by making the step builder raise XLA's RESOURCE_EXHAUSTED error.
+"""
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import math
+import re
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxllm.profiling import bench, breakdown
+from jaxllm.profiling.flops import train_flops_per_token
+
+TINY_RUN = ["--warmup", "1", "--steps", "2", "--no-progress"]
+TINY_SWEEP = ["--sizes", "tiny", "--vocab", "64", "--batch", "2", "--dtypes", "float32"]
+JSON_KEYS = {"name", "flops", "bytes", "seconds", "status", "mean_ms", "std_ms", "tokens_per_s",
+             "tflops_per_s", "size", "context", "dtype", "mode", "n_params"}  # fmt: skip
+
+
+@functools.cache
+def _profile_cli():
+    """Our profile.py, loaded from its file: `import profile` gives the standard library's."""
+    path = Path(__file__).resolve().parents[1] / "profile.py"
+    spec = importlib.util.spec_from_file_location("jaxllm_profile_cli", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cli(argv: list[str]) -> int:
+    return _profile_cli().main(argv)
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The body rows of the Markdown tables in `text`, as lists of cells."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("| ") and not line.startswith(("| size", "| component")):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def test_bench_tiny_table_json_lines_and_an_oom_cell(tmp_path, capsys, monkeypatch):
+    """The table and JSON lines of a tiny sweep. Calls made to fail with XLA's
+    RESOURCE_EXHAUSTED (one at compile time, a train step at run time, which deletes the state
+    it was given) give OOM cells, and the sweep goes on."""
+    real = bench.build_step
+
+    def oom():
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 GiB")
+
+    def build_step(mode, holder, batch, apply):
+        if batch["inputs"].shape[1] != 16:
+            return real(mode, holder, batch, apply)
+        if mode == "forward_backward":  # fails to compile
+            oom()
+
+        def train_step_that_runs_out():  # fails at run time, its donated state deleted
+            for x in jax.tree_util.tree_leaves(holder["state"]):
+                x.delete()
+            oom()
+
+        if mode == "train_step":
+            return train_step_that_runs_out
+        return real(mode, holder, batch, apply)
+
+    monkeypatch.setattr(bench, "build_step", build_step)
+    out = tmp_path / "bench.jsonl"
+    argv = ["bench", *TINY_SWEEP, "--contexts", "16,32", *TINY_RUN, "--jsonl", str(out)]
+    assert cli(argv) == 0
+    text = capsys.readouterr().out
+    assert "| size | context | dtype | mode | mean ms | std ms | tokens/s | TFLOP/s |" in text
+    rows = table_rows(text)
+    modes = ["forward", "forward_backward", "train_step"]
+    assert [(r[1], r[3]) for r in rows] == [(t, m) for t in ("16", "32") for m in modes]
+    for r in rows:
+        assert r[0] == "tiny" and r[2] == "f32"
+        if (r[1], r[3]) in (("16", "forward_backward"), ("16", "train_step")):
+            assert r[4:] == ["OOM", "-", "-", "-"]
+        else:  # the same config's other modes ran, and so did the next config
+            assert float(r[4]) > 0 and float(r[5]) >= 0 and float(r[6].replace(",", "")) > 0
+
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 6
+    ooms = [r for r in lines if r["status"] == "OOM"]
+    assert [r["name"] for r in ooms] == [f"bench tiny T16 f32 {m}" for m in modes[1:]]
+    assert all(r["seconds"] is None and r["flops"] > 0 and r["bytes"] > 0 for r in ooms)
+    ok = [r for r in lines if r["status"] != "OOM"]
+    for row in ok:
+        assert row.keys() >= JSON_KEYS
+        assert row["status"] == "ok"
+        for key in ("flops", "bytes", "seconds", "mean_ms", "tokens_per_s", "tflops_per_s"):
+            assert isinstance(row[key], float) and math.isfinite(row[key]) and row[key] > 0, key
+        assert row["std_ms"] >= 0
+        assert math.isclose(row["seconds"] * 1e3, row["mean_ms"])
+    t32 = lines[3:]
+    assert [r["name"] for r in t32] == [f"bench tiny T32 f32 {m}" for m in modes]
+    # backward = 2 x forward: forward_backward and train_step count 3x the forward's FLOPs
+    assert t32[1]["flops"] == t32[2]["flops"] == 3 * t32[0]["flops"]
+    assert t32[0]["bytes"] < t32[1]["bytes"] < t32[2]["bytes"]
+
+
+def test_measure_reports_oom_and_raises_anything_else():
+    def oom():
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    assert bench.measure(lambda: oom, warmup=1, steps=2) == bench.Measured("OOM")
+    with pytest.raises(ValueError, match="boom"):
+        bench.measure(lambda: (_ for _ in ()).throw(ValueError("boom")), warmup=1, steps=2)
+
+
+def test_table_marks_where_ours_is_slower_than_torch_compile():
+    row = bench.Row(
+        "small", "gpt2", 1024, 4, 10_000, "bfloat16", "forward", "xla", 1, 1e12, 1e9,
+        bench.Measured("ok", 2e-3, 1e-4), bench.Measured("ok", 3e-3, 1e-4),
+        bench.Measured("ok", 1e-3, 1e-4),
+    )  # fmt: skip
+    line = bench.format_row(row, torch=True)
+    assert "| 3.00 ± 0.10 | 1.00 ± 0.10 | 2.00 **slower** |" in line
+    for compile_s, ratio in ((4e-3, "0.50"), (1.995e-3, "1.00")):  # 1.0025: a tie, as shown
+        other = dataclasses.replace(row, torch_compile=bench.Measured("ok", compile_s, 0.0))
+        assert bench.format_row(other, torch=True).endswith(f"| {ratio} |")
+    keys = bench.row_json(row, bench.Sweep(), "cpu")
+    assert keys["torch_compile_seconds"] == 1e-3 and keys["torch_eager_status"] == "ok"
+
+
+def test_forward_flops_match_the_training_flops_per_token():
+    """3 x forward_flops per token = PaLM's 6 N + 12 L d T, up to biases and norm scales."""
+    for size in ("tiny", "small"):
+        cfg = bench.build_config(size).model
+        t = cfg.context_length
+        n = bench._param_count(cfg, {"inputs": np.zeros((1, 8), np.int32)})
+        ours = 3 * bench.forward_flops(cfg, 1, t) / t
+        assert ours == pytest.approx(train_flops_per_token(cfg, n), rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "argv, allowed",
+    [
+        (["bench", "--sizes", "small,huge"], "allowed: tiny, small, medium, large, xl, 2.7B"),
+        (["bench", "--modes", "backward"], "allowed: logits, forward, forward_backward, train"),
+        (["bench", "--dtypes", "float16"], "allowed: float32, bfloat16"),
+        (["bench", "--arch", "llama"], "allowed: gpt2, transformer_lm"),
+        (["bench", "--sizes", "tiny", "--contexts", "64,256"], "allowed: 1..128"),
+        (["bench", "--contexts", "0"], "positive integers"),
+        (["breakdown", "--size", "huge"], "allowed: tiny, small"),
+        (["breakdown", "--dtype", "float16"], "allowed: float32, bfloat16"),
+        (["breakdown", "--size", "tiny", "--context", "512"], "allowed: 1..128"),
+    ],
+)
+def test_bad_flags_exit_with_one_line_naming_what_is_allowed(argv, allowed):
+    with pytest.raises(SystemExit) as e:
+        cli(argv)
+    msg = e.value.code
+    assert isinstance(msg, str) and "\n" not in msg and allowed in msg, msg
+
+
+def test_torch_side_needs_torch_with_cuda():
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("torch with CUDA is here: --torch would run")
+    except ImportError:
+        pass
+    with pytest.raises(SystemExit, match="needs (torch|a CUDA GPU)"):
+        cli(["bench", *TINY_SWEEP, "--contexts", "16", "--torch", *TINY_RUN])
+
+
+def test_breakdown_tiny_flop_shares_add_up_to_100(tmp_path, capsys):
+    out = tmp_path / "breakdown.jsonl"
+    argv = ["breakdown", "--size", "tiny", "--context", "32", "--batch", "2"]
+    assert cli([*argv, "--warmup", "1", "--steps", "2", "--repeats", "2", "--jsonl", str(out)]) == 0
+    text = capsys.readouterr().out
+    columns = "| time ms | time share % | FLOP share % | TFLOP/s |"
+    for direction in ("forward", "forward+backward"):
+        assert f"| component ({direction}) {columns}" in text
+    rows = table_rows(text)
+    pieces = [r for r in rows if re.match(r"(attention|mlp|norm/other): ", r[0])]
+    assert len(pieces) == 2 * 6  # qkv, scores+mask+softmax, av, out, mlp, norms; 2 directions
+    assert sum(float(r[3]) for r in pieces) == pytest.approx(200, abs=0.5)  # 100% per table
+    assert sum(float(r[2]) for r in pieces) == pytest.approx(200, abs=0.5)
+    assert all(float(r[1]) > 0 for r in rows)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    fwd = [r for r in lines if r["direction"] == "forward"]
+    layer = next(r for r in fwd if r["piece"] == "layer")
+    assert sum(r["flops"] for r in fwd if r is not layer) == pytest.approx(layer["flops"])
+    assert all(r["flops"] > 0 and r["bytes"] > 0 and r["seconds"] > 0 for r in lines)
+
+
+def test_breakdown_pieces_chained_give_the_block(arch):
+    """The pieces are the layer's own computation: chained, they reproduce the Block."""
+    cfg = bench.build_config("tiny", arch=arch).model
+    pieces, layer = breakdown.build_pieces(cfg, batch=2, length=16)
+    by = {p.name: p for p in pieces}
+    assert list(by)[-2:] == ["out_proj", "mlp"] and ("rope" in by) == (arch == "transformer_lm")
+    norms = by["norms+residuals"]
+
+    @jax.jit
+    def chained(p1, p2, x, h, p_qkv, p_out, p_mlp):
+        _, y1, _ = norms.fn(p1, p2, x, h, h)
+        q, k, v = by["qkv_proj"].fn(p_qkv, y1)
+        if "rope" in by:
+            q, k = by["rope"].fn(q, k)
+        o = by["av"].fn(by["scores+mask+softmax"].fn(q, k), v)
+        x2, _, y2 = norms.fn(p1, p2, x, h, by["out_proj"].fn(p_out, o))
+        return x2, by["mlp"].fn(p_mlp, y2)
+
+    p1, p2, x, h, _ = norms.args
+    got = chained(p1, p2, x, h, by["qkv_proj"].args[0], by["out_proj"].args[0], by["mlp"].args[0])
+    want = jax.jit(layer.fn)(*layer.args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_reference_computes_the_same_function(arch):
+    """Same architecture in PyTorch: our parameters copied in give our logits and loss."""
+    torch = pytest.importorskip("torch")
+    from jaxllm.profiling import torch_reference
+    from jaxllm.profiling.harness import make_state, random_batch
+    from jaxllm.train.state import loss_and_sums
+
+    cfg = bench.build_config("tiny", arch=arch, vocab=64, batch=2)
+    batch = random_batch(cfg, 2)
+    state = make_state(cfg, batch)
+    logits = state.apply_fn({"params": state.params}, batch["inputs"])
+    loss = loss_and_sums(state.params, state.apply_fn, batch, None)[0]
+    model = torch_reference.build(cfg.model)
+    torch_reference.load_flax_params(model, state.params)
+    x, y = (torch.tensor(np.asarray(batch[k]), dtype=torch.long) for k in ("inputs", "targets"))
+    with torch.no_grad():
+        np.testing.assert_allclose(model(x).numpy(), np.asarray(logits), atol=2e-5, rtol=1e-4)
+        assert model(x, y).item() == pytest.approx(float(loss), rel=1e-5)
+    times = torch_reference.time_modes(
+        cfg.model, np.asarray(batch["inputs"]), np.asarray(batch["targets"]),
+        bench.MODES, compile_mode=None, warmup=1, steps=2, device="cpu",
+    )  # fmt: skip
+    assert all(len(s) == 2 and min(s) > 0 for s in times.values())
+    jax.clear_caches()
