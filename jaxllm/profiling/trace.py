@@ -1,0 +1,513 @@
+"""Traces of train steps: jax.profiler (TensorBoard / Perfetto) and NVTX ranges for Nsight Systems.
+
+`python profile.py trace --out DIR` (trace_train_steps): a few train steps after warm-up,
+recorded with jax.profiler into DIR/trace (open with `tensorboard --logdir DIR/trace`, or load
+DIR/trace/plugins/profile/*/perfetto_trace.json.gz in ui.perfetto.dev), the optimized HLO in
+DIR/step.hlo.txt, and a table of the kernels that take the most device time per step, each
+with its named scope (jaxllm.models.decoder lists them: block_3/attn/qkv, loss, optimizer ...).
+
+`--nvtx` (phase_steps) is the mode to run under Nsight Systems: no jax.profiler trace (nsys
+and jax.profiler would both attach CUPTI); instead the step runs as three separately jitted
+programs, forward (the loss), backward (its gradient) and optimizer (clipping + AdamW), each
+inside an NVTX range of its name and synced before the range closes, all inside a `steps`
+range, after a `warmup` range. `python profile.py nsys` runs it under `nsys profile --trace=
+cuda,nvtx` and prints `nsys stats` per phase.
+
+`StepRangeTrace` is the training loop's `train.trace_steps` option.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxllm.config import Config
+from jaxllm.profiling.harness import make_state, random_batch
+from jaxllm.train.state import loss_and_sums, train_step
+
+PHASES = ("forward", "backward", "optimizer")
+
+# ----------------------------------------------------------------------------- reading traces
+
+
+def latest_profile_dir(log_dir: str | Path) -> Path:
+    """The newest LOG_DIR/plugins/profile/<timestamp>/ that jax.profiler wrote."""
+    runs = [p for p in (Path(log_dir) / "plugins" / "profile").glob("*") if p.is_dir()]
+    if not runs:
+        raise FileNotFoundError(f"no jax.profiler trace under {log_dir}/plugins/profile")
+    return max(runs, key=lambda p: p.stat().st_mtime)
+
+
+def load_trace_events(log_dir: str | Path) -> list[dict[str, Any]]:
+    """The Chrome-trace events of the newest trace under log_dir (its *.trace.json.gz)."""
+    run = latest_profile_dir(log_dir)
+    files = sorted(run.glob("*.trace.json.gz"))
+    if not files:
+        raise FileNotFoundError(f"no *.trace.json.gz in {run}")
+    with gzip.open(files[0]) as f:
+        return json.load(f)["traceEvents"]
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+) = ")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
+
+
+def hlo_scopes(hlo_text: str) -> dict[str, str]:
+    """{HLO instruction name: its named-scope path} from optimized HLO text, e.g.
+    'fusion.12' -> 'bwd/block_3/attn/qkv' (see `scope_of`). An instruction without metadata
+    (XLA often leaves it off a fusion) takes that of the computation it calls: its root's, else
+    its first instruction's that has one."""
+    own: dict[str, str] = {}  # instruction -> op_name
+    calls: dict[str, str] = {}  # instruction -> the computation it calls
+    first: dict[str, str] = {}  # computation -> op_name of its root, else its first op_name
+    comp = None
+    for line in hlo_text.splitlines():
+        if (m := _COMPUTATION.match(line)) and " = " not in line:
+            comp = m.group(1)
+            continue
+        if not (m := _INSTRUCTION.match(line)):
+            continue
+        name, op = m.group(2), _OP_NAME.search(line)
+        if op:
+            own[name] = op.group(1)
+            if comp is not None and (m.group(1) or comp not in first):
+                first[comp] = op.group(1)
+        if c := _CALLS.search(line):
+            calls[name] = c.group(1)
+    names = own.keys() | calls.keys()
+    out = {}
+    for name in names:
+        op = own.get(name) or first.get(calls.get(name, ""))
+        if op:
+            out[name] = scope_of(op)
+    return out
+
+
+def scope_of(op_name: str) -> str:
+    """An HLO op_name -> the scope path a reader wants: the jit(...) prefix and the primitive
+    dropped, autodiff's transforms shortened to fwd/ (jvp) and bwd/ (transpose), remat's
+    recomputation marked recompute/.
+    'jit(train_step)/transpose(jvp(GPT2.loss))/block_3/attn/qkv/dot_general' ->
+    'bwd/block_3/attn/qkv'."""
+    parts = op_name.split("/")
+    if parts and parts[0].startswith(("jit(", "pjit(")):
+        parts = parts[1:]
+    parts = parts[:-1]  # the primitive (dot_general, add, ...)
+    out: list[str] = []
+    for p in parts:
+        if p.startswith("transpose("):
+            out = ["bwd"]
+        elif p.startswith("jvp("):
+            out = out or ["fwd"]
+        elif p == "rematted_computation":
+            out = ["recompute", *[q for q in out if q != "bwd"]]
+        elif p == "checkpoint" or p.startswith(("jit(", "pjit(")) or "->" in p:
+            continue  # remat's wrapper, nested jits (jnp helpers), einsum specs
+        elif p not in out:  # remat repeats the block's path inside the backward
+            out.append(p)
+    return "/".join(out) or "(top level)"
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    name: str
+    ms_per_step: float
+    calls_per_step: float
+    scope: str
+
+
+@dataclass(frozen=True)
+class KernelSummary:
+    source: str  # "device" (GPU kernels) or "host" (XLA ops on the CPU backend)
+    steps: int
+    total_ms_per_step: float
+    rows: tuple[KernelRow, ...]  # by time, longest first
+    by_scope: tuple[tuple[str, float], ...]  # (scope with block_i -> block_*, ms per step)
+
+
+def _thread_names(events: list[dict[str, Any]]) -> dict[tuple[Any, Any], str]:
+    return {
+        (e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+
+
+def _device_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Complete events on the GPU timelines: kernel (and memcpy) events of the 'Stream #N'
+    lines when the trace has them, else every event of the GPU processes."""
+    gpu_pids = {
+        e["pid"]
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "process_name"
+        and "GPU" in str(e.get("args", {}).get("name", ""))
+    }
+    on_gpu = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+    threads = _thread_names(events)
+    streams = [e for e in on_gpu if threads.get((e["pid"], e.get("tid")), "").startswith("Stream")]
+    return streams or on_gpu
+
+
+def _host_op_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """XLA:CPU's per-op events (they carry an `hlo_op` argument)."""
+    return [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+
+
+def top_kernels(
+    events: list[dict[str, Any]], steps: int, scopes: dict[str, str] | None = None, top: int = 30
+) -> KernelSummary | None:
+    """The `top` kernels by summed duration per step (ms); None when the trace has neither
+    device kernels nor host XLA ops. Scopes come from the HLO op each event names (its
+    `hlo_op` argument, or the event name) looked up in `scopes` (hlo_scopes)."""
+    scopes = scopes or {}
+    source, picked = "device", _device_events(events)
+    if not picked:
+        source, picked = "host", _host_op_events(events)
+    if not picked:
+        return None
+    ms: collections.Counter[str] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
+    scope_of_name: dict[str, str] = {}
+    by_scope: collections.Counter[str] = collections.Counter()
+    for e in picked:
+        name = e["name"][:90]
+        args = e.get("args", {})
+        op = str(args.get("hlo_op", e["name"]))
+        scope = scopes.get(op, "(no scope)")
+        dur = e.get("dur", 0) / 1e3 / steps  # trace durations are in us
+        ms[name] += dur
+        calls[name] += 1 / steps
+        scope_of_name.setdefault(name, scope)
+        by_scope[re.sub(r"block_\d+", "block_*", scope)] += dur
+    rows = tuple(
+        KernelRow(name, t, calls[name], scope_of_name[name]) for name, t in ms.most_common(top)
+    )
+    return KernelSummary(source, steps, sum(ms.values()), rows, tuple(by_scope.most_common()))
+
+
+def format_summary(s: KernelSummary | None, backend: str) -> str:
+    """Two Markdown tables: the top kernels, then time per scope (blocks merged)."""
+    if s is None:
+        return f"no device kernel events and no XLA op events in the trace (backend {backend})"
+    what = "device kernels" if s.source == "device" else "host XLA ops"
+    lines = []
+    if s.source == "host":
+        lines.append(
+            f"no device kernel events in the trace (backend {backend}): the table lists the "
+            "host XLA ops (XLA:CPU thunks) instead"
+        )
+    lines += [
+        f"{what}: {s.total_ms_per_step:.2f} ms per step summed over {s.steps} traced steps",
+        "",
+        "| ms/step | % | calls/step | kernel | scope |",
+        "|---:|---:|---:|---|---|",
+    ]
+    total = s.total_ms_per_step or 1.0
+    for r in s.rows:
+        lines.append(
+            f"| {r.ms_per_step:.3f} | {100 * r.ms_per_step / total:.1f} | "
+            f"{r.calls_per_step:g} | `{r.name}` | {r.scope} |"
+        )
+    lines += ["", "| ms/step | % | scope (all blocks) |", "|---:|---:|---|"]
+    for scope, t in s.by_scope[:25]:
+        lines.append(f"| {t:.3f} | {100 * t / total:.1f} | {scope} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- NVTX
+
+
+class _Nvtx:
+    """nvtxRangePushA / nvtxRangePop through ctypes (libnvToolsExt, CUDA's NVTX library), or
+    the `nvtx` Python package. They do nothing unless a tool (nsys) is attached."""
+
+    def __init__(self) -> None:
+        self.push: Callable[[str], Any] | None = None
+        self.pop: Callable[[], Any] | None = None
+        self.source = "none"
+        try:
+            import nvtx  # type: ignore[import-not-found]
+
+            self.push, self.pop, self.source = nvtx.push_range, nvtx.pop_range, "nvtx package"
+            return
+        except ImportError:
+            pass
+        for path in _nvtx_library_candidates():
+            try:
+                lib = ctypes.CDLL(path)
+                push, pop = lib.nvtxRangePushA, lib.nvtxRangePop
+            except (OSError, AttributeError):
+                continue
+            push.argtypes, push.restype, pop.restype = [ctypes.c_char_p], ctypes.c_int, ctypes.c_int
+            self.push = lambda name, _push=push: _push(name.encode())
+            self.pop, self.source = pop, path
+            return
+
+
+def _nvtx_library_candidates() -> list[str]:
+    found = ctypes.util.find_library("nvToolsExt")
+    paths = [found] if found else []
+    for root in sys.path:  # pip's nvidia-nvtx-cu12 wheel
+        paths += sorted(glob.glob(os.path.join(root, "nvidia", "nvtx", "lib", "libnvToolsExt.so*")))
+    paths += sorted(glob.glob("/usr/local/cuda*/lib64/libnvToolsExt.so*"))
+    return paths
+
+
+_NVTX: _Nvtx | None = None
+
+
+def nvtx_source() -> str:
+    """Where NVTX ranges come from: a library path, 'nvtx package', or 'none'."""
+    global _NVTX
+    _NVTX = _NVTX or _Nvtx()
+    return _NVTX.source
+
+
+@contextlib.contextmanager
+def annotate(name: str) -> Iterator[None]:
+    """A named range in both profilers: jax.profiler.TraceAnnotation (TensorBoard / Perfetto)
+    and an NVTX range (Nsight Systems), when an NVTX library is found."""
+    nvtx_source()
+    assert _NVTX is not None
+    with jax.profiler.TraceAnnotation(name):
+        if _NVTX.push is not None:
+            _NVTX.push(name)
+        try:
+            yield
+        finally:
+            if _NVTX.pop is not None:
+                _NVTX.pop()
+
+
+# ----------------------------------------------------------------------------- profile.py trace
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    out: Path
+    trace_dir: Path | None  # the jax.profiler log dir (None in --nvtx mode)
+    hlo_path: Path
+    summary: KernelSummary | None
+    phase_ms: dict[str, float]  # --nvtx mode: host wall ms per step of each phase (synced)
+
+
+def trace_train_steps(
+    cfg: Config, out: str | Path, warmup: int = 3, steps: int = 3, nvtx: bool = False,
+    top: int = 30,
+) -> TraceResult:  # fmt: skip
+    """Warm up `warmup` train steps, then trace `steps` more; write OUT/step.hlo.txt and (not
+    --nvtx) the jax.profiler trace in OUT/trace; return the top kernels per step."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    batch = random_batch(cfg)
+    # Jitted: one compile instead of hundreds of eager ops (seconds on a CPU); same values.
+    state = jax.jit(functools.partial(make_state, cfg))(batch)
+    if nvtx:
+        times, hlo_path = phase_steps(state, batch, warmup, steps, out)
+        return TraceResult(out, None, hlo_path, None, times)
+    key = jax.random.PRNGKey(1)
+    step = train_step.lower(state, batch, key).compile()  # compile once, call the executable
+    hlo_path = out / "step.hlo.txt"
+    hlo_path.write_text(step.as_text())
+    with annotate("warmup"):
+        for _ in range(warmup):
+            state, metrics = step(state, batch, key)
+        jax.block_until_ready((state, metrics))
+    trace_dir = out / "trace"
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        for i in range(steps):
+            with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                state, metrics = step(state, batch, key)
+        jax.block_until_ready((state, metrics))
+    events = load_trace_events(trace_dir)
+    summary = top_kernels(events, steps, hlo_scopes(hlo_path.read_text()), top)
+    return TraceResult(out, trace_dir, hlo_path, summary, {})
+
+
+def phase_steps(
+    state: Any, batch: Any, warmup: int, steps: int, out: Path
+) -> tuple[dict[str, float], Path]:
+    """Train steps split into three jitted programs (forward = the loss, backward = its
+    gradient, optimizer = apply_gradients), each in an NVTX range of its name and synced
+    before the range closes; `warmup` steps first in a `warmup` range. Writes the programs'
+    optimized HLO to OUT/phases.hlo.txt; returns (host ms per step of each phase, the median
+    over the steps; that path)."""
+    apply_fn = state.apply_fn
+    rng = jax.random.PRNGKey(1)
+
+    def loss(params: Any, b: Any) -> jax.Array:
+        return loss_and_sums(params, apply_fn, b, rng)[0]
+
+    def forward(params: Any, b: Any) -> jax.Array:
+        return loss(params, b)
+
+    def backward(params: Any, b: Any) -> Any:  # the gradient (its forward pass included)
+        return jax.grad(loss)(params, b)
+
+    def optimizer(s: Any, grads: Any) -> Any:
+        return s.apply_gradients(grads=grads)
+
+    grads = jax.eval_shape(backward, state.params, batch)
+    fns = {  # compiled once; XLA names the programs jit_forward, jit_backward, jit_optimizer
+        "forward": jax.jit(forward).lower(state.params, batch).compile(),
+        "backward": jax.jit(backward).lower(state.params, batch).compile(),
+        "optimizer": jax.jit(optimizer, donate_argnums=0).lower(state, grads).compile(),
+    }
+    hlo_path = out / "phases.hlo.txt"
+    hlo_path.write_text("\n\n".join(fn.as_text() for fn in fns.values()))
+
+    def one_step(times: dict[str, list[float]] | None) -> None:
+        nonlocal state
+        grads = None
+        for phase in PHASES:
+            t0 = time.perf_counter()
+            with annotate(phase):
+                if phase == "forward":
+                    out = fns[phase](state.params, batch)
+                elif phase == "backward":
+                    out = grads = fns[phase](state.params, batch)
+                else:
+                    out = state = fns[phase](state, grads)
+                jax.block_until_ready(out)
+            if times is not None:
+                times[phase].append(1e3 * (time.perf_counter() - t0))
+
+    with annotate("warmup"):
+        for _ in range(warmup):
+            one_step(None)
+    times: dict[str, list[float]] = {p: [] for p in PHASES}
+    with annotate("steps"):
+        for i in range(steps):
+            with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                one_step(times)
+    return {p: sorted(t)[len(t) // 2] for p, t in times.items()}, hlo_path
+
+
+# ----------------------------------------------------------------------------- profile.py nsys
+
+
+class NsysError(RuntimeError):
+    """nsys is missing, or it did not produce a report."""
+
+
+def nsys_commands(
+    nsys: str, out: str | Path, trace_args: Sequence[str]
+) -> tuple[list[str], list[list[str]]]:
+    """(the `nsys profile` command, the `nsys stats` commands) for `profile.py trace --nvtx`
+    with trace_args; the report is OUT/report.nsys-rep."""
+    report = str(Path(out) / "report")
+    profile = [
+        nsys, "profile", "--trace=cuda,nvtx", "--force-overwrite=true", "-o", report,
+        sys.executable, "profile.py", "trace", "--nvtx", "--out", str(out), *trace_args,
+    ]  # fmt: skip
+    rep = report + ".nsys-rep"
+    stats = [[nsys, "stats", "--report", "nvtx_sum", rep]]
+    stats += [
+        [nsys, "stats", "--report", "cuda_gpu_kern_sum", f"--filter-nvtx={phase}", rep]
+        for phase in PHASES
+    ]
+    return profile, stats
+
+
+def run_nsys(out: str | Path, trace_args: Sequence[str], nsys: str = "nsys") -> None:
+    """Profile `profile.py trace --nvtx` under Nsight Systems, then print its NVTX summary and
+    the GPU kernels of each phase. NsysError (one line) when nsys is missing or fails."""
+    exe = shutil.which(nsys)
+    if exe is None:
+        raise NsysError(
+            f"Nsight Systems ({nsys}) is not on the PATH. Install it (or pass --nsys-bin PATH), "
+            "or use the jax.profiler path instead: python profile.py trace --out DIR, then "
+            "tensorboard --logdir DIR/trace"
+        )
+    Path(out).mkdir(parents=True, exist_ok=True)
+    profile, stats = nsys_commands(exe, out, trace_args)
+    print("$ " + " ".join(profile), flush=True)
+    done = subprocess.run(profile)
+    report = Path(out) / "report.nsys-rep"
+    if done.returncode != 0 or not report.is_file():
+        leftovers = sorted(str(p) for p in Path(out).glob("report*"))
+        raise NsysError(
+            f"nsys profile exited with {done.returncode} and wrote no {report}"
+            + (f" (found: {', '.join(leftovers)})" if leftovers else "")
+            + ": a .qdstrm without a report means nsys could not convert its raw data "
+            "(QdstrmImporter missing from this nsys install). Use python profile.py trace "
+            "--out DIR (jax.profiler) instead"
+        )
+    for cmd in stats:
+        print("$ " + " ".join(cmd), flush=True)
+        subprocess.run(cmd)
+
+
+# ----------------------------------------------------------------------------- train.py option
+
+
+class StepRangeTrace:
+    """`train.trace_steps: [start, end]`: a jax.profiler trace of updates start .. end - 1
+    (numbered as the log numbers them: the n-th update is step n) into `log_dir`. The trace
+    starts before update `start` (or the first one in range, when a resumed run begins past
+    it) and stops after update end - 1, once the device has finished it. Each traced update
+    is a StepTraceAnnotation, so TensorBoard's profile plugin shows per-step times."""
+
+    def __init__(
+        self, steps: tuple[int, ...] | None, log_dir: Path, say: Callable[[str], None]
+    ) -> None:
+        self.start, self.end = steps if steps else (0, 0)
+        self.log_dir, self.say = log_dir, say
+        self.active = False
+        self._step: jax.profiler.StepTraceAnnotation | None = None
+        self._first = 0
+
+    def before_step(self, n: int) -> None:
+        """Call before update n (1-based)."""
+        if not self.active and self.start <= n < self.end:
+            jax.profiler.start_trace(str(self.log_dir), create_perfetto_trace=True)
+            self.active, self._first = True, n
+            self.say(
+                f"trace: recording steps {n}..{self.end - 1} with jax.profiler into "
+                f"{self.log_dir} (tensorboard --logdir {self.log_dir})"
+            )
+        if self.active:
+            self._step = jax.profiler.StepTraceAnnotation("train", step_num=n)
+            self._step.__enter__()
+
+    def after_step(self, n: int, result: Any) -> None:
+        """Call after update n with its outputs: stops (synced) after the last traced one."""
+        if self._step is not None:
+            self._step.__exit__(None, None, None)
+            self._step = None
+        if self.active and n >= self.end - 1:
+            jax.block_until_ready(result)
+            self.stop(n)
+
+    def stop(self, last: int | None = None) -> None:
+        """Stop and write the trace (also when the run ends or fails inside the range)."""
+        if not self.active:
+            return
+        if self._step is not None:
+            self._step.__exit__(None, None, None)
+            self._step = None
+        self.active = False
+        jax.profiler.stop_trace()
+        upto = f"..{last}" if last is not None else " until the run stopped"
+        self.say(f"trace: wrote steps {self._first}{upto} to {latest_profile_dir(self.log_dir)}")
