@@ -21,7 +21,7 @@ For every shape x dtype x direction:
   * x XLA = XLA ms / Pallas ms; % copy = minimal bytes / ms / copy bandwidth (measured in the
     same run: torch copy_ of 1 GiB, else jax negate), bytes = read u + write out (forward),
     read u, g + write du (backward).
-Timing: kernel_bench.live_chain_seconds (16 calls per executable on rotated inputs, every output
+Timing: profiling.timing.live_chain_seconds (16 calls per executable on rotated inputs, every output
 kept live; 'full' output cannot feed the next call). Backward rows time (u, w, b, g) ->
 (du, dw, db) with jax.vjp inside the timed function, for Pallas and XLA alike; its forward
 output is unused and XLA drops it. All executables of one shape x dtype are built (lowered in
@@ -53,6 +53,8 @@ import numpy as np  # noqa: E402
 from jaxllm.profiling import kernel_bench as kb  # noqa: E402
 from jaxllm.profiling.timing import (  # noqa: E402
     chained_median_seconds,
+    live_chain,
+    live_chain_seconds,
     rotation_count,
     torch_median_seconds,
 )
@@ -197,7 +199,7 @@ def compile_all(jobs: dict, calls: int, pool) -> dict:
     lowered = {}
     for name, (fn, sets) in jobs.items():
         try:
-            lowered[name] = kb.live_chain(fn, len(sets), calls).lower(abstract(sets))
+            lowered[name] = live_chain(fn, len(sets), calls).lower(abstract(sets))
         except Exception as e:  # a tiling the compiler rejects: report it, go on
             lowered[name] = e
     futures = {
@@ -217,7 +219,7 @@ def compile_all(jobs: dict, calls: int, pool) -> dict:
 def timed_ms(run, fn, sets, timing: dict) -> float:
     if isinstance(run, Exception):
         raise run
-    return 1e3 * kb.live_chain_seconds(fn, sets, run=run, **timing)
+    return 1e3 * live_chain_seconds(fn, sets, run=run, **timing)
 
 
 def short(e: Exception) -> str:

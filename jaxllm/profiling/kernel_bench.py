@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -266,7 +264,7 @@ def _ln_torch(shape, dtype):
 # ----------------------------------------------------------------------------- conv1d
 # The CS229S course shapes (project 0, part 3): B = 1, K = 3. The course pads two zeros on each
 # side, which is mode 'full' (L + 2 outputs); that output cannot feed the next call, so 'full' is
-# timed by `live_chain_seconds` (benchmarks/conv1d_course.py). The chained cases below, which
+# timed by `timing.live_chain_seconds` (benchmarks/conv1d_course.py). The chained cases below, which
 # `profile.py kernels` runs, use mode 'same' (L outputs; flops.kernel_cost assumes it) on the
 # same shapes: the same kernels, two output rows fewer.
 
@@ -355,53 +353,6 @@ def conv_torch(shape: tuple, k_size: int, dtype, mode: str = "full"):
         )
 
     return fwd, bwd
-
-
-def live_chain(fn: Callable, n_sets: int, calls: int = 16) -> Callable:
-    """The executable `live_chain_seconds` times: `calls` calls of fn on rotated argument sets."""
-    call = jax.jit(fn)  # lowered once, however many times it is called
-
-    @jax.jit
-    def run(arg_sets):
-        arg_sets, outs = list(arg_sets), []
-        for i in range(calls):
-            out = call(*arg_sets[i % n_sets])
-            arg_sets[i % n_sets], out = jax.lax.optimization_barrier((arg_sets[i % n_sets], out))
-            outs.append(out)
-        return outs
-
-    return run
-
-
-def live_chain_seconds(
-    fn: Callable,
-    arg_sets: list,
-    *,
-    calls: int = 16,
-    launches: int = 4,
-    repeats: int = 5,
-    run: Callable | None = None,
-) -> float:
-    """Median device seconds per fn(*args) call, for ops whose output cannot be the next call's
-    input (conv1d 'full': L + K - 1 rows out of L).
-
-    As `timing.chained_median_seconds`: one executable makes `calls` calls back to back, rotating
-    argument sets so that reads miss L2 (size the list with `timing.rotation_count`), with an
-    optimization barrier between calls; it is launched `launches` times per host sync, median of
-    `repeats`. Here every call's output is an output of the executable, so XLA can drop none as
-    dead code, and no input is returned (which would cost a copy). `run`: `live_chain(...)`,
-    possibly compiled ahead (`run.lower(arg_sets).compile()`).
-    """
-    run = run or live_chain(fn, len(arg_sets), calls)
-    jax.block_until_ready(run(arg_sets))  # compile and warm up
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(launches):
-            outs = run(arg_sets)
-        jax.block_until_ready(outs)
-        samples.append((time.perf_counter() - t0) / (launches * calls))
-    return statistics.median(samples)
 
 
 def conv_cases(shapes=CONV_SHAPES, dtypes=CONV_DTYPES, mode: str = "same") -> Iterator[Case]:

@@ -45,15 +45,66 @@ def chained_median_seconds(
             states[i % n] = jax.lax.optimization_barrier(step(states[i % n]))
         return states
 
-    states = jax.block_until_ready(run(list(states)))  # compile and warm up
+    held = [jax.block_until_ready(run(list(states)))]  # compile and warm up
+
+    def launch():
+        held[0] = run(held[0])  # each launch continues from the last one's states
+        return held[0]
+
+    return _median_per_call(launch, launches, calls, repeats)
+
+
+def _median_per_call(launch: Callable[[], Any], launches: int, calls: int, repeats: int) -> float:
+    """Median over `repeats` of the seconds per device call when `launches` launches of
+    `calls` calls each run back to back before one host sync."""
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(launches):
-            states = run(states)
-        jax.block_until_ready(states)
+            out = launch()
+        jax.block_until_ready(out)
         samples.append((time.perf_counter() - t0) / (launches * calls))
     return statistics.median(samples)
+
+
+def live_chain(fn: Callable, n_sets: int, calls: int = 16) -> Callable:
+    """The executable `live_chain_seconds` times: `calls` calls of fn on rotated argument sets."""
+    call = jax.jit(fn)  # lowered once, however many times it is called
+
+    @jax.jit
+    def run(arg_sets):
+        arg_sets, outs = list(arg_sets), []
+        for i in range(calls):
+            out = call(*arg_sets[i % n_sets])
+            arg_sets[i % n_sets], out = jax.lax.optimization_barrier((arg_sets[i % n_sets], out))
+            outs.append(out)
+        return outs
+
+    return run
+
+
+def live_chain_seconds(
+    fn: Callable,
+    arg_sets: list,
+    *,
+    calls: int = 16,
+    launches: int = 4,
+    repeats: int = 5,
+    run: Callable | None = None,
+) -> float:
+    """Median device seconds per fn(*args) call, for ops whose output cannot be the next call's
+    input (conv1d 'full': L + K - 1 rows out of L).
+
+    As `chained_median_seconds`: one executable makes `calls` calls back to back, rotating
+    argument sets so that reads miss L2 (size the list with `rotation_count`), with an
+    optimization barrier between calls; it is launched `launches` times per host sync, median of
+    `repeats`. Here every call's output is an output of the executable, so XLA can drop none as
+    dead code, and no input is returned (which would cost a copy). `run`: `live_chain(...)`,
+    possibly compiled ahead (`run.lower(arg_sets).compile()`).
+    """
+    run = run or live_chain(fn, len(arg_sets), calls)
+    jax.block_until_ready(run(arg_sets))  # compile and warm up
+    return _median_per_call(lambda: run(arg_sets), launches, calls, repeats)
 
 
 def torch_median_seconds(fn: Callable[[], Any]) -> float:
