@@ -304,11 +304,39 @@ class TrainConfig(Section):
 
 
 @dataclass(frozen=True)
+class ParallelConfig(Section):
+    """How the run spreads over devices: a mesh of `data` x `fsdp` (jaxllm/parallel.py builds
+    it). The batch is split over both axes; parameters and optimizer state are replicated over
+    `data` and sharded over `fsdp` (ZeRO-3). The product must equal the device count; -1 (at
+    most one axis) fills it, so the defaults run unchanged on 1 or N devices as plain data
+    parallelism. The layout does not change what is computed (up to float reduction order)."""
+
+    PATH: ClassVar[str] = "parallel"
+
+    data: int = spec(-1, ge=-1)
+    fsdp: int = spec(1, ge=-1)
+
+    AXES: ClassVar[tuple[str, ...]] = ("data", "fsdp")
+
+    def _check(self) -> None:
+        sizes = {a: getattr(self, a) for a in self.AXES}
+        for axis, n in sizes.items():
+            if n == 0:
+                raise ConfigError(f"parallel.{axis} must be >= 1 or -1 (fill), got 0")
+        if list(sizes.values()).count(-1) > 1:
+            raise ConfigError(
+                f"at most one of parallel.{', parallel.'.join(self.AXES)} may be -1 (fill the "
+                f"devices), got {sizes}"
+            )
+
+
+@dataclass(frozen=True)
 class Config(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def _check(self) -> None:
         m, t = self.model, self.train
@@ -334,6 +362,12 @@ class Config(Section):
             raise ConfigError(
                 f"optim.warmup_steps ({self.optim.warmup_steps}) must be < train.steps "
                 f"({self.train.steps})"
+            )
+        p = self.parallel
+        if p.data > 0 and p.fsdp > 0 and t.batch_size % (p.data * p.fsdp):
+            raise ConfigError(
+                f"train.batch_size ({t.batch_size}) must be divisible by parallel.data x "
+                f"parallel.fsdp = {p.data * p.fsdp}: the batch is split over both"
             )
         if self.data.kind == "associative_recall":
             ar = self.data.associative_recall
@@ -364,7 +398,8 @@ class Config(Section):
 
 def config_changes(old: Config, new: Config) -> list[str]:
     """'section.key: old -> new' for every field that differs and changes what a run computes
-    (TrainConfig.NO_EFFECT fields are left out)."""
+    (TrainConfig.NO_EFFECT fields and the device layout, `parallel`, are left out: a run saved
+    on 8 devices may continue on 1)."""
 
     def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -374,6 +409,7 @@ def config_changes(old: Config, new: Config) -> list[str]:
 
     a, b = flat(old.to_dict()), flat(new.to_dict())
     skip = {f"train.{k}" for k in TrainConfig.NO_EFFECT}
+    skip |= {f"parallel.{k}" for k in ParallelConfig.AXES}
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
             if k not in skip and a.get(k) != b.get(k)]  # fmt: skip
 

@@ -505,6 +505,12 @@ def load_run(run_dir: str | Path, which: str = "latest") -> tuple[Any, Any, int]
     # The optimizer state's structure does not depend on the schedule's length.
     tx = make_optimizer(cfg.optim, cfg.optim.warmup_steps + 1)
     abstract = jax.eval_shape(lambda: create_state(model, tx, jax.random.PRNGKey(0), example))
+    # On one device of this process: without a sharding orbax would use the saved one, which
+    # names devices (of a multi-device run) that may not exist here.
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract
+    )
     ckpt = Checkpointer(run_dir, cfg.train.keep_checkpoints, repair=False)
     try:
         if (ckpt.latest if which == "latest" else ckpt.best).latest_step() is None:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
+from jaxllm import parallel
 from jaxllm.atomic_file import write_text_atomic
 from jaxllm.config import Config, ConfigError, config_changes, load_config, save_config
 from jaxllm.data.sources import BatchSource, make_source
@@ -46,11 +47,13 @@ class TrainResult:
     bleu: float = math.nan  # translation: BLEU after the last epoch
 
 
-def evaluate(state, source: BatchSource) -> dict[str, float]:
-    """Exact mean loss and accuracy over all evaluation batches."""
+def evaluate(state, source: BatchSource, mesh: jax.sharding.Mesh | None = None) -> dict[str, float]:
+    """Exact mean loss and accuracy over all evaluation batches (split over `mesh` if given)."""
     totals = {"loss_sum": 0.0, "correct": 0, "count": 0}
     step = int(state.step)
     for batch in source.eval_batches():
+        if mesh is not None:
+            batch = parallel.shard_batch(batch, mesh)
         out = jax.device_get(eval_step(state, batch))
         raise_for_bad_ids(out["bad_ids"], step, "evaluation", state.vocab_size)
         for k in totals:
@@ -133,6 +136,8 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
     source = source or make_source(cfg)
     model = build_model(cfg.model)
     plan = model.plan
+    mesh = parallel.make_mesh(cfg)  # ConfigError if the sizes do not fit the devices or batch
+    parallel.check_plan(plan, mesh)
     total = total_steps(cfg, source)
     per_epoch = source.steps_per_epoch if tc.epochs is not None else None
     if cfg.optim.warmup_steps >= total:
@@ -143,7 +148,10 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
     schedule = lr_schedule(cfg.optim, total)
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(tc.seed))
     example = jnp.asarray(source.train_batch(0)["inputs"])
-    state = create_state(model, make_optimizer(cfg.optim, total), init_rng, example)
+    tx = make_optimizer(cfg.optim, total)
+    # Initialised in place on the mesh: with FSDP no device ever holds the whole state.
+    state = parallel.create_sharded(lambda: create_state(model, tx, init_rng, example), mesh)
+    step_fn = parallel.jit_train_step(train_step, state, mesh)
 
     ckpt = Checkpointer(run_dir, tc.keep_checkpoints)
     start_step, best_eval = 0, math.inf
@@ -171,6 +179,8 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
             "step": start_step,
             "params": n_params,
             "ops": plan.describe(),
+            "parallel": parallel.describe(mesh),
+            "state_bytes_per_device": parallel.state_bytes_per_device(state),
             "config": cfg.to_dict(),
         }
     )
@@ -182,6 +192,8 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
         dynamic_ncols=True,
     )
     bar.write(plan.describe())
+    state_mib = parallel.state_bytes_per_device(state) / 2**20
+    bar.write(f"{parallel.describe(mesh)}; params + optimizer state {state_mib:.1f} MiB per device")
     if per_epoch:
         bar.write(f"{tc.epochs} epochs of {per_epoch} steps = {total} steps")
     tokens = 0  # (padded) input tokens since the last log
@@ -232,9 +244,10 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
         for step in range(start_step, total):
             batch = source.train_batch(step)
             tokens += batch["inputs"].size
+            batch = parallel.shard_batch(batch, mesh)
             prev_bad = bad
             trace.before_step(step + 1)
-            state, metrics = train_step(state, batch, dropout_rng)
+            state, metrics = step_fn(state, batch, dropout_rng)
             trace.after_step(step + 1, (state, metrics))
             bad = _first_bad(bad, metrics, step + 1)
             # The previous step's flag: reading it waits for that step only, while this one
@@ -264,7 +277,7 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
                 bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{rec['lr']:.2e}")
             end_of_epoch = per_epoch is not None and done % per_epoch == 0
             if (tc.eval_every and done % tc.eval_every == 0) or done == total or end_of_epoch:
-                ev = evaluate(state, source)
+                ev = evaluate(state, source, mesh)
                 rec = {"step": done, "split": "eval", **ev}
                 line = f"step {done}: eval loss {ev['loss']:.4f}  accuracy {ev['accuracy']:.4f}"
                 if per_epoch is not None:
@@ -303,7 +316,7 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
                 f"{run_dir} already holds the finished run (step {start_step} of {total}); "
                 "evaluating its last checkpoint. Choose another --train.run_dir to train anew."
             )
-            ev = evaluate(state, source)
+            ev = evaluate(state, source, mesh)
     finally:
         trace.stop()  # a run that ends (or fails) inside the traced range still writes it
         bar.close()
