@@ -364,7 +364,7 @@ def _add_memory(sub) -> None:
     iso_help = "subprocess per config: auto (when the device has allocator stats), always, never"
     m.add_argument("--isolate", default="auto", help=iso_help)
     m.add_argument("--time-steps", type=int, default=3, help="timed train steps (median)")
-    jobs_help = "config subprocesses at a time: they compile in parallel, run one at a time"
+    jobs_help = "config processes started ahead (start-up, tracing); compile + run one at a time"
     m.add_argument("--jobs", type=int, default=1, help=jobs_help)
     m.set_defaults(func=_memory)
 

@@ -5,6 +5,8 @@ import dataclasses
 import gzip
 import importlib.util
 import json
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -15,7 +17,7 @@ from conftest import tiny_config
 
 from jaxllm.config import ConfigError, load_config
 from jaxllm.models import build_model, init_kv_cache
-from jaxllm.profiling import trace
+from jaxllm.profiling import memory, trace
 from jaxllm.train.loop import check_resume, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +79,8 @@ def test_scope_of_and_hlo_scopes():
         "fwd/block_0/attn/sdpa"
     )
     assert f("jit(train_step)/optimizer/mul") == "optimizer"
+    pallas = "jit(train_step)/transpose(jvp(GPT2.loss))/block_9/ln_2/add_layer_norm_bwd/pallas_call"
+    assert f(pallas) == "bwd/block_9/ln_2"  # a Pallas call: its kernel name is not a scope
     remat = ("jit(train_step)/transpose(jvp(GPT2.loss))/block_1/jvp(GPT2.loss)/block_1/"
              "checkpoint/rematted_computation/attn/qkv/dot_general")  # fmt: skip
     assert f(remat) == "recompute/block_1/attn/qkv"
@@ -116,6 +120,86 @@ def test_top_kernels_counts_only_gpu_stream_kernels():
     ]
     assert s.total_ms_per_step == 2.25
     assert trace.top_kernels(meta, steps=1) is None
+
+
+# Lines of the optimized HLO of `profile.py trace` on the H100 (GPT-2 124M preset, 2026-11-23:
+# /tmp/r3/trace_small/step.hlo.txt), in their schedule order, blocks 0 and 1 of the forward;
+# shortened: operand_layout_constraints and most of each backend_config dropped, the Triton IR
+# cut. The ENTRY header is reduced to one parameter.
+GPU_HLO = r"""
+ENTRY %main.510 (state_step.1: s32[]) -> s32[] {
+  %custom-call.207 = (bf16[16384,2304]{1,0}, s8[33554432]{0}) custom-call(%pallas_call.253.0, %wrapped_convert), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/jvp(GPT2.loss)/block_0/attn/qkv/dot_general" scheduling_name="custom-call.207" stack_frame_id=148}, backend_config={"gemm_backend_config":{"epilogue":"DEFAULT"}}
+  %cublas-lt-matmul.60 = (bf16[16384,768]{1,0}, s8[33554432]{0}) custom-call(%bitcast.9.0, %wrapped_convert.2, %wrapped_convert.3), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/jvp(GPT2.loss)/block_0/attn/out/dot_general" scheduling_name="cublas-lt-matmul.60" stack_frame_id=208}, backend_config={"gemm_backend_config":{"epilogue":"BIAS"}}
+  %pallas_call.256 = (f32[16384,768]{1,0}, bf16[16384,768]{1,0}, f32[16384]{0}, f32[16384]{0}) custom-call(%bitcast.5.0, %get-tuple-element.1.0, %state_params__h0____ln2____scale__.1, %state_params__h0____ln2____bias__.1), custom_call_target="__gpu$xla.gpu.triton", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(train_step)/jvp(GPT2.loss)/block_0/ln_2/add_layer_norm_fwd/pallas_call" scheduling_name="pallas_call.256" stack_frame_id=203}, backend_config={debug = false, grid_x = 1024 : i32, grid_y = 1 : i32, grid_z = 1 : i32, ir = "ML\EFR\0DMLIR24.0.0git\0...", name = "add_layer_norm_fwd", num_stages = 1 : i32, num_warps = 4 : i32}
+  %loop_multiply_fusion.11 = bf16[16,1024,3072]{2,1,0} fusion(%get-tuple-element.2.0), kind=kLoop, calls=%fused_multiply.11, metadata={op_name="jit(train_step)/jvp(GPT2.loss)/block_0/mlp/mul" deduplicated_name="loop_multiply_fusion" scheduling_name="loop_multiply_fusion.11" stack_frame_id=35}
+  %custom-call.208 = (bf16[16384,2304]{1,0}, s8[33554432]{0}) custom-call(%pallas_call.263.0, %wrapped_convert.8), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/jvp(GPT2.loss)/block_1/attn/qkv/dot_general" scheduling_name="custom-call.208" stack_frame_id=148}, backend_config={"gemm_backend_config":{"epilogue":"DEFAULT"}}
+  %cublas-lt-matmul.63 = (bf16[16384,768]{1,0}, s8[33554432]{0}) custom-call(%bitcast.15.0, %wrapped_convert.10, %wrapped_convert.11), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(train_step)/jvp(GPT2.loss)/block_1/attn/out/dot_general" scheduling_name="cublas-lt-matmul.63" stack_frame_id=208}, backend_config={"gemm_backend_config":{"epilogue":"BIAS"}}
+  %pallas_call.266 = (f32[16384,768]{1,0}, bf16[16384,768]{1,0}, f32[16384]{0}, f32[16384]{0}) custom-call(%pallas_call.262.0, %get-tuple-element.5.0, %state_params__h1____ln2____scale__.1, %state_params__h1____ln2____bias__.1), custom_call_target="__gpu$xla.gpu.triton", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(train_step)/jvp(GPT2.loss)/block_1/ln_2/add_layer_norm_fwd/pallas_call" scheduling_name="pallas_call.266" stack_frame_id=203}, backend_config={debug = false, grid_x = 1024 : i32, grid_y = 1 : i32, grid_z = 1 : i32, ir = "ML\EFR\0DMLIR24.0.0git\0...", name = "add_layer_norm_fwd", num_stages = 1 : i32, num_warps = 4 : i32}
+  ROOT %loop_multiply_fusion.10 = bf16[16,1024,3072]{2,1,0} fusion(%get-tuple-element.6.0), kind=kLoop, calls=%fused_multiply.10, metadata={op_name="jit(train_step)/jvp(GPT2.loss)/block_1/mlp/mul" deduplicated_name="loop_multiply_fusion" scheduling_name="loop_multiply_fusion.10" stack_frame_id=35}
+}
+"""  # noqa: E501
+# The kernels those instructions launch on the GPU (names as in that run's trace), in order.
+GEMM = "nvjet_sm90_tst_128x160_64x5_2x1_v_bz_TNT"
+GEMM_BIAS = "nvjet_sm90_tst_128x128_64x6_2x1_v_bz_bias_NNT"
+LN, MUL = "add_layer_norm_fwd", "loop_multiply_fusion_11"
+GPU_LAUNCHES = [
+    (GEMM, "custom-call.207"), (GEMM_BIAS, "cublas-lt-matmul.60"),
+    (LN, "pallas_call.256"), (MUL, "loop_multiply_fusion.11"),
+    (GEMM, "custom-call.208"), (GEMM_BIAS, "cublas-lt-matmul.63"),
+    (LN, "pallas_call.266"), (MUL, "loop_multiply_fusion.10"),
+]  # fmt: skip
+
+
+def gpu_trace(steps: int, hlo_op: bool) -> list[dict]:
+    """A GPU-like Chrome trace: `steps` train steps of GPU_LAUNCHES on one stream, each kernel
+    1 ms; with `hlo_op`, each event names its HLO instruction as XLA annotates launches."""
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7"}},
+    ]
+    events = []
+    for n in range(steps * len(GPU_LAUNCHES)):
+        kernel, op = GPU_LAUNCHES[n % len(GPU_LAUNCHES)]
+        args = {"correlation_id": str(n)} | ({"hlo_op": op, "hlo_module": "jit_train_step"}
+                                             if hlo_op else {})  # fmt: skip
+        events.append({"ph": "X", "pid": 1, "tid": 7, "name": kernel, "ts": 10 * n,
+                       "dur": 1000, "args": args})  # fmt: skip
+    return meta + events
+
+
+def test_gpu_kernel_scopes_from_hlo_op_and_from_kernel_names():
+    hk = trace.HloKernels(GPU_HLO)
+    expected = {  # kernel -> the scope of the instructions it ran for, blocks merged
+        GEMM: "fwd/block_*/attn/qkv",
+        GEMM_BIAS: "fwd/block_*/attn/out",
+        LN: "fwd/block_*/ln_2",
+        MUL: "fwd/block_*/mlp",
+    }
+    for hlo_op in (True, False):  # the robust path, then the kernel names and launch order
+        s = trace.top_kernels(gpu_trace(2, hlo_op), steps=2, hlo=hk)
+        assert {r.name: r.scope for r in s.rows} == expected, hlo_op
+        assert {r.name: r.calls_per_step for r in s.rows} == {k: 2 for k in expected}
+        assert dict(s.by_scope) == {v: 2.0 for v in expected.values()}  # ms per step
+        how = dict(s.resolved)
+        assert how == ({"hlo_op": 16} if hlo_op else {"kernel name": 8, "launch order": 8})
+        assert ("hlo_op" in s.arg_keys) == hlo_op
+    text = trace.format_summary(s, "gpu")
+    assert "(no scope)" not in text and "scopes of the launches: launch order 8" in text
+
+    # Offline, from the HLO alone: fusion (deduplicated: one kernel for both blocks) and Triton
+    # kernels by name; the GEMMs by family, the nvjet kernel's _bias_ picking the epilogue.
+    assert trace.scopes_from_hlo(GPU_HLO) == {
+        MUL: "fwd/block_*/mlp", "loop_multiply_fusion_10": "fwd/block_*/mlp",
+        LN: "fwd/block_*/ln_2",
+    }  # fmt: skip
+    bias = hk.scope_of_kernel(GEMM_BIAS)
+    assert bias == ("fwd/block_*/attn/out", "cuBLAS GEMM family, bias epilogue, 2 calls")
+    no_cudnn = hk.scope_of_kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop")
+    assert no_cudnn == ("(no scope)", "not in the HLO")
+    md = f"| 2.000 | 5.9 | 2 | `{MUL}` | (no scope) |\n| 1 | 1 | 1 | `x_9` | - |"
+    table = trace.kernels_table_from_hlo(GPU_HLO, md)
+    assert f"| 2.000 | 2 | `{MUL}` | fwd/block_*/mlp | fusion name, 2 calls" in table
+    assert "| `x_9` | (no scope) | not in the HLO |" in table
 
 
 # ----------------------------------------------------------------------------- NVTX, nsys
@@ -251,7 +335,8 @@ def test_memory_cli_on_the_tiny_size(tmp_path, capsys):
             "--vocab=512", "--out", str(tmp_path), "--jsonl", str(jsonl),
             "--time-steps", "1"]  # fmt: skip
     assert profile_cli().main(argv) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     rows = [line for line in text.splitlines() if line.startswith("| tiny | 64 |")]
     assert len(rows) == 2 and "saved x" in rows[1] and "time x" in rows[1]
     recs = [json.loads(line) for line in jsonl.read_text().splitlines()]
@@ -259,6 +344,12 @@ def test_memory_cli_on_the_tiny_size(tmp_path, capsys):
     assert none["status"] == block["status"] == "ok"
     assert 0 < block["saved_bytes"] < none["saved_bytes"]  # what remat is for
     assert none["train_xla_bytes"] > none["forward_xla_bytes"] > 0 and none["step_ms"] > 0
+    # Each program compiled once; progress and every config's wall time on stderr.
+    compiled = [k for k in none["phase_s"] if k.startswith("compiled")]
+    assert compiled == [f"compiled {p}" for p in ("init", "forward", "AdamW state", "train step")]
+    assert none["wall_s"] >= sum(none["phase_s"].values()) - 0.01
+    assert "memory tiny_T64_float32_remat-none: compiled train step in" in captured.err
+    assert "memory [2/2] tiny_T64_float32_remat-block: ok," in captured.err
     assert (tmp_path / "memory_tiny.png").stat().st_size > 0
     for r in recs:
         assert Path(r["pprof"]).stat().st_size > 0
@@ -266,3 +357,32 @@ def test_memory_cli_on_the_tiny_size(tmp_path, capsys):
         profile_cli().main(["memory", "--size", "tiny", "--remat", "full"])
     with pytest.raises(SystemExit, match="--contexts must be in 1..128"):
         profile_cli().main(["memory", "--size", "tiny", "--contexts", "256"])
+
+
+def test_memory_subprocesses_take_turns_in_config_order(tmp_path):
+    turns, order = memory._Turns(), []
+
+    def config(i):  # what _measure_in_subprocess does around its child
+        if turns.wait(i):
+            order.append(i)
+            time.sleep(0.01)
+        turns.done(i)
+
+    threads = [threading.Thread(target=config, args=(i,)) for i in (2, 0, 3, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert order == [0, 1, 2, 3]
+    stopped, waited = memory._Turns(), []
+    t = threading.Thread(target=lambda: waited.append(stopped.wait(5)))
+    t.start()
+    stopped.abort()  # the sweep stops (SIGTERM from `timeout`): nobody waits forever
+    t.join(timeout=10)
+    assert waited == [False]
+    # A child that fails before its turn passes it on, and its row says why.
+    bad = memory.Case("tiny", 32, "none", vocab=512, overrides=("model.n_layers=0",))
+    turns = memory._Turns()
+    rec = memory._measure_in_subprocess(bad, tmp_path, 1, turns, 0)
+    assert rec["status"] == "failed (exit 1)" and "n_layers" in rec["error"]
+    assert turns.next == 1 and rec["process_s"] > 0

@@ -15,42 +15,66 @@ Three kinds of number per config, each column named by where it came from:
              resident, then the train step (parameters, AdamW state, gradients). On the CPU
              memory_stats() is None: there is no allocator column and configs run in-process.
 A config that does not fit gives OOM in its cells (XLA's columns still say what it would need)
-and the sweep goes on. `--jobs N` runs N config subprocesses at a time: they compile side by
-side (compiling a 36-layer model takes longer than running it) and take turns on the device
-under a file lock, so each one's peak and time are its own. After each train step
-a pprof profile of the live device buffers is written (`jax.profiler.save_device_memory_profile`;
-read it with `pprof -top FILE` or `go tool pprof`). The train step is also timed
-(harness.time_calls), so the table shows what remat saves in memory and what it costs in time.
+and the sweep goes on. After each train step a pprof profile of the live device buffers is
+written (`jax.profiler.save_device_memory_profile`; read it with `pprof -top FILE` or `go tool
+pprof`). The train step is also timed (harness.time_calls), so the table shows what remat saves
+in memory and what it costs in time.
+
+Cost per config, and what you see while it runs. Each config traces its programs once, on the
+host, then compiles each once: the parameter init, the forward pass, the AdamW state built
+from those parameters (a few element-wise ops) and the train step; the train step's compile
+is the longest (about three quarters of the compile time on a CPU; a 36-layer model is
+unrolled, its HLO is 36 blocks long). A row is printed, and its
+JSON line appended, as soon as its config finishes, so a sweep cut off by a time limit keeps
+the rows it finished; progress (each phase's seconds) and every config's wall time go to
+stderr. Subprocesses allocate on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false, set for them
+and for this process, which only reads device stats): a preallocating child would take 75% of
+the GPU. `--jobs N` starts N config subprocesses at a time, but only their host-side start-up
+and tracing overlap: each then waits for its turn, given in config order once the previous
+config's process has exited (its device memory freed), to compile (XLA:GPU autotunes its
+kernels on the device) and run, so one config at a time uses the device and each one's peak,
+time and autotuning are its own. Before 2026-11-23 a file lock covered running only: N
+children compiled a 36-layer model side by side on the same cores and GPU (each also
+compiling the parameter init twice), so they all finished late and together, and rows were
+printed only in config order once a whole child had exited, with no progress shown:
+`--size large --jobs 3/4` printed no row in 200 s on an H100 (on a 2-core CPU, `--size tiny
+--contexts 32,64 --isolate always --jobs 4`: first row after 21.7 s before, 8.7 s after, all
+four in 23 s either way).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
-import functools
 import gc
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
-from filelock import FileLock
 
 from jaxllm.models import build_model
 from jaxllm.profiling.bench import SIZES, BenchArgError, build_config, is_oom
-from jaxllm.profiling.harness import make_state, random_batch, time_calls
-from jaxllm.train.state import loss_and_sums, train_step
+from jaxllm.profiling.harness import random_batch, time_calls
+from jaxllm.train.optim import make_optimizer
+from jaxllm.train.state import LMTrainState, loss_and_sums, train_step
 
 REMATS = ("none", "block")
 RESULT_TAG = "MEMORY_RESULT "  # the line a subprocess prints its result on
+READY_TAG = "MEMORY_READY"  # a subprocess waiting for its turn on the device (--wait-turn)
+PROGRESS_TAG = "memory "  # the start of every progress line (stderr)
 
 
 @dataclass(frozen=True)
@@ -69,6 +93,30 @@ class Case:
     @property
     def tag(self) -> str:
         return f"{self.size}_T{self.context}_{self.dtype}_remat-{self.remat}"
+
+
+def say(message: str) -> None:
+    """A progress line on stderr (stdout holds the table)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+class _Clock:
+    """Seconds per phase of one config, each said (stderr) as it ends."""
+
+    def __init__(self, tag: str, report: Callable[[str], None]) -> None:
+        self.tag, self.report = tag, report
+        self.start = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = round(now - self.last, 3)
+        self.last = now
+        self.report(f"{PROGRESS_TAG}{self.tag}: {phase} in {self.phases[phase]:.1f} s")
+
+    @property
+    def total(self) -> float:
+        return time.perf_counter() - self.start
 
 
 def _compiled_peak(compiled: Any) -> int | None:
@@ -110,15 +158,22 @@ def saved_for_backward_bytes(loss: Callable[[Any], jax.Array], params: Any) -> i
 
 
 def measure_case(
-    case: Case, out_dir: str | Path, time_steps: int = 3, lock: str | Path | None = None
+    case: Case,
+    out_dir: str | Path,
+    time_steps: int = 3,
+    turn: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    report: Callable[[str], None] = say,
 ) -> dict[str, Any]:
-    """Measure one config in this process; returns the JSON-able record (see `run`).
+    """Measure one config in this process; returns the JSON-able record (see `run`), with
+    `phase_s` (seconds per phase) and `wall_s`.
 
-    Everything is compiled first, from shapes alone (no device memory; XLA's numbers are known
-    even for a config that will not fit), then, holding `lock` (a file lock, when given, so
-    that parallel jobs compile side by side but never share the device), the programs run:
-    the forward pass with only the parameters and the batch resident, then the train step.
-    Compile-time autotuning scratch is transient and far below either peak."""
+    Host side first, no device work: each program is traced once, from shapes alone. Then,
+    inside `turn()` (when given: parallel jobs never share the device, and XLA:GPU autotunes
+    on the device while compiling), each program is compiled once (XLA's numbers are known even
+    for a config that will not fit) and they run: the parameter init and the forward pass with
+    only the parameters and the batch resident, then the AdamW state built from those
+    parameters and the timed train step."""
+    clock = _Clock(case.tag, report)
     out_dir = Path(out_dir)
     cfg = build_config(
         case.size, arch=case.arch, vocab=case.vocab, dtype=case.dtype, batch=case.batch,
@@ -134,31 +189,46 @@ def measure_case(
     rec |= {"status": "ok", "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     out_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(cfg.model)
+    # As harness.make_state, but from given parameters: the init is compiled once, not twice.
+    tx = make_optimizer(cfg.optim, cfg.train.steps or cfg.optim.warmup_steps + 1)
 
     def forward(p: Any, b: Any) -> jax.Array:
         return loss_and_sums(p, model.apply, b, None)[0]
 
+    def new_state(params: Any) -> LMTrainState:
+        return LMTrainState.create(
+            apply_fn=model.apply, params=params, tx=tx, vocab_size=cfg.model.vocab_size
+        )
+
     key0, key1 = jax.random.PRNGKey(0), jax.random.PRNGKey(1)
-    param_shapes = jax.eval_shape(model.init, key0, batch["inputs"])["params"]
+    init_traced = jax.jit(model.init).trace(key0, batch["inputs"])
+    param_shapes = init_traced.out_info["params"]
     rec["n_params"] = int(sum(math.prod(x.shape) for x in jax.tree.leaves(param_shapes)))
     rec["saved_bytes"] = saved_for_backward_bytes(lambda p: forward(p, batch), param_shapes)
-    # Jitted state: one compile instead of hundreds of eager ops (seconds on a CPU); same values.
-    new_state = jax.jit(functools.partial(make_state, cfg))
-    state_shapes = jax.eval_shape(new_state, batch)
-    init = jax.jit(model.init).lower(key0, batch["inputs"]).compile()
-    fwd = jax.jit(forward).lower(param_shapes, batch).compile()
-    make = new_state.lower(batch).compile()
-    step = train_step.lower(state_shapes, batch, key1).compile()  # donates the state
-    rec["forward_xla_bytes"] = _compiled_peak(fwd)
-    rec["train_xla_bytes"] = _compiled_peak(step)
-    with FileLock(str(lock)) if lock else contextlib.nullcontext():
+    state_traced = jax.jit(new_state).trace(param_shapes)
+    lowered = {
+        "init": init_traced.lower(),
+        "forward": jax.jit(forward).lower(param_shapes, batch),
+        "AdamW state": state_traced.lower(),
+        "train step": train_step.lower(state_traced.out_info, batch, key1),  # donates the state
+    }
+    clock.lap("traced")
+    with turn() if turn else contextlib.nullcontext():
+        if turn:
+            clock.lap("waited for its turn on the device")
+        compiled = {}
+        for name, low in lowered.items():
+            compiled[name] = low.compile()
+            clock.lap(f"compiled {name}")
+        rec["forward_xla_bytes"] = _compiled_peak(compiled["forward"])
+        rec["train_xla_bytes"] = _compiled_peak(compiled["train step"])
         try:
-            params = init(key0, batch["inputs"])["params"]
-            jax.block_until_ready(fwd(params, batch))
+            params = compiled["init"](key0, batch["inputs"])["params"]
+            jax.block_until_ready(compiled["forward"](params, batch))
             rec["forward_allocator_bytes"] = _allocator_peak()
+            holder = {"state": compiled["AdamW state"](params)}  # parameters and AdamW state
             del params
-
-            holder = {"state": make(batch)}  # parameters and AdamW state
+            step = compiled["train step"]
 
             def call() -> Any:
                 holder["state"], metrics = step(holder["state"], batch, key1)
@@ -170,27 +240,126 @@ def measure_case(
             prof = out_dir / f"memory_{case.tag}.prof"
             jax.profiler.save_device_memory_profile(str(prof))
             rec["pprof"] = str(prof)
+            clock.lap("ran")
         except Exception as e:
             if not is_oom(e):
                 raise
             rec["status"] = "OOM"
+            clock.lap("ran out of memory")
+    rec["phase_s"] = clock.phases
+    rec["wall_s"] = round(clock.total, 3)
     return rec
 
 
+_CHILDREN: set[subprocess.Popen] = set()  # running config subprocesses (killed on exit)
+_CHILDREN_LOCK = threading.Lock()
+
+
+class _Turns:
+    """The device, one config subprocess at a time, in config order: turn i starts once turn
+    i - 1 is over (its process exited). `abort` releases every waiter."""
+
+    def __init__(self) -> None:
+        self.next = 0
+        self.aborted = False
+        self.cond = threading.Condition()
+
+    def wait(self, i: int) -> bool:
+        """Block until turn i; False when the sweep was aborted."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.next == i or self.aborted)
+            return not self.aborted
+
+    def done(self, i: int) -> None:
+        """Turn i is over (after it started, or without using it: a failed child)."""
+        if self.wait(i):
+            with self.cond:
+                self.next = i + 1
+                self.cond.notify_all()
+
+    def abort(self) -> None:
+        with self.cond:
+            self.aborted = True
+            self.cond.notify_all()
+
+
+@contextlib.contextmanager
+def _stdin_turn() -> Any:
+    """A subprocess's turn on the device: say READY_TAG, wait for the parent's "go"."""
+    print(READY_TAG, flush=True)
+    if sys.stdin.readline().strip() != "go":
+        raise SystemExit("memory: no turn on the device (the sweep stopped)")
+    yield
+
+
 def _measure_in_subprocess(
-    case: Case, out_dir: Path, time_steps: int, lock: Path | None
+    case: Case, out_dir: Path, time_steps: int, turns: _Turns | None = None, index: int = 0
 ) -> dict[str, Any]:
-    """measure_case in a fresh interpreter, so the allocator's peak is this config's alone."""
+    """measure_case in a fresh interpreter, so the allocator's peak is this config's alone.
+    With `turns`, the child traces right away, then waits for turn `index` to compile and run.
+    Its progress lines are passed on to our stderr as they come; the rest of its stderr (XLA's
+    logging) is kept for the error message of a failed config."""
     cmd = [sys.executable, "-m", "jaxllm.profiling.memory", "--case",
            json.dumps(dataclasses.asdict(case)), "--out", str(out_dir),
-           "--time-steps", str(time_steps)] + (["--lock", str(lock)] if lock else [])  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    for line in done.stdout.splitlines():
+           "--time-steps", str(time_steps)] + (["--wait-turn"] if turns else [])  # fmt: skip
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # peak = what was used
+    t0 = time.perf_counter()
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    stdout: list[str] = []
+    proc = None
+    try:
+        if turns is not None and turns.aborted:
+            raise SystemExit("memory: the sweep stopped")
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE if turns else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        with _CHILDREN_LOCK:
+            _CHILDREN.add(proc)
+
+        def pump(stream: Any) -> None:
+            for line in stream:
+                tail.append(line)
+                if line.startswith(PROGRESS_TAG):
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+
+        pumping = threading.Thread(target=pump, args=(proc.stderr,), daemon=True)
+        pumping.start()
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if turns is not None and line.startswith(READY_TAG):
+                go = "go\n" if turns.wait(index) else "stop\n"
+                with contextlib.suppress(OSError):  # the child may have died meanwhile
+                    assert proc.stdin is not None
+                    proc.stdin.write(go)
+                    proc.stdin.flush()
+            else:
+                stdout.append(line)
+        proc.wait()
+        pumping.join()
+    finally:
+        if proc is not None:
+            with _CHILDREN_LOCK:
+                _CHILDREN.discard(proc)
+        if turns is not None:
+            turns.done(index)
+    wall = round(time.perf_counter() - t0, 3)  # with the interpreter's start and the wait
+    for line in stdout:
         if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG) :])
-    err = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    status = "OOM" if "RESOURCE_EXHAUSTED" in done.stderr else f"failed (exit {done.returncode})"
-    return {**dataclasses.asdict(case), "status": status, "error": err[:300]}
+            return json.loads(line[len(RESULT_TAG) :]) | {"process_s": wall}
+    stderr = "".join(tail)
+    err = (stderr.strip().splitlines() or ["no output"])[-1]
+    status = "OOM" if "RESOURCE_EXHAUSTED" in stderr else f"failed (exit {proc.returncode})"
+    return {**dataclasses.asdict(case), "status": status, "error": err[:300], "process_s": wall}
+
+
+def _kill_children() -> None:
+    with _CHILDREN_LOCK:
+        children = list(_CHILDREN)
+    for proc in children:
+        with contextlib.suppress(OSError):
+            proc.kill()
 
 
 # ----------------------------------------------------------------------------- output
@@ -295,11 +464,14 @@ def run(
     time_steps: int = 3,
     jobs: int = 1,
 ) -> list[dict[str, Any]]:
-    """The sweep: a Markdown table on stdout (a row per config, in order), a JSON line per
-    config in `jsonl_path`, pprof files and OUT_DIR/memory_<size>.png. `isolate`: "auto" (a
-    subprocess per config when the device has allocator stats), "always" or "never". `jobs`:
-    subprocesses at a time; they compile in parallel and take turns on the device (a file
-    lock around running and timing), so peaks and times stay those of one config alone."""
+    """The sweep: a Markdown table on stdout, a row per config printed as soon as that config
+    finishes (and its JSON line appended to `jsonl_path` then), pprof files and
+    OUT_DIR/memory_<size>.png at the end; progress and each config's wall time on stderr.
+    Returns the records in config order. `isolate`: "auto" (a subprocess per config when the
+    device has allocator stats), "always" or "never". `jobs`: subprocesses at a time; they
+    overlap their start-up and tracing only, and compile and run one at a time, in config
+    order, so peaks and times stay those of one config alone. Should rows finish out of order
+    (a config that failed early), the table is printed again in config order at the end."""
     if size not in SIZES:
         raise BenchArgError(f"--size: unknown size {size!r}; allowed: {', '.join(SIZES)}")
     bad = [m for m in remats if m not in REMATS]
@@ -310,6 +482,9 @@ def run(
         raise BenchArgError(f"--contexts must be in 1..{limit} for size {size}, got {contexts}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # This process only reads device stats; it must not take 75% of the GPU that the config
+    # subprocesses need (effective only before its backend starts, as under profile.py).
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     allocator = jax.local_devices()[0].memory_stats() is not None
     subprocesses = isolate == "always" or (isolate == "auto" and allocator)
     print(
@@ -329,31 +504,57 @@ def run(
     print(header(allocator), flush=True)
     cases = [Case(size, t, m, dtype, batch, vocab, arch, tuple(overrides))
              for t in contexts for m in remats]  # fmt: skip
-    lock = out_dir / ".memory.lock" if jobs > 1 else None
-    pool = ThreadPoolExecutor(max(jobs, 1)) if subprocesses else None
-    pending = [
-        pool.submit(_measure_in_subprocess, c, out_dir, time_steps, lock) if pool else None
-        for c in cases
-    ]
-    records: list[dict[str, Any]] = []
-    base = None
-    for case, job in zip(cases, pending, strict=True):
-        if job is not None:
-            rec = job.result()
-        else:  # the CPU: memory is not the limit, so keep the caches (eager init is slow)
-            rec = measure_case(case, out_dir, time_steps)
-            gc.collect()
-        rec["memory_source"] = "allocator+xla" if allocator else "xla"
-        if case.remat == "none":
-            base = rec
-        print(format_row(rec, allocator, base if base and base["context"] == case.context
-                         else None), flush=True)  # fmt: skip
+    done: dict[Case, dict[str, Any]] = {}
+    source = "allocator+xla" if allocator else "xla"
+    t_start = time.perf_counter()
+
+    def baseline(case: Case) -> dict[str, Any] | None:
+        return done.get(dataclasses.replace(case, remat="none"))
+
+    def finished(case: Case, rec: dict[str, Any]) -> None:
+        rec["memory_source"] = source
+        done[case] = rec
+        print(format_row(rec, allocator, baseline(case)), flush=True)
         if jsonl_path:
             with open(jsonl_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-        records.append(rec)
-    if pool:
-        pool.shutdown()
+        times = [f"{rec['wall_s']:.1f} s"] if "wall_s" in rec else []
+        times += [f"{rec['process_s']:.1f} s with its process"] if "process_s" in rec else []
+        say(f"{PROGRESS_TAG}[{len(done)}/{len(cases)}] {case.tag}: {rec['status']}, "
+            f"{', '.join(times)}; sweep {time.perf_counter() - t_start:.0f} s")  # fmt: skip
+
+    def on_sigterm(signum: int, frame: Any) -> None:  # `timeout`: stop the children too
+        raise SystemExit(128 + signum)
+
+    in_main = threading.current_thread() is threading.main_thread()
+    old_handler = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
+    pool = ThreadPoolExecutor(max(jobs, 1)) if subprocesses else None
+    turns = _Turns() if jobs > 1 else None
+    try:
+        if pool is None:  # the CPU: memory is not the limit, one process
+            for case in cases:
+                finished(case, measure_case(case, out_dir, time_steps))
+                gc.collect()
+        else:
+            futures = {
+                pool.submit(_measure_in_subprocess, c, out_dir, time_steps, turns, i): c
+                for i, c in enumerate(cases)
+            }
+            for fut in as_completed(futures):
+                finished(futures[fut], fut.result())
+    finally:
+        if turns is not None:
+            turns.abort()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        _kill_children()
+        if in_main:
+            signal.signal(signal.SIGTERM, old_handler)
+    records = [done[c] for c in cases]
+    if list(done) != cases:  # finished out of order (jobs > 1): the table in config order
+        print("\nin config order:\n" + header(allocator))
+        for case, rec in zip(cases, records, strict=True):
+            print(format_row(rec, allocator, baseline(case)))
     png = out_dir / f"memory_{size}.png"
     plot(records, png, allocator)
     print(f"\nplot: {png}; pprof profiles (live buffers after the train step): {out_dir}/*.prof")
@@ -366,11 +567,11 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--case", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--time-steps", type=int, default=3)
-    p.add_argument("--lock", default=None)
+    p.add_argument("--wait-turn", action="store_true", help="compile and run after a 'go'")
     args = p.parse_args(argv)
     raw = json.loads(args.case)
     case = Case(**{**raw, "overrides": tuple(raw.get("overrides", ()))})
-    rec = measure_case(case, args.out, args.time_steps, args.lock)
+    rec = measure_case(case, args.out, args.time_steps, _stdin_turn if args.wait_turn else None)
     print(RESULT_TAG + json.dumps(rec), flush=True)
     return 0
 
@@ -381,5 +582,5 @@ if __name__ == "__main__":
     from jaxllm.xla_flags import apply_default_xla_flags
 
     apply_default_xla_flags()
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # peak = what was used
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # peak = what was used
     sys.exit(_main())

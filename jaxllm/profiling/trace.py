@@ -5,6 +5,15 @@ recorded with jax.profiler into DIR/trace (open with `tensorboard --logdir DIR/t
 DIR/trace/plugins/profile/*/perfetto_trace.json.gz in ui.perfetto.dev), the optimized HLO in
 DIR/step.hlo.txt, and a table of the kernels that take the most device time per step, each
 with its named scope (jaxllm.models.decoder lists them: block_3/attn/qkv, loss, optimizer ...).
+A scope comes from the HLO instruction behind each launch: the `hlo_op` argument XLA annotates
+GPU kernel launches (and XLA:CPU ops) with, else the kernel name read against the HLO
+(HloKernels: fusions and Triton/Pallas kernels are named after their instructions, cuBLAS and
+cuDNN kernels only after their library) and the launch order (align_launches). A line above the
+table says which path resolved how many launches and which event arguments the trace had.
+`python -m jaxllm.profiling.trace --hlo OUT/step.hlo.txt --kernels-md TABLE.md` redoes the
+kernel table's scopes from the HLO alone (kernels_table_from_hlo): the H100 run of 2026-11-23
+printed "(no scope)" for every kernel (its kernel events carried no `hlo_op` that named an
+instruction of the HLO; that trace's event arguments were not kept).
 
 `--nvtx` (phase_steps) is the mode to run under Nsight Systems: no jax.profiler trace (nsys
 and jax.profiler would both attach CUPTI); instead the step runs as three separately jitted
@@ -32,7 +41,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,7 +121,8 @@ def scope_of(op_name: str) -> str:
     parts = op_name.split("/")
     if parts and parts[0].startswith(("jit(", "pjit(")):
         parts = parts[1:]
-    parts = parts[:-1]  # the primitive (dot_general, add, ...)
+    # the primitive (dot_general, add, ...); a Pallas call's is its kernel's name + pallas_call
+    parts = parts[:-2] if parts[-1:] == ["pallas_call"] else parts[:-1]
     out: list[str] = []
     for p in parts:
         if p.startswith("transpose("):
@@ -126,6 +136,225 @@ def scope_of(op_name: str) -> str:
         elif p not in out:  # remat repeats the block's path inside the backward
             out.append(p)
     return "/".join(out) or "(top level)"
+
+
+def _distinct_scopes(scopes: Iterable[str]) -> list[str]:
+    uniq = sorted(set(scopes))
+    return uniq if len(uniq) <= 1 else sorted({re.sub(r"block_\d+", "block_*", s) for s in uniq})
+
+
+def merge_scopes(scopes: Iterable[str]) -> str:
+    """One label for the scopes of several launches or instructions: the scope itself when
+    they agree, block_N -> block_* when they differ only in the block, else the distinct
+    scopes joined with ', ' (five at most, then a count)."""
+    merged = _distinct_scopes(scopes)
+    if len(merged) <= 5:
+        return ", ".join(merged) or "(no scope)"
+    return ", ".join(merged[:4]) + f", ... ({len(merged)} scopes)"
+
+
+# XLA:GPU emits each fusion (and copy, ...) as a kernel named after the instruction,
+# sanitized: input_multiply_reduce_fusion.8 -> input_multiply_reduce_fusion_8.
+def kernel_name_of(instruction: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", instruction)
+
+
+_OPCODE = re.compile(r" ([a-z][a-z0-9\-]*)\(")
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_DEDUP = re.compile(r'deduplicated_name="([^"]*)"')
+_TRITON_IR = re.compile(r'(?:\bir = "|"ir":")([^"]*)"')
+_TRITON_NAME = re.compile(r'(?:[,{] ?name = "|"name":")([^"]*)"')
+_NO_LAUNCH = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "after-all"}
+_FAMILY_NAMES = {"cublas": "cuBLAS GEMM", "cudnn_fwd": "cuDNN fprop", "cudnn_bwd": "cuDNN bprop"}
+
+
+def kernel_family(kernel: str) -> str | None:
+    """The library a kernel name comes from, where the name alone says: 'cudnn_fwd' /
+    'cudnn_bwd' (cuDNN's fused attention: ..._flash_fprop_... / ..._flash_bprop_...),
+    'cublas' (nvjet_*, *gemm*, cutlass, xmma: cuBLAS / cuBLASLt GEMMs), else None."""
+    low = kernel.lower()
+    if low.startswith("cudnn") or "fmha" in low or "sdpa" in low:
+        return "cudnn_bwd" if re.search(r"bprop|bwd|backward|dgrad|wgrad", low) else "cudnn_fwd"
+    if re.search(r"nvjet|gemm|gemv|cutlass|xmma|splitk|cublas", low):
+        return "cublas"
+    return None
+
+
+class HloKernels:
+    """Which HLO instructions a GPU kernel name can come from, from the optimized HLO text
+    (`compiled.as_text()`), and their scopes (hlo_scopes).
+
+    - Fusions (and other XLA-emitted ops): the kernel is named after the instruction
+      (kernel_name_of). XLA compiles identical fusions once: the instructions that share a
+      `deduplicated_name` launch one kernel, named after the first of them in the schedule,
+      so a kernel name stands for that whole group (e.g. the same MLP multiply in every
+      block: fwd/block_*/mlp).
+    - Triton custom calls (Pallas kernels): the kernel is the `name` in the call's
+      backend_config; calls with the same name but different Triton IR get distinct kernels,
+      suffixed __1, __2 ... in schedule order (add_layer_norm_bwd, add_layer_norm_bwd__1).
+    - cuBLAS / cuDNN custom calls (`__cublas$...`, `__cudnn$...`): the library names its
+      kernels (nvjet_*, cudnn_generated_...): the name says only which library, so it maps to
+      all calls of that family; the trace's `hlo_op` argument or the launch order
+      (`align_launches`) picks the one call.
+    """
+
+    def __init__(self, hlo_text: str) -> None:
+        self.scopes = hlo_scopes(hlo_text)
+        self.launches: list[str] = []  # the entry computation's kernel-launching ops, in order
+        self.family: dict[str, str] = {}  # instruction -> fusion / triton / cublas / cudnn_*
+        self.groups: dict[str, list[str]] = {}  # kernel name -> the instructions it runs for
+        self.bias: dict[str, bool] = {}  # cuBLAS call -> its epilogue adds a bias
+        self._candidates: dict[str, tuple[list[str], str]] = {}
+        dedup: dict[str, list[str]] = collections.defaultdict(list)
+        triton: dict[tuple[str, str], list[str]] = {}  # (name, IR) -> calls, first-seen order
+        comp, entry = None, False
+        for line in hlo_text.splitlines():
+            if (m := _COMPUTATION.match(line)) and " = " not in line:
+                comp, entry = m.group(1), line.startswith("ENTRY")
+                continue
+            if not (m := _INSTRUCTION.match(line)) or comp is None:
+                continue
+            name = m.group(2)
+            op = _OPCODE.search(line, m.end() - 1)
+            opcode = op.group(1) if op else ""
+            target = t.group(1) if (t := _TARGET.search(line)) else ""
+            if target.startswith("__cublas"):
+                family = "cublas"
+                self.bias[name] = bool(re.search(r'"epilogue":"\w*BIAS', line))
+            elif target.startswith("__cudnn"):
+                family = "cudnn_bwd" if "backward" in target.lower() else "cudnn_fwd"
+            elif opcode == "custom-call" and "triton" in target:
+                family = "triton"
+                ir = _TRITON_IR.search(line)
+                tname = _TRITON_NAME.search(line, ir.end() if ir else 0)
+                if tname:
+                    triton.setdefault((tname.group(1), ir.group(1) if ir else ""), []).append(name)
+            else:
+                family = "xla"
+            if entry and opcode not in _NO_LAUNCH:
+                self.launches.append(name)
+                self.family[name] = family
+            if family == "xla" and (opcode == "fusion" or entry):
+                if d := _DEDUP.search(line):
+                    dedup[d.group(1)].append(name)
+                else:
+                    self.groups[kernel_name_of(name)] = [name]
+        for members in dedup.values():  # every member's name: the kernel is the first's
+            for name in members:
+                self.groups[kernel_name_of(name)] = members
+        seen: collections.Counter[str] = collections.Counter()
+        for (tname, _), calls in triton.items():  # dicts keep first-seen (schedule) order
+            n = seen[tname]
+            seen[tname] += 1
+            self.groups[tname if n == 0 else f"{tname}__{n}"] = calls
+
+    def fits(self, kernel: str, instruction: str) -> bool:
+        """Can this library kernel run for this call: same family and, for cuBLASLt's nvjet
+        kernels (named ..._bias_... when the epilogue adds a bias), the same epilogue."""
+        if self.family.get(instruction) != kernel_family(kernel):
+            return False
+        if kernel.startswith("nvjet") and instruction in self.bias:
+            return self.bias[instruction] == ("_bias" in kernel)
+        return True
+
+    def candidates(self, kernel: str) -> tuple[list[str], str]:
+        """(the instructions `kernel` can be, how that was decided): 'kernel name' (a fusion
+        or Triton kernel: these instructions), 'kernel family' (cuBLAS / cuDNN: every call of
+        that family that `fits`), or ([], 'unknown')."""
+        if kernel in self.groups:
+            return self.groups[kernel], "kernel name"
+        if kernel not in self._candidates:
+            calls = [i for i in self.launches if self.fits(kernel, i)]
+            self._candidates[kernel] = (calls, "kernel family") if calls else ([], "unknown")
+        return self._candidates[kernel]
+
+    def scope(self, instructions: Sequence[str], one_of: bool = False) -> str:
+        """The merged scope of instructions that a kernel runs for (merge_scopes); with
+        `one_of`, of candidates of which a launch is one: 'one of N: a, b' when they
+        disagree, and for a whole library family, which names no scope, '(one of N cuBLAS GEMM
+        calls)'."""
+        scopes = [self.scopes.get(i, "(no scope)") for i in instructions]
+        label = merge_scopes(scopes)
+        if not one_of or len(_distinct_scopes(scopes)) <= 1:
+            return label
+        fams = {self.family.get(i) for i in instructions}
+        fam = fams.pop() if len(fams) == 1 else None
+        if fam in _FAMILY_NAMES and len(instructions) == len(
+            [i for i in self.launches if self.family[i] == fam]
+        ):  # every call of the family: it says no scope
+            return f"(one of {len(instructions)} {_FAMILY_NAMES[fam]} calls)"
+        return f"one of {len(instructions)}: {label}"
+
+    def scope_of_kernel(self, kernel: str) -> tuple[str, str]:
+        """(scope, how) for a kernel name alone, no trace: what the HLO says. `how` names the
+        path: 'fusion name', 'Triton kernel name', 'cuDNN fprop family', ... with the number
+        of HLO instructions behind the name."""
+        calls, how = self.candidates(kernel)
+        if not calls:
+            return "(no scope)", "not in the HLO"
+        n = f"{len(calls)} call{'s' if len(calls) > 1 else ''}"
+        if how == "kernel name":
+            kind = "Triton kernel name" if self.family.get(calls[0]) == "triton" else "fusion name"
+            what = f"{kind}, {n}" + (" (deduplicated kernel)" if len(calls) > 1 else "")
+        else:
+            what = f"{_FAMILY_NAMES[self.family[calls[0]]]} family, {n}"
+            if kernel.startswith("nvjet") and calls[0] in self.bias:
+                epilogue = "bias" if self.bias[calls[0]] else "no-bias"
+                what = f"{_FAMILY_NAMES['cublas']} family, {epilogue} epilogue, {n}"
+        return self.scope(calls, one_of=how != "kernel name"), what
+
+
+def scopes_from_hlo(hlo_text: str, kernels: Iterable[str] | None = None) -> dict[str, str]:
+    """{GPU kernel name: scope} from optimized HLO text alone (HloKernels): for `kernels`, or
+    for every kernel name the HLO itself determines (fusions, Triton calls)."""
+    hk = HloKernels(hlo_text)
+    names = list(hk.groups) if kernels is None else list(kernels)
+    return {k: hk.scope_of_kernel(k)[0] for k in names}
+
+
+def align_launches(
+    kernels: Sequence[str], hk: HloKernels, known: Sequence[str | None] | None = None
+) -> list[list[str]]:
+    """For one stream's kernel launches in time order (names, several steps back to back):
+    the instructions each can be, using the schedule. Launches whose instruction is `known`
+    (the trace's hlo_op) and kernels named by the HLO (fusions, Triton) are anchors, the latter
+    placed at the first member of their group after the previous anchor (wrapping to the
+    start at a new step). The cuBLAS / cuDNN launches between two anchors belong to the calls
+    of their family scheduled between them: one call takes all its launches (split-K,
+    attention backward), as many launches as calls pair up in order, any other count keeps
+    all those calls as candidates. Unknown kernels get []."""
+    pos = {name: i for i, name in enumerate(hk.launches)}
+    out: list[list[str]] = [[] for _ in kernels]
+    anchors: list[tuple[int, int]] = []  # (event index, schedule position)
+    p = -1
+    for j, k in enumerate(kernels):
+        members = [known[j]] if known is not None and known[j] in pos else hk.groups.get(k)
+        spots = sorted(pos[i] for i in members or () if i in pos)
+        if not spots:
+            continue
+        q = next((s for s in spots if s > p), spots[0])  # none after p: the next step
+        anchors.append((j, q))
+        out[j] = [hk.launches[q]]
+        p = q
+    bounds = [(-1, -1), *anchors, (len(kernels), len(hk.launches))]
+    for (j0, a), (j1, b) in zip(bounds, bounds[1:], strict=False):
+        between = range(a + 1, b) if a < b else [*range(a + 1, len(hk.launches)), *range(b)]
+        by_family: dict[str, list[int]] = collections.defaultdict(list)
+        for j in range(j0 + 1, j1):
+            if (fam := kernel_family(kernels[j])) is not None:
+                by_family[fam].append(j)
+        for fam, events in by_family.items():
+            calls = [hk.launches[s] for s in between if hk.family[hk.launches[s]] == fam]
+            if len(calls) == 1 or not calls:
+                for j in events:
+                    out[j] = calls
+            elif len(calls) == len(events):
+                for j, c in zip(events, calls, strict=True):
+                    out[j] = [c]
+            else:
+                for j in events:
+                    out[j] = [c for c in calls if hk.fits(kernels[j], c)] or calls
+    return out
 
 
 @dataclass(frozen=True)
@@ -143,6 +372,8 @@ class KernelSummary:
     total_ms_per_step: float
     rows: tuple[KernelRow, ...]  # by time, longest first
     by_scope: tuple[tuple[str, float], ...]  # (scope with block_i -> block_*, ms per step)
+    resolved: tuple[tuple[str, int], ...] = ()  # (how scopes were found, launches), most first
+    arg_keys: tuple[str, ...] = ()  # the argument names the events carried
 
 
 def _thread_names(events: list[dict[str, Any]]) -> dict[tuple[Any, Any], str]:
@@ -174,13 +405,61 @@ def _host_op_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
 
 
+def event_scopes(
+    picked: list[dict[str, Any]],
+    scopes: dict[str, str],
+    hlo: HloKernels | None = None,
+    names_are_ops: bool = False,
+) -> list[tuple[str, str]]:
+    """(scope, how) per event. In order of trust: the event's `hlo_op` argument (the HLO
+    instruction XLA annotated the launch with: exact), the event name as an instruction
+    (`names_are_ops`: host ops on the CPU; a GPU kernel is named after the first of the
+    instructions it runs for, not each), then, with `hlo` (HloKernels), the kernel name and
+    the launch order (align_launches, per stream): 'kernel name' (a fusion / Triton kernel),
+    'launch order' (a cuBLAS / cuDNN launch placed between its neighbours), 'kernel family'
+    (all calls of that library), else '(no scope)'."""
+    out: list[tuple[str, str] | None] = [None] * len(picked)
+    known: list[str | None] = [None] * len(picked)
+    for j, e in enumerate(picked):
+        op = e.get("args", {}).get("hlo_op")
+        if op is not None and str(op) in scopes:
+            out[j], known[j] = (scopes[str(op)], "hlo_op"), str(op)
+        elif names_are_ops and e["name"] in scopes:
+            out[j] = (scopes[e["name"]], "event name")
+    if hlo is not None and None in out:
+        streams: dict[tuple[Any, Any], list[int]] = collections.defaultdict(list)
+        for j, e in enumerate(picked):
+            streams[(e.get("pid"), e.get("tid"))].append(j)
+        for idx in streams.values():
+            idx.sort(key=lambda j: picked[j].get("ts", 0))
+            names = [picked[j]["name"] for j in idx]
+            placed = align_launches(names, hlo, [known[j] for j in idx])
+            for j, calls in zip(idx, placed, strict=True):
+                if out[j] is not None:
+                    continue
+                named, how = hlo.candidates(picked[j]["name"])
+                if how == "kernel name":
+                    out[j] = (hlo.scope(calls or named), how)
+                elif calls and len(calls) < len(named):
+                    out[j] = (hlo.scope(calls, one_of=True), "launch order")
+                elif named:
+                    out[j] = (hlo.scope(named, one_of=True), how)
+    return [o or ("(no scope)", "(no scope)") for o in out]
+
+
 def top_kernels(
-    events: list[dict[str, Any]], steps: int, scopes: dict[str, str] | None = None, top: int = 30
+    events: list[dict[str, Any]],
+    steps: int,
+    scopes: dict[str, str] | None = None,
+    top: int = 30,
+    hlo: HloKernels | None = None,
 ) -> KernelSummary | None:
     """The `top` kernels by summed duration per step (ms); None when the trace has neither
-    device kernels nor host XLA ops. Scopes come from the HLO op each event names (its
-    `hlo_op` argument, or the event name) looked up in `scopes` (hlo_scopes)."""
-    scopes = scopes or {}
+    device kernels nor host XLA ops. Scopes per launch from event_scopes (the `hlo_op`
+    argument looked up in `scopes` (hlo_scopes), else the kernel name in `hlo`); a kernel's
+    row merges the scopes of its launches (merge_scopes)."""
+    if scopes is None:
+        scopes = hlo.scopes if hlo is not None else {}
     source, picked = "device", _device_events(events)
     if not picked:
         source, picked = "host", _host_op_events(events)
@@ -188,22 +467,28 @@ def top_kernels(
         return None
     ms: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()
-    scope_of_name: dict[str, str] = {}
+    scopes_of_name: dict[str, set[str]] = collections.defaultdict(set)
     by_scope: collections.Counter[str] = collections.Counter()
-    for e in picked:
+    resolved: collections.Counter[str] = collections.Counter()
+    arg_keys: set[str] = set()
+    resolved_events = event_scopes(picked, scopes, hlo, names_are_ops=source == "host")
+    for e, (scope, how) in zip(picked, resolved_events, strict=True):
         name = e["name"][:90]
-        args = e.get("args", {})
-        op = str(args.get("hlo_op", e["name"]))
-        scope = scopes.get(op, "(no scope)")
+        arg_keys.update(e.get("args", {}))
         dur = e.get("dur", 0) / 1e3 / steps  # trace durations are in us
         ms[name] += dur
         calls[name] += 1 / steps
-        scope_of_name.setdefault(name, scope)
+        scopes_of_name[name].add(scope)
         by_scope[re.sub(r"block_\d+", "block_*", scope)] += dur
+        resolved[how] += 1
     rows = tuple(
-        KernelRow(name, t, calls[name], scope_of_name[name]) for name, t in ms.most_common(top)
+        KernelRow(name, t, calls[name], merge_scopes(scopes_of_name[name]))
+        for name, t in ms.most_common(top)
     )
-    return KernelSummary(source, steps, sum(ms.values()), rows, tuple(by_scope.most_common()))
+    return KernelSummary(
+        source, steps, sum(ms.values()), rows, tuple(by_scope.most_common()),
+        tuple(resolved.most_common()), tuple(sorted(arg_keys)),
+    )  # fmt: skip
 
 
 def format_summary(s: KernelSummary | None, backend: str) -> str:
@@ -217,8 +502,15 @@ def format_summary(s: KernelSummary | None, backend: str) -> str:
             f"no device kernel events in the trace (backend {backend}): the table lists the "
             "host XLA ops (XLA:CPU thunks) instead"
         )
+    lines.append(
+        f"{what}: {s.total_ms_per_step:.2f} ms per step summed over {s.steps} traced steps"
+    )
+    if s.resolved:
+        lines.append(
+            "scopes of the launches: " + ", ".join(f"{how} {n}" for how, n in s.resolved)
+            + (f" (event args: {', '.join(s.arg_keys)})" if s.arg_keys else " (no event args)")
+        )  # fmt: skip
     lines += [
-        f"{what}: {s.total_ms_per_step:.2f} ms per step summed over {s.steps} traced steps",
         "",
         "| ms/step | % | calls/step | kernel | scope |",
         "|---:|---:|---:|---|---|",
@@ -341,7 +633,7 @@ def trace_train_steps(
                 state, metrics = step(state, batch, key)
         jax.block_until_ready((state, metrics))
     events = load_trace_events(trace_dir)
-    summary = top_kernels(events, steps, hlo_scopes(hlo_path.read_text()), top)
+    summary = top_kernels(events, steps, top=top, hlo=HloKernels(hlo_path.read_text()))
     return TraceResult(out, trace_dir, hlo_path, summary, {})
 
 
@@ -511,3 +803,45 @@ class StepRangeTrace:
         jax.profiler.stop_trace()
         upto = f"..{last}" if last is not None else " until the run stopped"
         self.say(f"trace: wrote steps {self._first}{upto} to {latest_profile_dir(self.log_dir)}")
+
+
+# ----------------------------------------------------------------------------- offline
+
+
+_MD_ROW = re.compile(r"^\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|\s*`([^`]+)`")
+
+
+def kernels_table_from_hlo(hlo_text: str, kernels_md: str) -> str:
+    """The kernel table `profile.py trace` printed (Markdown), with each kernel's scope as the
+    optimized HLO alone gives it (HloKernels.scope_of_kernel): post-processing for a trace
+    whose events carried no usable `hlo_op`."""
+    hk = HloKernels(hlo_text)
+    lines = [
+        "| ms/step | calls/step | kernel | scope (from the HLO) | how |",
+        "|---:|---:|---|---|---|",
+    ]
+    for line in kernels_md.splitlines():
+        if m := _MD_ROW.match(line):
+            ms, _, n, kernel = m.groups()
+            scope, how = hk.scope_of_kernel(kernel)
+            lines.append(f"| {ms} | {n} | `{kernel}` | {scope} | {how} |")
+    return "\n".join(lines)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m jaxllm.profiling.trace",
+        description="Scopes of the kernels in a `profile.py trace` table, from the run's "
+        "optimized HLO alone (fusion and Triton kernels by name, cuBLAS / cuDNN by family).",
+    )
+    p.add_argument("--hlo", required=True, help="the run's OUT/step.hlo.txt")
+    p.add_argument("--kernels-md", required=True, help="a file holding the printed table")
+    args = p.parse_args(argv)
+    print(kernels_table_from_hlo(Path(args.hlo).read_text(), Path(args.kernels_md).read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
