@@ -124,6 +124,33 @@ def add_and_norm(norm: nn.Module, x: jax.Array, h: jax.Array | None) -> tuple[ja
     return (x, norm(x)) if h is None else norm(x, residual=h)
 
 
+def pre_norm_block(
+    ln1: nn.Module,
+    ln2: nn.Module,
+    attn: nn.Module,
+    mlp: nn.Module,
+    conv: nn.Module | None,
+    x: jax.Array,
+    h: jax.Array | None,
+    inputs: AttentionInputs,
+    cache: KVCache | None,
+) -> tuple[jax.Array, jax.Array, KVCache | None]:
+    """The pre-norm block every architecture shares, in its named scopes: x, pending h (B, T, D)
+    -> (x + h + attn, the MLP output pending, cache). `conv`: the optional short conv."""
+    with jax.named_scope("ln_1"):
+        x, y = add_and_norm(ln1, x, h)
+    if conv is not None:  # each position mixes in its predecessors before attending
+        with jax.named_scope("conv"):
+            y = conv(y)
+    with jax.named_scope("attn"):
+        h, cache = attn(y, inputs, cache)
+    with jax.named_scope("ln_2"):
+        x, y = ln2(x, residual=h)
+    with jax.named_scope("mlp"):
+        h = mlp(y, inputs.deterministic)
+    return x, h, cache
+
+
 class Embedding(nn.Module):
     """Token (or position) table (N, D); `attend` is the tied LM head x @ table^T."""
 

@@ -19,7 +19,7 @@ from jaxllm.layers import (
     KVCache,
     LayerNorm,
     MultiHeadAttention,
-    add_and_norm,
+    pre_norm_block,
 )
 from jaxllm.models.decoder import Decoder
 from jaxllm.ops import OpPlan
@@ -46,18 +46,10 @@ class Block(nn.Module):
         )  # fmt: skip
         mlp = FeedForward(cfg.ffn_dim, cfg.bias, cfg.dropout, init, out_init, dtype, name="mlp")
 
-        with jax.named_scope("ln_1"):  # (B, T, D) stream, (B, T, D) compute dtype
-            x, y = add_and_norm(ln(name="ln1"), x, h)
-        if cfg.short_conv:  # each position mixes in its predecessors before attending
-            with jax.named_scope("conv"):
-                y = DepthwiseConv1d(cfg.short_conv_size, "causal", self.plan.conv, name="conv")(y)
-        with jax.named_scope("attn"):
-            h, cache = attn(y, inputs, cache)
-        with jax.named_scope("ln_2"):
-            x, y = ln(name="ln2")(x, residual=h)
-        with jax.named_scope("mlp"):
-            h = mlp(y, inputs.deterministic)
-        return x, h, cache
+        conv = None
+        if cfg.short_conv:
+            conv = DepthwiseConv1d(cfg.short_conv_size, "causal", self.plan.conv, name="conv")
+        return pre_norm_block(ln(name="ln1"), ln(name="ln2"), attn, mlp, conv, x, h, inputs, cache)
 
 
 class GPT2(Decoder):

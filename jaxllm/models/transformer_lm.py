@@ -17,8 +17,8 @@ from jaxllm.layers import (
     MultiHeadAttention,
     RMSNorm,
     SwiGLU,
-    add_and_norm,
     cs336_init,
+    pre_norm_block,
 )
 from jaxllm.models.decoder import Decoder
 from jaxllm.ops import OpPlan
@@ -41,18 +41,11 @@ class Block(nn.Module):
         )  # fmt: skip
         mlp = SwiGLU(cfg.ffn_dim, cs336_init(), dtype, name="mlp")
 
-        with jax.named_scope("ln_1"):  # (B, T, D) each
-            x, y = add_and_norm(RMSNorm(cfg.norm_eps, name="ln1"), x, h)
-        if cfg.short_conv:  # each position mixes in its predecessors before attending
-            with jax.named_scope("conv"):
-                y = DepthwiseConv1d(cfg.short_conv_size, "causal", self.plan.conv, name="conv")(y)
-        with jax.named_scope("attn"):
-            h, cache = attn(y, inputs, cache)
-        with jax.named_scope("ln_2"):
-            x, y = RMSNorm(cfg.norm_eps, name="ln2")(x, residual=h)
-        with jax.named_scope("mlp"):
-            h = mlp(y, inputs.deterministic)
-        return x, h, cache
+        conv = None
+        if cfg.short_conv:
+            conv = DepthwiseConv1d(cfg.short_conv_size, "causal", self.plan.conv, name="conv")
+        ln1, ln2 = RMSNorm(cfg.norm_eps, name="ln1"), RMSNorm(cfg.norm_eps, name="ln2")
+        return pre_norm_block(ln1, ln2, attn, mlp, conv, x, h, inputs, cache)
 
 
 class TransformerLM(Decoder):
