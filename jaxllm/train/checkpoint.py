@@ -163,12 +163,24 @@ class _DropWarnings(logging.Filter):
         return record.levelno < logging.WARNING
 
 
+class _DropOrbaxWarnings(logging.Filter):
+    """Drops warnings and errors logged from orbax's own files: after a failed save, orbax's
+    worker threads may still log that failure (with a traceback) once we have raised ours."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+_LATE_ORBAX_LOGS = _DropOrbaxWarnings()
+
+
 @contextlib.contextmanager
 def _quiet_orbax() -> Iterator[None]:
     """Keep orbax's noise of a failing read or write off stderr; we raise one clear error.
 
     Swaps orbax's private loop runner (process-wide, for the duration; skipped if a future
-    orbax drops it) and drops absl warnings and errors meanwhile."""
+    orbax drops it) and drops absl warnings and errors meanwhile. After a failure, orbax's own
+    warnings stay filtered for the rest of the process (its threads can log the failure late)."""
     from orbax.checkpoint._src import asyncio_utils
 
     absl_logger, drop = logging.getLogger("absl"), _DropWarnings()
@@ -178,6 +190,9 @@ def _quiet_orbax() -> Iterator[None]:
         asyncio_utils._run_sync_via_new_loop = _run_sync_quietly
     try:
         yield
+    except BaseException:
+        absl_logger.addFilter(_LATE_ORBAX_LOGS)  # a no-op when already there
+        raise
     finally:
         if original is not None:
             asyncio_utils._run_sync_via_new_loop = original
