@@ -122,6 +122,12 @@ class ModelConfig(Section):
     # about one more forward pass of compute. Same loss and gradients. "none": autodiff keeps
     # what it needs.
     remat: Literal["none", "block"] = "none"
+    # Run the blocks as one jax.lax.scan over their stacked parameters (params["blocks"], each
+    # leaf with a leading n_layers axis) instead of n_layers unrolled copies: compile time no
+    # longer grows with depth (the CS336 large/xl/2.7B sizes compile in seconds). The same
+    # function of the same parameters (a checkpoint's layout differs: see
+    # jaxllm.models.stack_blocks); named scopes read blocks/attn/... without a layer index.
+    scan_layers: bool = False
 
     @property
     def ffn_dim(self) -> int:

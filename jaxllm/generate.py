@@ -28,7 +28,7 @@ import numpy as np
 from jaxllm import functional as F
 from jaxllm.config import ModelConfig, Section, spec
 from jaxllm.data.tokenizer import EOT_ID, N_VOCAB
-from jaxllm.models import Decoder, init_kv_cache
+from jaxllm.models import Decoder, cache_batch_axis, init_kv_cache
 
 EosId = int | None | Literal["auto"]  # "auto": <|endoftext|> if the vocab is GPT-2's, else None
 Seed = int | jax.Array  # an int seed or a jax PRNG key
@@ -380,7 +380,8 @@ def _beam_decoder(model: Decoder, max_new_tokens: int, beam_width: int) -> Calla
         scores, _, tok, done = _expand(scores, jnp.zeros((b, k), bool), logits[:, -1], eos_id)
         out = jnp.zeros((b, k, n), jnp.int32).at[:, :, 0].set(tok)
         # Row b * K + j holds beam j of prompt b.
-        cache = jax.tree.map(lambda c: jnp.repeat(c, k, axis=0), cache)  # (B*K, S, H, Dh)
+        ax = cache_batch_axis(model.cfg)  # (B, S, H, Dh) per layer, or (L, B, S, H, Dh)
+        cache = jax.tree.map(lambda c: jnp.repeat(c, k, axis=ax), cache)  # B -> B*K rows
         key_mask = jnp.repeat(key_mask, k, axis=0)  # (B*K, S)
         pad_len = jnp.repeat(pad_len, k)  # (B*K,)
         prompt_row = jnp.arange(b)[:, None]  # (B, 1)
@@ -398,7 +399,7 @@ def _beam_decoder(model: Decoder, max_new_tokens: int, beam_width: int) -> Calla
             )  # fmt: skip
             scores, parent, tok, done = _expand(scores, done, logits[:, 0], eos_id)
             src = (prompt_row * k + parent).reshape(-1)  # (B*K,) each new beam's parent row
-            cache = jax.tree.map(lambda c: c[src], cache)
+            cache = jax.tree.map(lambda c: jnp.take(c, src, axis=ax), cache)
             out = out[prompt_row, parent].at[:, :, i].set(tok)  # (B, K, N)
             return i + 1, cache, scores, tok, out, done
 

@@ -1,5 +1,7 @@
 """Sampling rules, cached vs uncached decoding, padding, eos, seeds, beam search, input errors."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,7 @@ from jaxllm.generate import (
     sample_next,
     sequence_logprob,
 )
-from jaxllm.models import build_model
+from jaxllm.models import build_model, stack_blocks
 
 ARCHS = {
     # init_std 0.3 spreads GPT-2's logits (std ~1.7) so greedy ties and near-ties are unlikely.
@@ -443,3 +445,14 @@ def test_pad_to_changes_nothing_but_the_shape(lm):
         generate(*lm, PROMPTS, N, pad_to=4)
     with pytest.raises(ValueError, match="exceeds the model's context_length"):
         generate(*lm, PROMPTS, N, pad_to=30)
+
+
+def test_scan_layers_cache_decodes_and_beam_searches_like_the_unrolled_model(lm):
+    """model.scan_layers keeps one (L, B, S, H, Dh) cache: greedy and beam search (which
+    repeats and gathers that cache on its batch axis 1) give the unrolled model's tokens."""
+    model, params = lm
+    smodel = build_model(dataclasses.replace(model.cfg, scan_layers=True))
+    sparams = {"params": stack_blocks(params["params"], model.cfg.n_layers)}
+    assert run((smodel, sparams)) == run(lm)
+    search = BeamSearch(3, 0.6, None)
+    assert beam_search(smodel, sparams, PROMPTS, N, search) == beam_search(*lm, PROMPTS, N, search)

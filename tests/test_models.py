@@ -12,7 +12,7 @@ from conftest import TINY, tiny_config
 from jaxllm import functional as F
 from jaxllm.config import ModelConfig
 from jaxllm.layers import AttentionInputs, Linear, MultiHeadAttention
-from jaxllm.models import build_model, init_kv_cache
+from jaxllm.models import build_model, init_kv_cache, stack_blocks, unstack_blocks
 
 ARCHS = {arch: tiny_config(arch) for arch in ("gpt2", "transformer_lm")}
 
@@ -265,3 +265,51 @@ def test_label_smoothing_only_in_training_loss(arch):
     trained, train_sums = loss(model, False)  # training: the smoothed objective (dropout 0)
     assert abs(float(trained) - float(ref)) > 1e-3
     np.testing.assert_allclose(train_sums["loss_sum"], ref_sums["loss_sum"], rtol=1e-6)
+
+
+@pytest.mark.parametrize(("arch", "remat"), [("gpt2", "none"), ("transformer_lm", "block")])
+def test_scan_layers_is_the_same_function_of_the_same_parameters(arch, remat):
+    """model.scan_layers: logits, loss gradients and the cached decode equal the unrolled
+    model's on the same weights (stack_blocks / unstack_blocks convert the layouts)."""
+    cfg = dataclasses.replace(ARCHS[arch], remat=remat, n_layers=3)
+    scfg = dataclasses.replace(cfg, scan_layers=True)
+    model, params = init(cfg)
+    smodel = build_model(scfg)
+    p = params["params"]
+    sp = stack_blocks(p, 3)
+    shapes = jax.eval_shape(smodel.init, jax.random.PRNGKey(0), jnp.zeros((2, 8), jnp.int32))
+    assert jax.tree.structure(shapes["params"]) == jax.tree.structure(sp)
+    assert shapes["params"]["blocks"]["block"]["attn"]["qkv"]["kernel"].shape == (3, 32, 96)
+    assert set(sp) == {k for k in p if not k.startswith("h")} | {"blocks"}
+    tok = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 0, cfg.vocab_size)
+    np.testing.assert_allclose(
+        smodel.apply({"params": sp}, tok), model.apply(params, tok), atol=1e-5, rtol=1e-5
+    )
+
+    def grads(m, q):
+        return jax.grad(lambda q: m.apply({"params": q}, tok, tok, method="loss")[0])(q)
+
+    g, sg = grads(model, p), unstack_blocks(grads(smodel, sp))
+    assert jax.tree.structure(g) == jax.tree.structure(sg)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(sg), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4)
+    cache = init_kv_cache(scfg, 2, 8)
+    assert cache["k"].shape == (3, 2, 8, cfg.n_heads, cfg.head_dim)
+    logits, cache = smodel.apply({"params": sp}, tok[:, :5], cache, 0, method="decode")
+    step, _ = smodel.apply({"params": sp}, tok[:, 5:6], cache, 5, method="decode")
+    full = model.apply(params, tok)
+    np.testing.assert_allclose(logits, full[:, :5], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(step[:, 0], full[:, 5], atol=1e-5, rtol=1e-5)
+
+
+def test_scan_layers_inits_every_layer_differently_and_drops_out_per_layer():
+    cfg = dataclasses.replace(ARCHS["gpt2"], scan_layers=True, dropout=0.5)
+    model, params = init(cfg)
+    qkv = params["params"]["blocks"]["block"]["attn"]["qkv"]["kernel"]  # (L, D, 3D)
+    assert not np.allclose(qkv[0], qkv[1])
+    tok = jnp.ones((2, 8), jnp.int32)
+    run = lambda seed: model.apply(  # noqa: E731
+        params, tok, False, rngs={"dropout": jax.random.PRNGKey(seed)}
+    )
+    assert np.allclose(run(0), run(0)) and not np.allclose(run(0), run(1))
+    assert not np.allclose(run(0), model.apply(params, tok))

@@ -7,13 +7,22 @@ one entry in ARCHITECTURES and one literal in `ModelConfig.arch`.
 from __future__ import annotations
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.decoder import Decoder, init_kv_cache
+from jaxllm.models.decoder import (
+    Decoder,
+    cache_batch_axis,
+    init_kv_cache,
+    stack_blocks,
+    unstack_blocks,
+)
 from jaxllm.models.gpt2 import GPT2
 from jaxllm.models.transformer_lm import TransformerLM
 
 ARCHITECTURES: dict[str, type[Decoder]] = {"gpt2": GPT2, "transformer_lm": TransformerLM}
 
-__all__ = ["ARCHITECTURES", "GPT2", "Decoder", "TransformerLM", "build_model", "init_kv_cache"]
+__all__ = [
+    "ARCHITECTURES", "GPT2", "Decoder", "TransformerLM", "build_model", "cache_batch_axis",
+    "init_kv_cache", "stack_blocks", "unstack_blocks",
+]  # fmt: skip
 
 
 def build_model(cfg: ModelConfig) -> Decoder:

@@ -91,9 +91,21 @@ class Decoder(nn.Module):
         forward from its inputs (jax.checkpoint saving nothing inside the block)."""
         cfg = self.cfg
         if cfg.remat == "block":
-            block = nn.remat(block, policy=jax.checkpoint_policies.nothing_saveable)
+            # Under scan every layer is one body anyway: no CSE across layers to prevent.
+            nothing = jax.checkpoint_policies.nothing_saveable
+            block = nn.remat(block, policy=nothing, prevent_cse=not cfg.scan_layers)
         self.token_embedding = token_embedding
-        self.blocks = [block(cfg, self.plan, name=f"h{i}") for i in range(cfg.n_layers)]
+        if cfg.scan_layers:
+            stack = nn.scan(
+                _ScanLayer,
+                variable_axes={"params": 0},  # every leaf gets a leading (n_layers,) axis
+                split_rngs={"params": True, "dropout": True},  # own init and dropout per layer
+                in_axes=(nn.broadcast, 0),  # inputs shared, cache sliced per layer
+                length=cfg.n_layers,
+            )
+            self.blocks = stack(cfg, self.plan, block, name="blocks")
+        else:
+            self.blocks = [block(cfg, self.plan, name=f"h{i}") for i in range(cfg.n_layers)]
         self.ln_f = norm()
         if not cfg.tie_embeddings:
             dtype = jnp.dtype(cfg.compute_dtype)
@@ -105,11 +117,18 @@ class Decoder(nn.Module):
         self,
         tokens: jax.Array,
         inputs: AttentionInputs,
-        cache: list[KVCache] | None = None,
+        cache: list[KVCache] | KVCache | None = None,
     ) -> tuple[jax.Array, list[KVCache] | None]:
         """tokens (B, T) -> final normed hidden states (B, T, D) in compute dtype, new caches."""
         with jax.named_scope("embed"):
             x = self.embed(tokens, inputs.positions, inputs.deterministic)  # (B, T, D)
+        if self.cfg.scan_layers:  # one scanned body; nothing pending before the first block
+            h = jnp.zeros(x.shape, jnp.dtype(self.cfg.compute_dtype))  # x + 0 == x exactly
+            with jax.named_scope("blocks"):
+                (x, h), cache = self.blocks((x, h), inputs, cache)
+            with jax.named_scope("ln_f"):
+                _, x = add_and_norm(self.ln_f, x, h)
+            return x, cache
         h, new_cache = None, []
         for i, block in enumerate(self.blocks):
             with jax.named_scope(f"block_{i}"):
@@ -154,7 +173,7 @@ class Decoder(nn.Module):
     def decode(
         self,
         tokens: jax.Array,
-        cache: list[KVCache],
+        cache: list[KVCache] | KVCache,
         cache_index: jax.Array | int,
         positions: jax.Array | None = None,
         key_mask: jax.Array | None = None,
@@ -173,6 +192,41 @@ class Decoder(nn.Module):
         inputs = AttentionInputs(positions, True, key_mask, cache_index)
         x, cache = self.hidden(tokens, inputs, cache)
         return self.logits(x), cache
+
+
+class _ScanLayer(nn.Module):
+    """One layer as `nn.scan` wants it: (carry (x, h), inputs, cache) -> ((x, h), cache)."""
+
+    cfg: ModelConfig
+    plan: ops.OpPlan
+    block: Callable[..., nn.Module]
+
+    @nn.compact
+    def __call__(
+        self, carry: tuple[jax.Array, jax.Array], inputs: AttentionInputs, cache: KVCache | None
+    ) -> tuple[tuple[jax.Array, jax.Array], KVCache | None]:
+        x, h, cache = self.block(self.cfg, self.plan, name="block")(*carry, inputs, cache)
+        return (x, h), cache
+
+
+def stack_blocks(params: dict, n_layers: int) -> dict:
+    """Unrolled parameters (h0 .. h{L-1}) -> the model.scan_layers layout (blocks/block, every
+    leaf stacked on a leading (L,) axis). The other entries are kept as they are."""
+    layers = [params[f"h{i}"] for i in range(n_layers)]
+    rest = {k: v for k, v in params.items() if not _is_layer_name(k)}
+    return rest | {"blocks": {"block": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}}
+
+
+def unstack_blocks(params: dict) -> dict:
+    """The inverse of `stack_blocks`: blocks/block (leaves (L, ...)) -> h0 .. h{L-1}."""
+    stacked = params["blocks"]["block"]
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    rest = {k: v for k, v in params.items() if k != "blocks"}
+    return rest | {f"h{i}": jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)}
+
+
+def _is_layer_name(name: str) -> bool:
+    return name.startswith("h") and name[1:].isdigit()
 
 
 # ----------------------------------------------------------------------------- inputs, cache
@@ -226,15 +280,24 @@ def _check_id_range(what: str, ids: jax.Array, lo: int, vocab: int) -> None:
         )
 
 
-def init_kv_cache(cfg: ModelConfig, batch: int, length: int) -> list[KVCache]:
-    """Zeroed per-layer caches of `length` slots: k, v (B, S, H, Dh) in the compute dtype."""
+def init_kv_cache(cfg: ModelConfig, batch: int, length: int) -> list[KVCache] | KVCache:
+    """Zeroed caches of `length` slots in the compute dtype: per layer k, v (B, S, H, Dh), or
+    with model.scan_layers one k, v (L, B, S, H, Dh) (batch on `cache_batch_axis`)."""
     if not 1 <= length <= cfg.context_length:
         raise ValueError(f"cache length must be in [1, {cfg.context_length}], got {length}")
     shape = (batch, length, cfg.n_heads, cfg.head_dim)
     dtype = jnp.dtype(cfg.compute_dtype)
+    if cfg.scan_layers:
+        shape = (cfg.n_layers, *shape)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
     return [
         {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.n_layers)
     ]
+
+
+def cache_batch_axis(cfg: ModelConfig) -> int:
+    """The batch axis of every array in `init_kv_cache`'s result (beam search gathers on it)."""
+    return 1 if cfg.scan_layers else 0
 
 
 # ----------------------------------------------------------------------------- loss
