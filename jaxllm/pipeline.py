@@ -1,0 +1,213 @@
+"""Pipeline parallelism: a GPipe schedule over a `pipeline` mesh axis (issue 14).
+
+The L layers of a block stack are split into S stages of L/S consecutive layers, one stage per
+device along the mesh axis `pipeline`. The batch is cut into M microbatches that flow through
+the stages like an assembly line: at clock tick k, stage s runs microbatch k - s (when that is
+a microbatch at all), then hands its output to stage s + 1. GPipe runs all M forwards this way
+(M + S - 1 ticks), then all backwards in the mirrored order; the S - 1 ticks at the start and
+end of each phase where some stages have nothing to do are the bubble,
+(S - 1) / (M + S - 1) of the step.
+
+- `gpipe_schedule`, `bubble_fraction`: the schedule as pure data (the course's
+  `_clock_cycles` helper, llmsys 11-868 assignment 4) and its idle fraction.
+- `pipeline_apply`: the forward written with `jax.shard_map` + `jax.lax.ppermute`. It works on
+  any `layer_fn(layer_params, x) -> x` and parameters stacked along a leading layer axis (the
+  layout of `model.scan_layers`: params["blocks"] with leaves (L, ...)), not on model classes.
+  The backward is not written: `jax.grad` transposes the tick loop (a `lax.scan`) into a
+  reversed loop whose ppermutes send cotangents stage s + 1 -> s, i.e. the GPipe backward.
+
+Composes with data parallelism: every mesh axis other than `pipeline` (e.g. `data`) splits the
+batch, and each stage's parameters are replicated over those axes (their gradients are summed
+over them by shard_map's transpose).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+Schedule = list[list[tuple[int, int]]]  # [tick][(microbatch, stage), ...]
+LayerFn = Callable[[Any, Any], Any]  # (one layer's params, activations) -> activations
+
+
+# ----------------------------------------------------------------------------- the schedule
+
+
+def _check_positive(**sizes: int) -> None:
+    for name, n in sizes.items():
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {n!r}")
+
+
+def gpipe_schedule(n_stages: int, n_microbatches: int) -> Schedule:
+    """The GPipe forward as data: for each clock tick k = 0 .. M + S - 2, the (microbatch,
+    stage) pairs that run at k, stages in increasing order. Stage s runs microbatch k - s, so
+    microbatch i enters stage 0 at tick i and leaves stage S - 1 at tick i + S - 1. This is the
+    course's `_clock_cycles(num_batches=M, num_partitions=S)`; for S = 3, M = 3:
+
+        k=0: (0,0)
+        k=1: (1,0) (0,1)
+        k=2: (2,0) (1,1) (0,2)
+        k=3:       (2,1) (1,2)
+        k=4:             (2,2)
+
+    The backward mirrors it: its tick k' runs the backward of the pairs of forward tick
+    M + S - 2 - k' (the last stage of the last microbatch first), and a stage's backward of
+    microbatch i runs only after stage s + 1 has sent the cotangent of its output.
+    """
+    _check_positive(n_stages=n_stages, n_microbatches=n_microbatches)
+    return [
+        [(k - s, s) for s in range(max(0, k - n_microbatches + 1), min(k + 1, n_stages))]
+        for k in range(n_microbatches + n_stages - 1)
+    ]
+
+
+def bubble_fraction(n_stages: int, n_microbatches: int) -> float:
+    """GPipe's idle fraction (S - 1) / (M + S - 1): each stage works M of the M + S - 1 ticks."""
+    _check_positive(n_stages=n_stages, n_microbatches=n_microbatches)
+    return (n_stages - 1) / (n_microbatches + n_stages - 1)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def pipeline_apply(
+    layer_fn: LayerFn,
+    stacked_params: Any,
+    x: Any,
+    *,
+    mesh: Mesh,
+    n_microbatches: int,
+    axis: str = "pipeline",
+    batch_axes: Sequence[str] | None = None,
+    remat: bool = False,
+) -> Any:
+    """Run L stacked layers as an S-stage GPipe pipeline over mesh axis `axis`.
+
+    layer_fn(layer_params, x) -> x: one layer; layer_params are stacked_params' leaves without
+        their leading axis, x a pytree of arrays (B, ...) that keeps its shapes (e.g. (x, h)).
+    stacked_params: a pytree whose leaves all have a leading layer axis L divisible by
+        S = mesh.shape[axis]; stage s holds layers s L/S .. (s + 1) L/S - 1 and runs them with
+        `lax.scan` (`remat`: recompute them in the backward, GPipe's re-materialisation).
+    x: the batch, a pytree of arrays (B, ...). B is split over `batch_axes` (default: every
+        other mesh axis, e.g. `data`), then each shard into `n_microbatches` microbatches of
+        consecutive rows.
+    Returns the last stage's outputs, same structure and shapes as x, rows in their order:
+    equal (up to float rounding) to running the L layers one after another on all of x.
+
+    Every tick, each stage runs its layers (under the named scope `pipeline_tick`, so the
+    profiler shows the M + S - 1 ticks of the forward and of the backward) and sends its output
+    to the next stage with one ppermute. Stages in their bubble compute on a dummy microbatch
+    whose results are never used: on one accelerator per stage that costs no wall time (every
+    tick waits for the busiest stage anyway); fake CPU devices that share cores do pay for it.
+    Memory per device: this stage's L/S layers, the M + S - 1 tick outputs and what the
+    backward keeps of each tick (with `remat`, only each tick's stage input).
+
+    Measuring the bubble (not implemented yet): with T_pipe the time of the pipelined step and
+    T_seq = S x the time of one stage on all M microbatches (the whole stack on one device),
+    the measured bubble is 1 - T_seq / (S T_pipe), to compare with bubble_fraction(S, M).
+    """
+    _check_positive(n_microbatches=n_microbatches)
+    if axis not in mesh.shape:
+        raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}")
+    if batch_axes is None:
+        batch_axes = tuple(a for a in mesh.axis_names if a != axis)
+    batch_axes = tuple(batch_axes)
+    for a in batch_axes:
+        if a == axis or a not in mesh.shape:
+            raise ValueError(f"batch axis {a!r} must be a mesh axis other than {axis!r}")
+
+    n_stages = mesh.shape[axis]
+    n_layers = _n_layers(stacked_params)
+    if n_layers % n_stages:
+        raise ValueError(
+            f"the {n_layers} stacked layers must split evenly into {n_stages} pipeline stages "
+            f"(mesh axis {axis!r}): n_layers % n_stages = {n_layers % n_stages}"
+        )
+    ways = 1
+    for a in batch_axes:
+        ways *= mesh.shape[a]
+    batch = _batch_size(x)
+    if batch % ways or (batch // ways) % n_microbatches:
+        raise ValueError(
+            f"batch size {batch} must split over the batch axes {batch_axes} ({ways} ways) and "
+            f"then into n_microbatches={n_microbatches}: {batch} must be divisible by "
+            f"{ways} x {n_microbatches} = {ways * n_microbatches}"
+        )
+
+    batch_spec = P(batch_axes) if batch_axes else P()
+    out_spec = P(axis, batch_axes) if batch_axes else P(axis)
+    stage_fn = _stage_fn(layer_fn, remat)
+
+    def per_device(params: Any, x: Any) -> Any:
+        # params: leaves (L/S, ...) of this stage; x: leaves (B', ...), B' = B / ways
+        stage = jax.lax.axis_index(axis)
+        n_ticks = n_microbatches + n_stages - 1
+
+        def split(a: jax.Array) -> jax.Array:
+            mbs = a.reshape(n_microbatches, -1, *a.shape[1:])  # (M, B'/M, ...)
+            pad = jnp.zeros((n_stages - 1, *mbs.shape[1:]), a.dtype)  # stage 0's bubble input
+            return jnp.concatenate([mbs, pad])  # (M + S - 1, B'/M, ...)
+
+        feed = jax.tree.map(split, x)  # what stage 0 reads at each tick
+        # What each stage received from the previous one; varying over `axis` like the sends.
+        recv = jax.tree.map(lambda a: jax.lax.pcast(jnp.zeros_like(a[0]), axis, to="varying"), feed)
+        shift = [(s, s + 1) for s in range(n_stages - 1)]  # stage s -> s + 1, none wraps round
+
+        def tick(recv: Any, feed_k: Any) -> tuple[Any, Any]:
+            with jax.named_scope("pipeline_tick"):
+                inp = jax.tree.map(lambda f, r: jnp.where(stage == 0, f, r), feed_k, recv)
+                out = stage_fn(params, inp)  # (B'/M, ...) this stage's microbatch k - stage
+                if n_stages > 1:
+                    recv = jax.tree.map(lambda a: jax.lax.ppermute(a, axis, shift), out)
+            return recv, out
+
+        _, outs = jax.lax.scan(tick, recv, feed, length=n_ticks)  # (M + S - 1, B'/M, ...)
+        # On the last stage, tick S - 1 + i finished microbatch i.
+        return jax.tree.map(
+            lambda o: o[n_stages - 1 :].reshape(1, -1, *o.shape[2:]), outs
+        )  # (1, B', ...)
+
+    stages_out = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(P(axis), batch_spec),
+        out_specs=out_spec,
+    )(stacked_params, x)  # (S, B, ...): one slice per stage
+    return jax.tree.map(lambda o: o[-1], stages_out)  # (B, ...) the last stage's
+
+
+def _stage_fn(layer_fn: LayerFn, remat: bool) -> Callable[[Any, Any], Any]:
+    """(params with leaves (L/S, ...), x) -> x after this stage's L/S layers, in order."""
+
+    def stage(params: Any, x: Any) -> Any:
+        x, _ = jax.lax.scan(lambda h, p: (layer_fn(p, h), None), x, params)
+        return x
+
+    return jax.checkpoint(stage) if remat else stage
+
+
+def _n_layers(stacked_params: Any) -> int:
+    sizes = {jnp.shape(p)[0] if jnp.ndim(p) else 0 for p in jax.tree.leaves(stacked_params)}
+    if len(sizes) != 1 or 0 in sizes:
+        raise ValueError(
+            "stacked_params must be a non-empty pytree whose leaves all share one leading "
+            f"layer axis; got leading sizes {sorted(sizes)}"
+        )
+    return sizes.pop()
+
+
+def _batch_size(x: Any) -> int:
+    sizes = {jnp.shape(a)[0] if jnp.ndim(a) else 0 for a in jax.tree.leaves(x)}
+    if len(sizes) != 1 or 0 in sizes:
+        raise ValueError(
+            "x must be a non-empty pytree of arrays that share one leading batch axis; got "
+            f"leading sizes {sorted(sizes)}"
+        )
+    return sizes.pop()

@@ -1,0 +1,258 @@
+"""jaxllm.pipeline: the GPipe schedule helper, and the shard_map engine against running the
+layers one after another (forward, and gradients w.r.t. the stacked params and the input).
+
+The multi-device checks need 8 fake CPU devices, which XLA creates only if its flag is set
+before jax is imported: one subprocess imports this file and runs `_check_pipelines`, which
+prints its results as one JSON line for `test_pipelines_on_8_devices` to judge.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from jaxllm.pipeline import bubble_fraction, gpipe_schedule, pipeline_apply
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+D = 16  # toy model width
+
+
+# ----------------------------------------------------------------------------- toy stack
+
+
+def mlp_layer(p: dict, x: jax.Array) -> jax.Array:
+    """One toy layer: a residual MLP, (b, D) -> (b, D)."""
+    return x + jnp.tanh(x @ p["w"] + p["b"])
+
+
+def pair_layer(p: dict, xh: tuple) -> tuple:
+    """A layer with a pytree carry, like the decoder's (x, h): the pending residual add first."""
+    x, h = xh
+    x = x + h
+    return x, jnp.tanh(x @ p["w"] + p["b"])
+
+
+def sequential(layer_fn, params, x):
+    """The reference: all L layers one after another on the whole batch."""
+    return jax.lax.scan(lambda h, p: (layer_fn(p, h), None), x, params)[0]
+
+
+def toy(n_layers: int, batch: int, seed: int = 0) -> tuple[dict, jax.Array]:
+    kw, kb, kx = jax.random.split(jax.random.PRNGKey(seed), 3)
+    params = {
+        "w": jax.random.normal(kw, (n_layers, D, D)) / np.sqrt(D),  # (L, D, D)
+        "b": 0.1 * jax.random.normal(kb, (n_layers, D)),  # (L, D)
+    }
+    return params, jax.random.normal(kx, (batch, D))  # (B, D)
+
+
+def sum_squares(out) -> jax.Array:
+    return sum(jnp.sum(o**2) for o in jax.tree.leaves(out))
+
+
+def max_rel_err(got, want) -> float:
+    """Largest |got - want| over all leaves, relative to each leaf's largest |want|."""
+    errs = jax.tree.map(
+        lambda g, w: float(np.abs(np.asarray(g) - w).max() / np.abs(np.asarray(w)).max()),
+        got,
+        want,
+    )
+    return max(jax.tree.leaves(errs))
+
+
+def compare(layer_fn, params, x, mesh, m, **kw) -> dict[str, float]:
+    """Pipeline vs sequential: forward outputs, and grads of sum(out^2) w.r.t. (params, x)."""
+
+    def out_and_grads(f):  # one compiled program per side
+        def loss(p, x):
+            out = f(p, x)
+            return sum_squares(out), out
+
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(params, x)
+        return out, grads
+
+    def piped(p, x):
+        return pipeline_apply(layer_fn, p, x, mesh=mesh, n_microbatches=m, **kw)
+
+    got = out_and_grads(piped)
+    want = out_and_grads(lambda p, x: sequential(layer_fn, p, x))
+    return {"out": max_rel_err(got[0], want[0]), "grads": max_rel_err(got[1], want[1])}
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def test_gpipe_schedule_matches_hand_tables():
+    # The course's example (S = 3 partitions, M = 3 microbatches); pairs are (microbatch, stage).
+    assert gpipe_schedule(3, 3) == [
+        [(0, 0)],
+        [(1, 0), (0, 1)],
+        [(2, 0), (1, 1), (0, 2)],
+        [(2, 1), (1, 2)],
+        [(2, 2)],
+    ]
+    assert gpipe_schedule(3, 4) == [
+        [(0, 0)],
+        [(1, 0), (0, 1)],
+        [(2, 0), (1, 1), (0, 2)],
+        [(3, 0), (2, 1), (1, 2)],
+        [(3, 1), (2, 2)],
+        [(3, 2)],
+    ]
+    assert gpipe_schedule(4, 2) == [  # fewer microbatches than stages
+        [(0, 0)],
+        [(1, 0), (0, 1)],
+        [(1, 1), (0, 2)],
+        [(1, 2), (0, 3)],
+        [(1, 3)],
+    ]
+    assert gpipe_schedule(1, 3) == [[(0, 0)], [(1, 0)], [(2, 0)]]  # no pipeline: no bubble
+    assert gpipe_schedule(3, 1) == [[(0, 0)], [(0, 1)], [(0, 2)]]  # one microbatch: sequential
+
+
+@pytest.mark.parametrize("s, m", [(1, 1), (2, 5), (4, 4), (5, 2), (8, 16)])
+def test_gpipe_schedule_invariants_and_bubble(s, m):
+    ticks = gpipe_schedule(s, m)
+    assert len(ticks) == m + s - 1
+    pairs = [(i, j, k) for k, tick in enumerate(ticks) for i, j in tick]
+    # Every (microbatch, stage) runs exactly once, at tick microbatch + stage.
+    assert sorted((i, j) for i, j, _ in pairs) == [(i, j) for i in range(m) for j in range(s)]
+    assert all(k == i + j for i, j, k in pairs)
+    # Idle (stage, tick) slots over all slots is the bubble fraction.
+    assert bubble_fraction(s, m) == pytest.approx(1 - len(pairs) / (s * len(ticks)))
+
+
+def test_bubble_fraction_values():
+    assert bubble_fraction(1, 7) == 0.0
+    assert bubble_fraction(4, 1) == pytest.approx(3 / 4)
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction(4, 29) == pytest.approx(0.09375)
+
+
+@pytest.mark.parametrize("s, m", [(0, 4), (3, 0), (-1, 2), (2.0, 2), (True, 2)])
+def test_schedule_refuses_bad_sizes(s, m):
+    with pytest.raises(ValueError, match=r"must be an integer >= 1"):
+        gpipe_schedule(s, m)
+    with pytest.raises(ValueError, match=r"must be an integer >= 1"):
+        bubble_fraction(s, m)
+
+
+# ----------------------------------------------------------------------------- one device
+
+
+def one_stage_mesh() -> Mesh:
+    return Mesh(np.array(jax.devices()[:1]), ("pipeline",))
+
+
+def test_one_stage_pipeline_is_sequential():
+    params, x = toy(n_layers=3, batch=8)
+    errs = compare(mlp_layer, params, x, one_stage_mesh(), m=4)
+    assert errs["out"] < 1e-6 and errs["grads"] < 1e-5, errs
+    # The ticks are visible to the profiler: HLO op names carry the scope.
+    hlo = (
+        jax.jit(
+            lambda p, x: pipeline_apply(mlp_layer, p, x, mesh=one_stage_mesh(), n_microbatches=2)
+        )
+        .lower(params, x)
+        .as_text(debug_info=True)
+    )
+    assert "pipeline_tick" in hlo
+
+
+def test_pipeline_apply_refusals():
+    mesh = one_stage_mesh()
+    params, x = toy(n_layers=2, batch=6)
+    with pytest.raises(ValueError, match=r"n_microbatches must be an integer >= 1, got 0"):
+        pipeline_apply(mlp_layer, params, x, mesh=mesh, n_microbatches=0)
+    with pytest.raises(ValueError, match=r"batch size 6 .* divisible by 1 x 4 = 4"):
+        pipeline_apply(mlp_layer, params, x, mesh=mesh, n_microbatches=4)
+    with pytest.raises(ValueError, match=r"mesh has no axis 'pp'"):
+        pipeline_apply(mlp_layer, params, x, mesh=mesh, axis="pp", n_microbatches=2)
+    with pytest.raises(ValueError, match=r"share one leading layer axis; got .* \[2, 3\]"):
+        pipeline_apply(
+            mlp_layer, {**params, "b": params["b"][:1].repeat(3, 0)}, x, mesh=mesh, n_microbatches=2
+        )
+    with pytest.raises(ValueError, match=r"one leading batch axis; got .* \[5, 6\]"):
+        pipeline_apply(pair_layer, params, (x, x[:5]), mesh=mesh, n_microbatches=2)
+
+
+# ----------------------------------------------------------------------------- 8 devices
+
+
+def _check_pipelines() -> None:
+    """Runs in the 8-device subprocess; prints {case: {out, grads} errors, ...} as JSON."""
+    devices = np.array(jax.devices())
+    out = {}
+
+    # S = 4 stages of 2 layers, M = 6 microbatches; with and without re-materialisation.
+    mesh = Mesh(devices[:4], ("pipeline",))
+    params, x = toy(n_layers=8, batch=24)
+    out["pp4_m6"] = compare(mlp_layer, params, x, mesh, m=6)
+    out["pp4_m6_remat"] = compare(mlp_layer, params, x, mesh, m=6, remat=True)
+
+    # DP x PP: data=2 x pipeline=4, 1 layer per stage, 12 rows = 2 shards x 3 microbatches x 2.
+    dp_pp = Mesh(devices.reshape(2, 4), ("data", "pipeline"))
+    dp_params, dp_x = toy(n_layers=4, batch=12, seed=1)
+    out["dp2_pp4_m3"] = compare(mlp_layer, dp_params, dp_x, dp_pp, m=3)
+
+    # S = 8 > M = 2, and a pytree carry (x, h) like the decoder blocks'.
+    params, x = toy(n_layers=8, batch=4, seed=2)
+    xh = (x, jnp.zeros_like(x))
+    out["pp8_m2_pair"] = compare(pair_layer, params, xh, Mesh(devices, ("pipeline",)), m=2)
+
+    # The backward: jax.grad's transposed tick loop sends cotangents stage s + 1 -> s.
+    jaxpr = jax.make_jaxpr(
+        jax.grad(
+            lambda p, x: sum_squares(pipeline_apply(mlp_layer, p, x, mesh=dp_pp, n_microbatches=3))
+        )
+    )(dp_params, dp_x)
+    text = str(jaxpr)
+    out["forward_shift"] = "perm=((0, 1), (1, 2), (2, 3))" in text
+    out["backward_shift"] = "perm=((1, 0), (2, 1), (3, 2))" in text
+
+    def error(n_layers: int, batch: int) -> str:
+        p, x = toy(n_layers, batch)
+        try:
+            pipeline_apply(mlp_layer, p, x, mesh=dp_pp, n_microbatches=3)
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    out["errors"] = {"layers": error(n_layers=6, batch=12), "batch": error(n_layers=4, batch=10)}
+    print(json.dumps(out))
+
+
+def test_pipelines_on_8_devices():
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false",
+        "JAX_PLATFORMS": "cpu",
+    }
+    code = (
+        f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_pipeline as t; "
+        "t._check_pipelines()"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    for case in ("pp4_m6", "pp4_m6_remat", "dp2_pp4_m3", "pp8_m2_pair"):
+        assert got[case]["out"] < 1e-6, (case, got[case])
+        assert got[case]["grads"] < 1e-5, (case, got[case])
+    assert got["forward_shift"] and got["backward_shift"]
+    assert "6 stacked layers must split evenly into 4 pipeline stages" in got["errors"]["layers"]
+    assert (
+        "batch size 10 must split over the batch axes ('data',) (2 ways)" in got["errors"]["batch"]
+    )
+    assert "divisible by 2 x 3 = 6" in got["errors"]["batch"]
