@@ -203,9 +203,15 @@ def compile_model(model: Any, how: str) -> Any:
 def load_flax_params(model: Any, params: Any) -> None:
     """Copy a jaxllm Flax parameter tree into `model` (built from the same config): names map
     h{i} -> blocks.{i}, embed -> wte, lm_head -> head, kernel -> weight (transposed: Flax keeps
-    (in, out), torch (out, in)), scale and embedding -> weight."""
+    (in, out), torch (out, in)), scale and embedding -> weight. A model.scan_layers tree
+    (blocks/block, stacked) is unstacked first."""
     torch = require_torch(cuda=False)
     import jax
+
+    from jaxllm.models import unstack_blocks
+
+    if "blocks" in params:
+        params = unstack_blocks(params)
 
     state = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
