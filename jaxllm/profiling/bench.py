@@ -38,6 +38,7 @@ import gc
 import json
 import statistics
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -284,6 +285,12 @@ def summarize(samples: Sequence[float]) -> Measured:
     return Measured("ok", statistics.fmean(samples), std)
 
 
+# Tracing a Flax model is not thread-safe (nn.scan builds module classes while it traces:
+# "dictionary changed size during iteration"): threads trace and lower one at a time and
+# compile (the slow part, GIL released) in parallel.
+_TRACING = threading.Lock()
+
+
 def build_step(
     mode: str, holder: dict[str, Any], batch: Batch, apply: Callable[..., Any]
 ) -> Callable[[], Any]:
@@ -297,7 +304,9 @@ def build_step(
 
     if mode == "train_step":
         key = jax.random.PRNGKey(1)
-        compiled = train_step.lower(state.replace(apply_fn=apply), batch, key).compile()
+        with _TRACING:
+            lowered = train_step.lower(state.replace(apply_fn=apply), batch, key)
+        compiled = lowered.compile()
 
         def step() -> Any:
             s = holder["state"]
@@ -314,7 +323,9 @@ def build_step(
     }
     if mode not in fns:
         raise BenchArgError(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
-    compiled = jax.jit(fns[mode]).lower(state.params, batch).compile()
+    with _TRACING:
+        lowered = jax.jit(fns[mode]).lower(state.params, batch)
+    compiled = lowered.compile()
     return lambda: compiled(holder["state"].params, batch)
 
 
