@@ -11,7 +11,8 @@ Minimal memory traffic, R = B*H*Tq rows of Tk, s bytes per element:
   backward: read probs, dprobs; write dscores  = 3 * R * Tk * s
   (rows over `max_block` read the input a second time in each direction.)
 Backward: dx = scale * y * (dy - sum(dy * y)) in one pass over the row.
-Backend: Triton lowering (pallas_kernels/triton_backend.py says why).
+Backend: Triton lowering by default; `backend="mosaic_gpu"` runs attention_softmax_mgpu.py's
+kernels in the same custom VJP (pallas_kernels/triton_backend.py picks and validates the lowering).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .triton_backend import compiler_params, resolve_interpret
+from .triton_backend import check_backend, compiler_params, resolve_interpret
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -171,7 +172,11 @@ def _bwd_kernel(y_ref, dy_ref, dx_ref, *, cfg: Config, scale: float):
     jax.lax.fori_loop(0, n_chunks, write_step, 0)
 
 
-def _forward(x, mask, cfg, scale, causal, lay, interpret):
+def _forward(x, mask, cfg, scale, causal, lay, interpret, backend: str):
+    if backend == "mosaic_gpu":
+        from . import attention_softmax_mgpu as mgpu
+
+        return mgpu.forward(x, mask, cfg[0], scale, causal, mgpu.Layout(*lay))
     args = (x,) if mask is None else (x, mask)
     return pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, scale=scale, causal=causal, lay=lay),
@@ -183,7 +188,11 @@ def _forward(x, mask, cfg, scale, causal, lay, interpret):
     )(*args)
 
 
-def _backward(y, dy, cfg, scale, interpret):
+def _backward(y, dy, cfg, scale, n_queries: int, interpret, backend: str):
+    if backend == "mosaic_gpu":
+        from . import attention_softmax_mgpu
+
+        return attention_softmax_mgpu.backward(y, dy, cfg[1], scale, n_queries)
     return pl.pallas_call(
         functools.partial(_bwd_kernel, cfg=cfg, scale=scale),
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
@@ -194,20 +203,20 @@ def _backward(y, dy, cfg, scale, interpret):
     )(y, dy)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _softmax(x, mask, cfg, scale, causal, lay, interpret):
-    return _forward(x, mask, cfg, scale, causal, lay, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _softmax(x, mask, cfg, scale, causal, lay, interpret, backend):
+    return _forward(x, mask, cfg, scale, causal, lay, interpret, backend)
 
 
-def _softmax_fwd(x, mask, cfg, scale, causal, lay, interpret):
-    y = _forward(x, mask, cfg, scale, causal, lay, interpret)
+def _softmax_fwd(x, mask, cfg, scale, causal, lay, interpret, backend):
+    y = _forward(x, mask, cfg, scale, causal, lay, interpret, backend)
     return y, (y, mask)
 
 
-def _softmax_bwd(cfg, scale, causal, lay, interpret, res, dy):
+def _softmax_bwd(cfg, scale, causal, lay, interpret, backend, res, dy):
     y, mask = res
     dmask = None if mask is None else jnp.zeros_like(mask)
-    return _backward(y, dy, cfg, scale, interpret), dmask
+    return _backward(y, dy, cfg, scale, lay.n_queries, interpret, backend), dmask
 
 
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
@@ -245,17 +254,32 @@ def attention_softmax(
     causal: bool = False,
     scale: float | None = None,
     interpret: bool | None = None,
-    config: Config | None = None,
+    config=None,
+    backend: str = "triton",
 ) -> jax.Array:
     """softmax(scale * scores + mask) over keys; scores (B, H, Tq, Tk) -> probs, same dtype.
 
     mask: additive float, (B or 1, 1, Tq or 1, Tk) or fewer leading dims; it gets no gradient.
     causal: key j allowed for query i iff j <= i + (Tk - Tq). Fully masked rows give zeros.
-    Math is float32. `config` overrides the tuned block sizes (benchmarks use it).
+    Math is float32. `config` overrides the tuned block sizes (benchmarks use it): a Config for
+    backend "triton", an attention_softmax_mgpu.Config (both directions) for "mosaic_gpu".
     """
     mask4 = _check(scores, mask, scale)
+    check_backend(backend, interpret)
     b, h, tq, tk = scores.shape
-    cfg = config or default_config(tk)
+    if backend == "mosaic_gpu":
+        from . import attention_softmax_mgpu
+
+        if config is not None and not isinstance(config, attention_softmax_mgpu.Config):
+            raise ValueError(
+                f"backend='mosaic_gpu' takes an attention_softmax_mgpu.Config: {config}"
+            )
+        cfgs = attention_softmax_mgpu.configs(tq, tk, scores.dtype, mask4 is not None)
+        cfg, interpret = ((config, config) if config else cfgs), False
+    else:
+        if config is not None and not isinstance(config, Config):
+            raise ValueError(f"backend='triton' takes an attention_softmax.Config, got {config}")
+        cfg, interpret = config or default_config(tk), resolve_interpret(interpret)
     lay = _Layout(
         heads=h,
         n_queries=tq,
@@ -265,7 +289,5 @@ def attention_softmax(
     )
     mask2 = None if mask4 is None else mask4.reshape(-1, tk)  # (Bm * Tqm, Tk)
     scale = 1.0 if scale is None else float(scale)
-    y = _softmax(
-        scores.reshape(-1, tk), mask2, cfg, scale, bool(causal), lay, resolve_interpret(interpret)
-    )
+    y = _softmax(scores.reshape(-1, tk), mask2, cfg, scale, bool(causal), lay, interpret, backend)
     return y.reshape(scores.shape)

@@ -23,7 +23,8 @@ float32 registers, written once per program as partial sums that one small jnp.s
 Memory traffic, s bytes per element (the minimum: each input read once, each output written once):
   forward : read u, write out    = (L + Lo) B D s   (+ w, b; halo K - 1 rows per strip)
   backward: read u, g; write du  = (2 L + Lo) B D s (+ w; partials (K + 1) D 4 bytes per strip)
-Backend: Triton lowering (pallas_kernels/triton_backend.py says why).
+Backend: Triton lowering by default; `backend="mosaic_gpu"` runs depthwise_conv1d_mgpu.py's
+kernels in the same custom VJP (pallas_kernels/triton_backend.py picks and validates the lowering).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .reference import CONV_MODES, conv1d_padding
-from .triton_backend import compiler_params, core_count, resolve_interpret
+from .triton_backend import check_backend, compiler_params, core_count, resolve_interpret
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_KERNEL = 7  # the K taps are unrolled
@@ -246,7 +247,11 @@ def _grid(n_batch: int, n_rows: int, n_channels: int, cfg: Config, programs: int
     return (n_dblocks, pl.cdiv(n_steps, steps), n_batch), steps
 
 
-def _forward(u, w, b, mode: str, interpret: bool, cfg: Config) -> jax.Array:
+def _forward(u, w, b, mode: str, interpret: bool, cfg, backend: str = "triton") -> jax.Array:
+    if backend == "mosaic_gpu":
+        from . import depthwise_conv1d_mgpu
+
+        return depthwise_conv1d_mgpu.forward(u, w, b, mode, cfg)
     n_batch, n_len, n_channels = u.shape
     left, right = conv1d_padding(w.shape[1], mode)
     out_len = n_len + left + right - w.shape[1] + 1
@@ -262,7 +267,11 @@ def _forward(u, w, b, mode: str, interpret: bool, cfg: Config) -> jax.Array:
     )(u, w, b)
 
 
-def _backward(u, w, g, mode: str, interpret: bool, cfg: Config):
+def _backward(u, w, g, mode: str, interpret: bool, cfg, backend: str = "triton"):
+    if backend == "mosaic_gpu":
+        from . import depthwise_conv1d_mgpu
+
+        return depthwise_conv1d_mgpu.backward(u, w, g, mode, cfg)
     n_batch, n_len, n_channels = u.shape
     k_size = w.shape[1]
     left, _ = conv1d_padding(k_size, mode)
@@ -283,18 +292,18 @@ def _backward(u, w, g, mode: str, interpret: bool, cfg: Config):
     return du, jnp.sum(dw_part, axis=0), jnp.sum(db_part, axis=0)  # dw (D, K), db (D,)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _conv(u, w, b, mode, interpret, cfgs):
-    return _forward(u, w, b, mode, interpret, cfgs[0])
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _conv(u, w, b, mode, interpret, cfgs, backend):
+    return _forward(u, w, b, mode, interpret, cfgs[0], backend)
 
 
-def _conv_fwd(u, w, b, mode, interpret, cfgs):
-    return _forward(u, w, b, mode, interpret, cfgs[0]), (u, w, b)
+def _conv_fwd(u, w, b, mode, interpret, cfgs, backend):
+    return _forward(u, w, b, mode, interpret, cfgs[0], backend), (u, w, b)
 
 
-def _conv_bwd(mode, interpret, cfgs, res, g):
+def _conv_bwd(mode, interpret, cfgs, backend, res, g):
     u, w, b = res
-    du, dw, db = _backward(u, w, g, mode, interpret, cfgs[1])
+    du, dw, db = _backward(u, w, g, mode, interpret, cfgs[1], backend)
     return du, dw.astype(w.dtype), db.astype(b.dtype)
 
 
@@ -335,7 +344,8 @@ def depthwise_conv1d(
     mode: str = "same",
     interpret: bool | None = None,
     *,
-    config: Config | None = None,
+    config=None,
+    backend: str = "triton",
 ) -> jax.Array:
     """Depthwise conv1d: u (B, L, D), w (D, K), b (D,) -> (B, Lo, D) in u's dtype.
 
@@ -343,8 +353,21 @@ def depthwise_conv1d(
     (the course's padding of K - 1 zeros on both ends). K may exceed L: the padding defines it.
     Math is float32; dw and db come back in w's and b's dtypes. `config` overrides the tiling of
     both kernels (benchmarks use it); by default each direction takes `default_config`.
+    `backend`: "triton" or "mosaic_gpu" (triton_backend.py); the latter takes a
+    depthwise_conv1d_mgpu.Config.
     """
+    check_backend(backend, interpret)
+    if backend == "mosaic_gpu":
+        from . import depthwise_conv1d_mgpu as mgpu
+
+        _check(u, w, b, mode, None)
+        if config is not None and not isinstance(config, mgpu.Config):
+            raise ValueError(f"backend='mosaic_gpu' takes a depthwise_conv1d_mgpu.Config: {config}")
+        cfg = config or mgpu.default_config(u.shape, u.dtype, w.shape[1])
+        return _conv(u, w, b, mode, False, (cfg, cfg), backend)
+    if config is not None and not isinstance(config, Config):
+        raise ValueError(f"backend='triton' takes a depthwise_conv1d.Config, got {config}")
     _check(u, w, b, mode, config)
     fwd_cfg = config or default_config(u.shape, u.dtype)
     bwd_cfg = config or default_config(u.shape, u.dtype, backward=True)
-    return _conv(u, w, b, mode, resolve_interpret(interpret), (fwd_cfg, bwd_cfg))
+    return _conv(u, w, b, mode, resolve_interpret(interpret), (fwd_cfg, bwd_cfg), backend)

@@ -14,12 +14,14 @@ Minimal memory traffic, N rows of D, s bytes per element of x:
   forward : read x, write y       = 2 * N * D * s  (+ 8 N for mean/rstd, + gamma/beta)
   backward: read x, dy; write dx  = 3 * N * D * s  (+ 8 N for mean/rstd, + 8 G D for partials)
   add_layer_norm: + read h, write s forward; + read ds, write dh backward
-Backend: Triton lowering (pallas_kernels/triton_backend.py says why).
+Backend: Triton lowering by default; `backend="mosaic_gpu"` runs layer_norm_mgpu.py's kernels in
+the same custom VJP (pallas_kernels/triton_backend.py picks and validates the lowering).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .triton_backend import compiler_params, core_count, resolve_interpret
+from .triton_backend import check_backend, compiler_params, core_count, resolve_interpret
 
 DTYPES = (jnp.float32, jnp.bfloat16)
 MAX_HIDDEN = 16384  # one row lives in registers; 16k float32 over 16 warps is 32 per thread
@@ -143,8 +145,12 @@ def _bwd_kernel(*refs, block_rows: int, steps: int, residual: bool):
     pltriton.store(db_ref.at[part, cols], jnp.sum(db_acc, axis=0), mask=col_ok)
 
 
-def _forward(x, h, gamma, beta, eps: float, out_dtype, interpret: bool, cfg: Config):
+def _forward(x, h, gamma, beta, eps: float, out_dtype, interpret: bool, cfg, backend: str):
     """(y, mean, rstd), or (s = x + h, y, mean, rstd) when h is given."""
+    if backend == "mosaic_gpu":
+        from . import layer_norm_mgpu
+
+        return layer_norm_mgpu.forward(x, h, gamma, beta, eps, out_dtype, cfg)
     n_rows, n_cols = x.shape  # (N, D)
     n_programs, steps = _grid(n_rows, cfg)
     stats = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
@@ -165,8 +171,12 @@ def _forward(x, h, gamma, beta, eps: float, out_dtype, interpret: bool, cfg: Con
     )(*((x, h) if residual else (x,)), gamma, beta)
 
 
-def _backward(x, gamma, dy, ds, h_dtype, mean, rstd, interpret: bool, cfg: Config):
+def _backward(x, gamma, dy, ds, h_dtype, mean, rstd, interpret: bool, cfg, backend: str):
     """(dx, dgamma, dbeta), or (dx, dh, dgamma, dbeta) when ds (the gradient of s) is given."""
+    if backend == "mosaic_gpu":
+        from . import layer_norm_mgpu
+
+        return layer_norm_mgpu.backward(x, gamma, dy, ds, h_dtype, mean, rstd, cfg)
     n_rows, n_cols = x.shape
     n_programs, steps = _grid(n_rows, cfg)
     part = jax.ShapeDtypeStruct((n_programs, n_cols), jnp.float32)
@@ -185,39 +195,40 @@ def _backward(x, gamma, dy, ds, h_dtype, mean, rstd, interpret: bool, cfg: Confi
     return (*grads, jnp.sum(dg_part, axis=0), jnp.sum(db_part, axis=0))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _layer_norm(x, gamma, beta, eps, out_dtype, interpret, cfgs):
-    return _forward(x, None, gamma, beta, eps, out_dtype, interpret, cfgs[0])[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _layer_norm(x, gamma, beta, eps, out_dtype, interpret, cfgs, backend):
+    return _forward(x, None, gamma, beta, eps, out_dtype, interpret, cfgs[0], backend)[0]
 
 
-def _layer_norm_fwd(x, gamma, beta, eps, out_dtype, interpret, cfgs):
-    y, mean, rstd = _forward(x, None, gamma, beta, eps, out_dtype, interpret, cfgs[0])
+def _layer_norm_fwd(x, gamma, beta, eps, out_dtype, interpret, cfgs, backend):
+    y, mean, rstd = _forward(x, None, gamma, beta, eps, out_dtype, interpret, cfgs[0], backend)
     return y, (x, gamma, beta, mean, rstd)
 
 
-def _layer_norm_bwd(eps, out_dtype, interpret, cfgs, res, dy):
+def _layer_norm_bwd(eps, out_dtype, interpret, cfgs, backend, res, dy):
     x, gamma, beta, mean, rstd = res
-    dx, dg, db = _backward(x, gamma, dy, None, None, mean, rstd, interpret, cfgs[1])
+    dx, dg, db = _backward(x, gamma, dy, None, None, mean, rstd, interpret, cfgs[1], backend)
     return dx, dg.astype(gamma.dtype), db.astype(beta.dtype)
 
 
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _add_layer_norm(x, h, gamma, beta, eps, out_dtype, interpret, cfgs):
-    return _forward(x, h, gamma, beta, eps, out_dtype, interpret, cfgs[0])[:2]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _add_layer_norm(x, h, gamma, beta, eps, out_dtype, interpret, cfgs, backend):
+    return _forward(x, h, gamma, beta, eps, out_dtype, interpret, cfgs[0], backend)[:2]
 
 
-def _add_layer_norm_fwd(x, h, gamma, beta, eps, out_dtype, interpret, cfgs):
-    s, y, mean, rstd = _forward(x, h, gamma, beta, eps, out_dtype, interpret, cfgs[0])
+def _add_layer_norm_fwd(x, h, gamma, beta, eps, out_dtype, interpret, cfgs, backend):
+    s, y, mean, rstd = _forward(x, h, gamma, beta, eps, out_dtype, interpret, cfgs[0], backend)
     return (s, y), (s, jnp.zeros((0,), h.dtype), gamma, beta, mean, rstd)
 
 
-def _add_layer_norm_bwd(eps, out_dtype, interpret, cfgs, res, cts):
+def _add_layer_norm_bwd(eps, out_dtype, interpret, cfgs, backend, res, cts):
     s, h_like, gamma, beta, mean, rstd = res
     ds, dy = cts
-    dx, dh, dg, db = _backward(s, gamma, dy, ds, h_like.dtype, mean, rstd, interpret, cfgs[1])
+    h_dtype = h_like.dtype
+    dx, dh, dg, db = _backward(s, gamma, dy, ds, h_dtype, mean, rstd, interpret, cfgs[1], backend)
     return dx, dh, dg.astype(gamma.dtype), db.astype(beta.dtype)
 
 
@@ -239,13 +250,31 @@ def _check(x, gamma, beta) -> None:
             raise ValueError(f"{name} must be floating point, got {p.dtype}")
 
 
-def _prepare(x, gamma, beta, out_dtype, config: Config | None):
-    """Check the public arguments; returns (out_dtype, (forward, backward) configs)."""
+def _prepare(x, gamma, beta, out_dtype, config, backend: str, interpret, h_dtype=None):
+    """Check the public arguments; returns (out_dtype, (forward, backward) configs, interpret).
+
+    `config` is a Config (Triton) or a layer_norm_mgpu.Config (Mosaic GPU; used for both
+    directions, which share the forward's row blocks)."""
     _check(x, gamma, beta)
+    check_backend(backend, interpret)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if out_dtype not in DTYPES:
         raise ValueError(f"out_dtype must be one of float32, bfloat16, got {out_dtype}")
-    return out_dtype, ((config, config) if config else default_configs(x.shape[-1]))
+    if backend == "mosaic_gpu":
+        from . import layer_norm_mgpu
+
+        if config is not None and not isinstance(config, layer_norm_mgpu.Config):
+            raise ValueError(f"backend='mosaic_gpu' takes a layer_norm_mgpu.Config, got {config}")
+        n_rows = math.prod(x.shape[:-1])
+        param_bytes = gamma.dtype.itemsize + beta.dtype.itemsize
+        cfgs = layer_norm_mgpu.configs(
+            n_rows, x.shape[-1], x.dtype, out_dtype, h_dtype, param_bytes
+        )
+        return out_dtype, ((config, config) if config else cfgs), False
+    if config is not None and not isinstance(config, Config):
+        raise ValueError(f"backend='triton' takes a layer_norm.Config, got {config}")
+    cfgs = (config, config) if config else default_configs(x.shape[-1])
+    return out_dtype, cfgs, resolve_interpret(interpret)
 
 
 def layer_norm(
@@ -256,25 +285,19 @@ def layer_norm(
     interpret: bool | None = None,
     *,
     out_dtype=None,
-    config: Config | None = None,
+    config=None,
+    backend: str = "triton",
 ) -> jax.Array:
     """LayerNorm over the last axis: x (..., D), gamma/beta (D,) -> (..., D) in `out_dtype`
     (default x's dtype; float32 x to bfloat16 y is the mixed-precision pre-norm case: the kernel
     writes the matmul's input directly, and takes its bfloat16 gradient).
 
     Statistics are float32. `config` overrides the tuned block sizes of both directions
-    (benchmarks use it).
+    (benchmarks use it). `backend`: "triton" or "mosaic_gpu" (triton_backend.py).
     """
-    out_dtype, cfgs = _prepare(x, gamma, beta, out_dtype, config)
-    y = _layer_norm(
-        x.reshape(-1, x.shape[-1]),
-        gamma,
-        beta,
-        float(eps),
-        out_dtype,
-        resolve_interpret(interpret),
-        cfgs,
-    )
+    out_dtype, cfgs, interpret = _prepare(x, gamma, beta, out_dtype, config, backend, interpret)
+    flat = x.reshape(-1, x.shape[-1])
+    y = _layer_norm(flat, gamma, beta, float(eps), out_dtype, interpret, cfgs, backend)
     return y.reshape(x.shape)
 
 
@@ -287,16 +310,20 @@ def add_layer_norm(
     interpret: bool | None = None,
     *,
     out_dtype=None,
-    config: Config | None = None,
+    config=None,
+    backend: str = "triton",
 ) -> tuple[jax.Array, jax.Array]:
     """The pre-norm residual step in one kernel: s = x + h, y = LayerNorm(s).
 
     x (..., D) the residual stream, h (..., D) a branch output (any float dtype, e.g. bf16);
     returns (s in x's dtype, y in `out_dtype`, default x's dtype). One pass reads x and h and
     writes s and y; the backward reads s, dy, ds and writes dx and dh (= dx in h's dtype) in one
-    pass too, instead of a LayerNorm plus separate add and convert passes.
+    pass too, instead of a LayerNorm plus separate add and convert passes. `backend` as in
+    `layer_norm`.
     """
-    out_dtype, cfgs = _prepare(x, gamma, beta, out_dtype, config)
+    out_dtype, cfgs, interpret = _prepare(
+        x, gamma, beta, out_dtype, config, backend, interpret, h.dtype
+    )
     if h.shape != x.shape or h.dtype not in DTYPES:
         raise ValueError(
             f"h must match x's shape {x.shape} with a float32/bfloat16 dtype, got "
@@ -310,7 +337,8 @@ def add_layer_norm(
         beta,
         float(eps),
         out_dtype,
-        resolve_interpret(interpret),
+        interpret,
         cfgs,
+        backend,
     )
     return s.reshape(x.shape), y.reshape(x.shape)

@@ -1,17 +1,24 @@
-"""The one place that picks how our Pallas kernels are lowered on GPU: the Triton lowering.
+"""The one place that picks how our Pallas kernels are lowered on GPU: Triton or Mosaic GPU.
 
-Why Triton and not Mosaic GPU (jax's default Pallas GPU backend from 0.10): the three kernels are
-row reductions and stencils over 2-D tiles whose shapes are not multiples of a warpgroup tile
-(hidden sizes like 768, odd key lengths, ragged tails). The Triton lowering takes masked gathers
-over power-of-two tiles, does the cross-thread reductions itself and runs on any sm_80+ card;
-benchmarks/RESULTS.md (section "Pallas kernels") has the numbers showing how close to the measured
-copy bandwidth this gets on the H100, which bounds what any other backend could gain.
+Every public kernel function takes `backend: str = "triton"`; `check_backend` validates it here, so
+the choice and its rules live in one module:
+
+* "triton" (the default): Pallas' Triton lowering. The kernels are row reductions and stencils over
+  2-D tiles whose shapes need not be multiples of a warpgroup tile (hidden sizes like 768, odd key
+  lengths, ragged tails): Triton takes masked gathers over power-of-two tiles, does the
+  cross-thread reductions itself and runs on any sm_80+ card; benchmarks/RESULTS.md (section
+  "Pallas kernels") has its H100 numbers against the measured copy bandwidth.
+* "mosaic_gpu": Pallas' Mosaic GPU lowering (`jax.experimental.pallas.mosaic_gpu`, Hopper+), in
+  the `*_mgpu.py` modules: TMA copies of whole row blocks into shared memory, explicit register
+  layouts. They assume aligned shapes (each says which, and refuses others with a ValueError) and
+  compile only on a GPU: no interpret mode, and no silent fallback to Triton.
+  benchmarks/mosaic_gpu_check.py measures both side by side; the default changes only where
+  Mosaic GPU measures at least as fast.
 
 jax 0.11 deprecates the Triton lowering and warns at every lowering (`DeprecationWarning: The
 Pallas Triton backend is deprecated and will be removed in a future JAX version.`). We silence
 exactly that message, because the choice above is deliberate and the warning fires inside the
-caller's jit, where no narrower filter can reach it. When jax drops Triton, this file is the one to
-change.
+caller's jit, where no narrower filter can reach it.
 """
 
 from __future__ import annotations
@@ -22,6 +29,28 @@ import jax
 from jax.experimental.pallas import triton as pltriton
 
 _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+
+BACKENDS = ("triton", "mosaic_gpu")
+
+
+def check_backend(backend: str, interpret: bool | None) -> str:
+    """Validate a public `backend` argument against the interpret setting and the platform.
+
+    Mosaic GPU kernels compile for an NVIDIA Hopper-class GPU only: asking for them in interpret
+    mode or off GPU is an error, not a silent switch to another lowering."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "mosaic_gpu":
+        if interpret:
+            raise ValueError(
+                "backend='mosaic_gpu' has no interpret mode; use backend='triton' to interpret"
+            )
+        if jax.default_backend() != "gpu":
+            raise ValueError(
+                "backend='mosaic_gpu' compiles for a CUDA GPU only, but the default JAX backend "
+                f"is {jax.default_backend()!r}; use backend='triton' (interpreted off GPU)"
+            )
+    return backend
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
@@ -50,3 +79,19 @@ def compiler_params(num_warps: int, num_stages: int = 1) -> pltriton.CompilerPar
     """
     warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def mosaic_compiler_params(reduction_scratch_bytes: int = 2048):
+    """Mosaic GPU compiler parameters shared by the `*_mgpu.py` kernels.
+
+    Lane lowering semantics: the kernels state every register layout themselves (jax 0.11 turned
+    on the Warpgroup semantics with automatic layout inference by default; pinning Lane keeps the
+    layouts the kernels were written and checked for). `reduction_scratch_bytes`: shared memory
+    for cross-warp row reductions (more lets one reduction exchange more rows at once).
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import, kept lazy
+
+    return plgpu.CompilerParams(
+        lowering_semantics=plgpu.LoweringSemantics.Lane,
+        reduction_scratch_bytes=reduction_scratch_bytes,
+    )

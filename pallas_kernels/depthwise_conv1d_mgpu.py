@@ -1,0 +1,194 @@
+"""Depthwise conv1d with in-kernel zero padding on Pallas' Mosaic GPU lowering.
+
+The Mosaic GPU counterpart of depthwise_conv1d.py's kernels, same math; picked with
+`backend="mosaic_gpu"` on `depthwise_conv1d`, which keeps the custom VJP.
+
+u (B, L, D), D % 128 == 0, w (D, K), b (D,): out[:, t, d] = b[d] + sum_k w[d, k] u[:, t + k - P, d].
+A program owns one tile: `block_t` output rows x `block_d` channels of one batch entry. One tensor
+TMA copy brings the block_t + K - 1 input rows it needs into shared memory; rows outside [0, L)
+are the copy engine's out-of-bounds zero fill, which is exactly the padding (no padded copy of u,
+no masks). It then computes `rows` output rows at a time, each the K shifted row slabs of the tile
+times the taps, and one TMA copy writes the tile back (rows past the output end are clipped).
+Taps come as w.T (K, D) (a (D, K) column is strided): one small XLA transpose per call.
+Grid (B, channel blocks, row tiles), row tiles fastest: neighbouring programs share halo rows in L2.
+
+Backward, the same tiling over input rows s: the tile of g = dout rows s + P - k (k < K) for its
+block_t rows s, and the u rows; du[s] = sum_k w[k] g[s + P - k] from the same shifted slabs,
+dw[k] += u[s] g[s + P - k] and db += g (each g row counted by exactly one tile) summed over the
+tile's rows in float32 registers and written once per tile as partials (B, tiles, K + 1, D) that
+one small jnp.sum reduces (deterministic, no atomics).
+
+Memory traffic, s bytes per element (halo rows of K - 1 per tile are mostly L2 hits):
+  forward : read u, write out    = (L + Lo) B D s   (+ w, b per tile)
+  backward: read u, g; write du  = (2 L + Lo) B D s (+ partials 4 (K + 1) D per tile)
+Refused (ValueError): D % 128 != 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from . import rows_mgpu as rows
+from .reference import conv1d_padding
+
+MAX_BOX = 256  # a tensor TMA copy moves at most 256 elements along each dimension
+SCRATCH_BYTES = 2048  # reductions here are over rows (in registers): the default scratch
+
+
+class Config(NamedTuple):
+    block_t: int  # output rows per tile (a multiple of `rows`; block_t + K - 1 <= 256)
+    block_d: int  # channels per tile: 128 or 256, divides D
+    rows: int = 8  # output rows computed together in registers
+
+
+def default_config(shape: tuple[int, int, int], dtype, k_size: int) -> Config:
+    """256-channel tiles where D allows; tiles of about 16 KB of input (block_t 32 rows for 16-bit
+    types, 16 for float32) so that several programs share an SM and hide each other's copies."""
+    rows.check_width("D", shape[2], "the channel count D")
+    block_d = 256 if shape[2] % 256 == 0 else 128
+    block_t = 16384 // (block_d * jnp.dtype(dtype).itemsize) // 8 * 8
+    return Config(min(block_t, (MAX_BOX - k_size + 1) // 8 * 8), block_d)
+
+
+def check_config(cfg: Config, n_channels: int, k_size: int) -> None:
+    rows.check_width("D", n_channels, "the channel count D")
+    ok = (
+        cfg.block_d in (128, 256)
+        and n_channels % cfg.block_d == 0
+        and cfg.rows >= 1
+        and cfg.block_t % cfg.rows == 0
+        and cfg.block_t + k_size - 1 <= MAX_BOX
+    )
+    if not ok:
+        raise ValueError(f"invalid Mosaic GPU conv1d config {cfg} for D={n_channels}, K={k_size}")
+
+
+def _fwd_kernel(u_g, wt_g, b_g, o_g, sm, *, cfg: Config, pad: int, tiles: rows.Tiles):
+    batch, dblk, tblk = (jax.lax.axis_index(n) for n in ("b", "d", "t"))
+    t0 = tblk * cfg.block_t
+    d = pl.ds(dblk * cfg.block_d, cfg.block_d)
+    k_size = wt_g.shape[0]
+    halo = cfg.block_t + k_size - 1
+    # rows t0 - pad .. t0 - pad + halo - 1 of u; those outside [0, L) arrive as zeros
+    plgpu.copy_gmem_to_smem(u_g.at[batch, pl.ds(t0 - pad, halo), d], sm["u"], sm["bar"])
+    rows.copy_in(wt_g.at[:, d], sm["w"], sm["bar"])
+    rows.copy_in(b_g.at[d], sm["b"], sm["bar"])
+    plgpu.barrier_wait(sm["bar"])
+    bias = tiles.col(sm["b"])
+    taps = [tiles.col(sm["w"].at[k]) for k in range(k_size)]
+
+    def group(j, carry):
+        r0 = j * cfg.rows
+        acc = bias
+        for k in range(k_size):  # out row r0 + i reads tile row r0 + i + k
+            acc = acc + taps[k] * tiles.load(sm["u"], r0 + k, 0)
+        tiles.store(sm["o"], r0, 0, acc)
+        return carry
+
+    jax.lax.fori_loop(jnp.int32(0), jnp.int32(cfg.block_t // cfg.rows), group, None)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(sm["o"], o_g.at[batch, pl.ds(t0, cfg.block_t), d])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def forward(u, w, b, mode: str, cfg: Config, interpret: Any = None) -> jax.Array:
+    """out (B, Lo, D) in u's dtype; Lo = L for 'same' / 'causal', L + K - 1 for 'full'.
+
+    `interpret`: jax's Mosaic GPU interpreter parameters, for CPU tests of the kernel itself."""
+    n_batch, n_len, n_channels = u.shape
+    k_size = w.shape[1]
+    check_config(cfg, n_channels, k_size)
+    left, right = conv1d_padding(k_size, mode)
+    out_len = n_len + left + right - k_size + 1
+    itemsize = max(u.dtype.itemsize, w.dtype.itemsize, b.dtype.itemsize)
+    tiles = rows.Tiles(cfg.rows, cfg.block_d, 1, rows.pick_vec(cfg.block_d, itemsize))
+    scratch = dict(
+        u=plgpu.SMEM((cfg.block_t + k_size - 1, cfg.block_d), u.dtype),
+        o=plgpu.SMEM((cfg.block_t, cfg.block_d), u.dtype),
+        w=plgpu.SMEM((k_size, cfg.block_d), w.dtype),
+        b=plgpu.SMEM((cfg.block_d,), b.dtype),
+        bar=plgpu.Barrier(num_arrivals=3),
+    )
+
+    def kernel(u_g, wt_g, b_g, o_g, **sm):
+        _fwd_kernel(u_g, wt_g, b_g, o_g, sm, cfg=cfg, pad=left, tiles=tiles)
+
+    out_type = jax.ShapeDtypeStruct((n_batch, out_len, n_channels), u.dtype)
+    grid = {"b": n_batch, "d": n_channels // cfg.block_d, "t": pl.cdiv(out_len, cfg.block_t)}
+    return rows.launch(kernel, "depthwise_conv1d_fwd_mgpu", out_type, scratch, grid,
+                       SCRATCH_BYTES, interpret, (u, w.T, b))  # fmt: skip
+
+
+def _bwd_kernel(u_g, g_g, wt_g, du_g, part_g, sm, *, cfg: Config, pad: int, tiles: rows.Tiles):
+    batch, dblk, tblk = (jax.lax.axis_index(n) for n in ("b", "d", "t"))
+    s0 = tblk * cfg.block_t
+    d = pl.ds(dblk * cfg.block_d, cfg.block_d)
+    k_size = wt_g.shape[0]
+    halo = cfg.block_t + k_size - 1
+    # g tile row m is g row s0 + pad - (K - 1) + m: rows s + pad - k of the tile's rows s
+    g_rows = pl.ds(s0 + pad - (k_size - 1), halo)
+    plgpu.copy_gmem_to_smem(g_g.at[batch, g_rows, d], sm["g"], sm["bar"])
+    plgpu.copy_gmem_to_smem(u_g.at[batch, pl.ds(s0, cfg.block_t), d], sm["u"], sm["bar"])
+    rows.copy_in(wt_g.at[:, d], sm["w"], sm["bar"])
+    plgpu.barrier_wait(sm["bar"])
+    taps = [tiles.col(sm["w"].at[k]) for k in range(k_size)]
+
+    def group(j, sums):
+        r0 = j * cfg.rows
+        u = tiles.load(sm["u"], r0, 0)
+        du, dw = None, list(sums[:-1])
+        for k in range(k_size):
+            g = tiles.load(sm["g"], r0 + k_size - 1 - k, 0)  # g rows s + pad - k
+            du = g * taps[k] if du is None else du + g * taps[k]
+            dw[k] = dw[k] + tiles.col_sum(u * g)
+        tiles.store(sm["du"], r0, 0, du)
+        db = sums[-1] + tiles.col_sum(tiles.load(sm["g"], r0, 0))  # g rows this tile counts
+        return (*dw, db)
+
+    init = tuple(tiles.col_zeros() for _ in range(k_size + 1))
+    sums = jax.lax.fori_loop(jnp.int32(0), jnp.int32(cfg.block_t // cfg.rows), group, init)
+    for k, total in enumerate(sums):
+        sm["part"][k] = total
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(sm["du"], du_g.at[batch, pl.ds(s0, cfg.block_t), d], commit_group=False)
+    plgpu.copy_smem_to_gmem(sm["part"], part_g.at[batch, tblk, :, d])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def backward(u, w, g, mode: str, cfg: Config, interpret: Any = None):
+    """(du, dw, db) of out's gradient g (B, Lo, D): du (B, L, D) in u's dtype, dw (D, K) and
+    db (D,) float32."""
+    n_batch, n_len, n_channels = u.shape
+    k_size = w.shape[1]
+    check_config(cfg, n_channels, k_size)
+    left, _ = conv1d_padding(k_size, mode)
+    # tiles over input rows; enough of them that every g row is counted into db by one tile
+    n_tiles = pl.cdiv(max(n_len, g.shape[1] + k_size - 1 - left), cfg.block_t)
+    itemsize = max(u.dtype.itemsize, w.dtype.itemsize, g.dtype.itemsize)
+    tiles = rows.Tiles(cfg.rows, cfg.block_d, 1, rows.pick_vec(cfg.block_d, itemsize))
+    scratch = dict(
+        u=plgpu.SMEM((cfg.block_t, cfg.block_d), u.dtype),
+        g=plgpu.SMEM((cfg.block_t + k_size - 1, cfg.block_d), g.dtype),
+        du=plgpu.SMEM((cfg.block_t, cfg.block_d), u.dtype),
+        w=plgpu.SMEM((k_size, cfg.block_d), w.dtype),
+        part=plgpu.SMEM((k_size + 1, cfg.block_d), jnp.float32),
+        bar=plgpu.Barrier(num_arrivals=3),
+    )
+
+    def kernel(u_g, g_g, wt_g, du_g, part_g, **sm):
+        _bwd_kernel(u_g, g_g, wt_g, du_g, part_g, sm, cfg=cfg, pad=left, tiles=tiles)
+
+    out_type = (
+        jax.ShapeDtypeStruct(u.shape, u.dtype),
+        jax.ShapeDtypeStruct((n_batch, n_tiles, k_size + 1, n_channels), jnp.float32),
+    )
+    grid = {"b": n_batch, "d": n_channels // cfg.block_d, "t": n_tiles}
+    du, part = rows.launch(kernel, "depthwise_conv1d_bwd_mgpu", out_type, scratch, grid,
+                           SCRATCH_BYTES, interpret, (u, g, w.T))  # fmt: skip
+    sums = jnp.sum(part, axis=(0, 1))  # (K + 1, D)
+    return du, sums[:k_size].T, sums[k_size]

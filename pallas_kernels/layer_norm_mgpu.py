@@ -1,0 +1,376 @@
+"""LayerNorm (optionally with the fused residual add) on Pallas' Mosaic GPU lowering.
+
+The Mosaic GPU counterpart of layer_norm.py's Triton kernels, same math and same outputs; it is
+picked with `backend="mosaic_gpu"` on `layer_norm` / `add_layer_norm`, which keep the custom VJP.
+
+x (N, D), D % 128 == 0. Each program walks a contiguous run of `block_rows`-row blocks
+(rows_mgpu.pipelined_blocks: one bulk TMA copy per block and operand into shared memory, double
+buffered, one bulk copy back per output), and computes a block `rows` rows at a time in column
+chunks (rows_mgpu.row_layout): mean, then the centred variance, then the normalised output, each a
+sweep over the row in shared memory, so any D up to the shared memory budget works. gamma/beta are
+copied into shared memory once per program. The backward recomputes xhat from the saved mean/rstd,
+keeps per-program float32 dgamma/dbeta partials in shared memory (each thread adds its own columns:
+no synchronisation) and writes them once; one small jnp.sum reduces them (no atomics).
+
+mean/rstd are saved per block, (blocks, round_up(block_rows, 32)) float32 (a copy moves a
+multiple of 128 bytes); only this module's backward reads them.
+
+Minimal memory traffic, N rows of D, s bytes per element (as the Triton kernels):
+  forward : read x, write y       = 2 * N * D * s  (+ 8 N for mean/rstd, + gamma/beta per program)
+  backward: read x, dy; write dx  = 3 * N * D * s  (+ 8 N for mean/rstd, + 8 P D for partials)
+  residual: + read h, write s forward; + read ds, write dh backward
+Refused (ValueError): D % 128 != 0, and blocks that do not fit in shared memory (D above ~8k
+float32 in the residual backward).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from . import rows_mgpu as rows
+
+
+class Config(NamedTuple):
+    block_rows: int  # rows per TMA block (a multiple of `rows`)
+    rows: int  # rows computed together in registers (a power of two; 1 when chunk < D)
+    chunk: int  # columns per register chunk: divides D, a multiple of 128
+    programs_per_sm: int  # persistent programs per streaming multiprocessor
+    stages: int = 2  # shared memory buffers per operand (2: copy the next block during compute)
+
+
+def rows_round(n: int) -> int:
+    """Entries of a per-block statistics vector: a copy moves a multiple of 128 bytes."""
+    return -(-n // 32) * 32
+
+
+def _smem_bytes(cfg: Config, n_cols: int, itemsizes: tuple[int, ...], extra: int) -> int:
+    """Shared memory of the block buffers (one per operand and stage) plus `extra`."""
+    block = cfg.stages * sum(cfg.block_rows * n_cols * s for s in itemsizes)
+    return block + cfg.stages * 8 * rows_round(cfg.block_rows) + extra
+
+
+def default_config(
+    n_rows: int, n_cols: int, itemsizes: tuple[int, ...], extra: int, *, backward: bool
+) -> Config:
+    """Block sizes for an (N, D) input whose per-block operands have `itemsizes` bytes per element
+    and `extra` bytes of other shared memory: about 16 KB per operand block (two stages), at most
+    4096 (forward) or 2048 (backward: more live arrays) float32 values per row group in registers,
+    as many programs per SM as shared memory allows (up to 4)."""
+    rows.check_width("D", n_cols, "the hidden size D")
+    budget = 2048 if backward else 4096
+    if n_cols <= budget:  # whole rows in registers, several at once
+        group = min(8, pl.next_power_of_2(budget // n_cols + 1) // 2)
+        group = min(group, pl.next_power_of_2(n_rows + 1) // 2)  # never more than N rows
+        chunk = n_cols
+    else:  # one row at a time, in chunks (a tile of several rows would not be contiguous)
+        group = 1
+        chunk = rows.pick_chunk(n_cols, rows.pick_vec(n_cols, max(itemsizes)), budget)
+    block = max(group, 16384 // (n_cols * max(itemsizes)) // group * group)
+    cfg = Config(min(block, n_rows // group * group), group, chunk, programs_per_sm=1)
+    while _smem_bytes(cfg, n_cols, itemsizes, extra) > rows.SMEM_BYTES:
+        if cfg.block_rows > cfg.rows:
+            cfg = cfg._replace(block_rows=max(group, cfg.block_rows // 2 // group * group))
+        elif cfg.stages > 1:
+            cfg = cfg._replace(stages=1)
+        else:
+            raise ValueError(
+                f"backend='mosaic_gpu': rows of D = {n_cols} do not fit in shared memory for "
+                "this layer norm; use backend='triton'"
+            )
+    per_sm = rows.SMEM_BYTES // _smem_bytes(cfg, n_cols, itemsizes, extra)
+    return cfg._replace(programs_per_sm=max(1, min(4, per_sm)))
+
+
+def check_config(cfg: Config, n_rows: int, n_cols: int) -> None:
+    """The tiling rules the kernels rely on (default_config obeys them; benchmarks may not)."""
+    rows.check_width("D", n_cols, "the hidden size D")
+    ok = (
+        cfg.rows >= 1
+        and cfg.rows & (cfg.rows - 1) == 0
+        and cfg.block_rows % cfg.rows == 0
+        and 1 <= cfg.block_rows <= n_rows
+        and cfg.chunk % rows.LANES == 0
+        and n_cols % cfg.chunk == 0
+        and (cfg.chunk == n_cols or cfg.rows == 1)
+        and cfg.stages in (1, 2)
+        and cfg.programs_per_sm >= 1
+    )
+    if not ok:
+        raise ValueError(
+            f"invalid Mosaic GPU layer norm config {cfg} for x of ({n_rows}, {n_cols})"
+        )
+
+
+def _plan(n_rows: int, n_cols: int, cfg: Config, itemsize: int):
+    """(plan, programs, blocks) of a call on (N, D) operands of up to `itemsize` bytes."""
+    check_config(cfg, n_rows, n_cols)
+    return rows.plan(
+        n_rows, n_cols, cfg.block_rows, cfg.rows, cfg.chunk, cfg.programs_per_sm, itemsize,
+        cfg.stages,
+    )  # fmt: skip
+
+
+def _fwd_kernel(*refs, p: rows.BlockPlan, eps: float, residual: bool):
+    if residual:
+        x_g, h_g, g_g, b_g, s_g, y_g, mean_g, rstd_g, sm = refs
+    else:
+        (x_g, g_g, b_g, y_g, mean_g, rstd_g, sm), h_g, s_g = refs, None, None
+    t = p.tiles
+    rows.copy_in(g_g, sm["g"], sm["params_bar"])
+    rows.copy_in(b_g, sm["b"], sm["params_bar"])
+    plgpu.barrier_wait(sm["params_bar"])
+    first, count = rows.my_blocks(p.steps, mean_g.shape[0])
+
+    def compute(blk, slot, carry):
+        x_s, y_s = sm["x"].at[slot], sm["y"].at[slot]
+        # with the residual, s = x + h (in x's dtype) is written out and the statistics read it
+        src = sm["s"].at[slot] if residual else x_s
+
+        def group(row0):
+            def total(ci, acc):
+                x = t.load(x_s, row0, ci)
+                if residual:
+                    x = (x + t.load(sm["h"].at[slot], row0, ci)).astype(src.dtype)
+                    t.store(src, row0, ci, x)
+                return acc + t.row_sum(x.astype(jnp.float32))
+
+            mean = t.chunks(total, t.row_init(0.0)) / p.width
+            mean_t = t.bcast(mean)
+
+            def centred(ci, acc):
+                xc = t.load(src, row0, ci) - mean_t
+                return acc + t.row_sum(xc * xc)
+
+            rstd = jax.lax.rsqrt(t.chunks(centred, t.row_init(0.0)) / p.width + eps)
+            rstd_t = t.bcast(rstd)
+
+            def write(ci, carry):
+                xhat = (t.load(src, row0, ci) - mean_t) * rstd_t
+                t.store(y_s, row0, ci, xhat * t.col(sm["g"].at[ci]) + t.col(sm["b"].at[ci]))
+                return carry
+
+            t.chunks(write, None)
+            t.store_rows(sm["mean"].at[slot], row0, mean)
+            t.store_rows(sm["rstd"].at[slot], row0, rstd)
+
+        p.groups(blk, group)
+        return carry
+
+    loads = [(p.block_view(x_g), sm["x"])]
+    stores = [(p.block_view(y_g), sm["y"])]
+    if residual:
+        loads.append((p.block_view(h_g), sm["h"]))
+        stores.append((p.block_view(s_g), sm["s"]))
+    stores += [(lambda blk: mean_g.at[blk], sm["mean"]), (lambda blk: rstd_g.at[blk], sm["rstd"])]
+    rows.pipelined_blocks(
+        first=first,
+        count=count,
+        stages=p.stages,
+        loads=loads,
+        stores=stores,
+        barrier=sm["bar"],
+        compute=compute,
+    )
+
+
+def forward(x, h, gamma, beta, eps: float, out_dtype, cfg: Config, interpret: Any = None):
+    """(y, mean, rstd), or (s = x + h, y, mean, rstd) when h is given; x, h (N, D).
+
+    `interpret`: jax's Mosaic GPU interpreter parameters, for CPU tests of the kernel itself."""
+    n_rows, n_cols = x.shape
+    residual = h is not None
+    sizes = [x.dtype.itemsize, jnp.dtype(out_dtype).itemsize] + (
+        [h.dtype.itemsize] if residual else []
+    )
+    p, programs, n_blocks = _plan(n_rows, n_cols, cfg, max(sizes))
+    nc = p.tiles.n_chunks
+    sub = (n_rows * nc, cfg.chunk)  # rows as sub-rows of one chunk: a tile is contiguous
+    stats = jax.ShapeDtypeStruct((n_blocks, rows_round(cfg.block_rows)), jnp.float32)
+    out_type = [jax.ShapeDtypeStruct(sub, out_dtype), stats, stats]
+    blk = (cfg.stages, cfg.block_rows * nc, cfg.chunk)
+    stat_blk = (cfg.stages, rows_round(cfg.block_rows))
+    scratch = dict(
+        x=plgpu.SMEM(blk, x.dtype),
+        y=plgpu.SMEM(blk, out_dtype),
+        mean=plgpu.SMEM(stat_blk, jnp.float32),
+        rstd=plgpu.SMEM(stat_blk, jnp.float32),
+        g=plgpu.SMEM((nc, cfg.chunk), gamma.dtype),
+        b=plgpu.SMEM((nc, cfg.chunk), beta.dtype),
+        bar=plgpu.Barrier(num_arrivals=2 if residual else 1, num_barriers=cfg.stages),
+        params_bar=plgpu.Barrier(num_arrivals=2),
+    )
+    params = (gamma.reshape(nc, cfg.chunk), beta.reshape(nc, cfg.chunk))
+    args = (x.reshape(sub), *params)
+    if residual:
+        out_type.insert(0, jax.ShapeDtypeStruct(sub, x.dtype))
+        scratch.update(h=plgpu.SMEM(blk, h.dtype), s=plgpu.SMEM(blk, x.dtype))
+        args = (x.reshape(sub), h.reshape(sub), *params)
+
+    def kernel(*refs, **scratch_refs):
+        _fwd_kernel(*refs, scratch_refs, p=p, eps=eps, residual=residual)
+
+    name = "add_layer_norm_fwd_mgpu" if residual else "layer_norm_fwd_mgpu"
+    outs = rows.launch(kernel, name, tuple(out_type), scratch, {"p": programs},
+                 4 * rows.LANES * cfg.rows, interpret, args)  # fmt: skip
+    n_big = 2 if residual else 1
+    return (*(o.reshape(x.shape) for o in outs[:n_big]), *outs[n_big:])
+
+
+def _bwd_kernel(*refs, p: rows.BlockPlan, residual: bool):
+    if residual:  # dx = ds + LN'(dy); dh = dx in h's dtype
+        x_g, g_g, dy_g, ds_g, mean_g, rstd_g, dx_g, dh_g, dg_g, db_g, sm = refs
+    else:
+        (x_g, g_g, dy_g, mean_g, rstd_g, dx_g, dg_g, db_g, sm), ds_g, dh_g = refs, None, None
+    t = p.tiles
+    rows.copy_in(g_g, sm["g"], sm["params_bar"])
+    plgpu.barrier_wait(sm["params_bar"])
+
+    def zero(ci, carry):  # the per-program dgamma/dbeta partial sums start at zero
+        sm["dg"][ci] = t.col_zeros()
+        sm["db"][ci] = t.col_zeros()
+        return carry
+
+    t.chunks(zero, None)
+    first, count = rows.my_blocks(p.steps, mean_g.shape[0])
+
+    def compute(blk, slot, carry):
+        x_s, dy_s, dx_s = sm["x"].at[slot], sm["dy"].at[slot], sm["dx"].at[slot]
+        n_valid = p.n_valid(blk)
+
+        def group(row0):
+            mean_t = t.bcast(t.load_rows(sm["mean"].at[slot], row0))
+            rstd_t = t.bcast(t.load_rows(sm["rstd"].at[slot], row0))
+            # rows past N in a ragged last block hold stale data: kept out of dgamma/dbeta
+            row_ids = t.row_ids(row0)
+
+            def terms(ci):
+                xhat = (t.load(x_s, row0, ci) - mean_t) * rstd_t
+                dy = t.load(dy_s, row0, ci)
+                return xhat, dy, t.col(sm["g"].at[ci]) * dy
+
+            def sums(ci, acc):
+                xhat, dy, gdy = terms(ci)
+                if row_ids is not None:
+                    dy_ok = jnp.where(row_ids < n_valid, dy, 0.0)
+                    xhat_ok = jnp.where(row_ids < n_valid, xhat, 0.0)
+                else:
+                    dy_ok, xhat_ok = dy, xhat
+                for name, term in (("dg", dy_ok * xhat_ok), ("db", dy_ok)):
+                    acc_ref = sm[name].at[ci]  # each thread adds to its own columns
+                    acc_ref[...] = t.col_load(acc_ref) + t.col_sum(term)
+                c1, c2 = acc
+                return c1 + t.row_sum(xhat * gdy), c2 + t.row_sum(gdy)
+
+            c1, c2 = t.chunks(sums, (t.row_init(0.0), t.row_init(0.0)))
+            c1_t, c2_t = t.bcast(c1 / p.width), t.bcast(c2 / p.width)
+
+            def write(ci, carry):
+                xhat, _, gdy = terms(ci)
+                dx = (gdy - xhat * c1_t - c2_t) * rstd_t
+                if residual:
+                    dx = dx + t.load(sm["ds"].at[slot], row0, ci)
+                    t.store(sm["dh"].at[slot], row0, ci, dx)
+                t.store(dx_s, row0, ci, dx)
+                return carry
+
+            t.chunks(write, None)
+
+        p.groups(blk, group)
+        return carry
+
+    loads = [
+        (p.block_view(x_g), sm["x"]),
+        (p.block_view(dy_g), sm["dy"]),
+        (lambda blk: mean_g.at[blk], sm["mean"]),
+        (lambda blk: rstd_g.at[blk], sm["rstd"]),
+    ]
+    stores = [(p.block_view(dx_g), sm["dx"])]
+    if residual:
+        loads.append((p.block_view(ds_g), sm["ds"]))
+        stores.append((p.block_view(dh_g), sm["dh"]))
+    rows.pipelined_blocks(
+        first=first,
+        count=count,
+        stages=p.stages,
+        loads=loads,
+        stores=stores,
+        barrier=sm["bar"],
+        compute=compute,
+    )
+    part = jax.lax.axis_index("p")
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(sm["dg"], dg_g.at[part], commit_group=False)
+    plgpu.copy_smem_to_gmem(sm["db"], db_g.at[part])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def backward(x, gamma, dy, ds, h_dtype, mean, rstd, cfg: Config, interpret: Any = None):
+    """(dx, dgamma, dbeta), or (dx, dh, dgamma, dbeta) when ds (the gradient of s) is given.
+
+    cfg.block_rows must be the forward's: mean/rstd are saved per forward block."""
+    n_rows, n_cols = x.shape
+    residual = ds is not None
+    sizes = [x.dtype.itemsize, dy.dtype.itemsize] + (
+        [jnp.dtype(h_dtype).itemsize] if residual else []
+    )
+    p, programs, n_blocks = _plan(n_rows, n_cols, cfg, max(sizes))
+    nc = p.tiles.n_chunks
+    if mean.shape != (n_blocks, rows_round(cfg.block_rows)):
+        raise ValueError(f"mean/rstd of shape {mean.shape} do not match {cfg} for {n_rows} rows")
+    sub = (n_rows * nc, cfg.chunk)
+    part = jax.ShapeDtypeStruct((programs, nc, cfg.chunk), jnp.float32)
+    out_type = [jax.ShapeDtypeStruct(sub, x.dtype), part, part]
+    blk = (cfg.stages, cfg.block_rows * nc, cfg.chunk)
+    stat_blk = (cfg.stages, rows_round(cfg.block_rows))
+    params = (nc, cfg.chunk)
+    scratch = dict(
+        x=plgpu.SMEM(blk, x.dtype),
+        dy=plgpu.SMEM(blk, dy.dtype),
+        dx=plgpu.SMEM(blk, x.dtype),
+        mean=plgpu.SMEM(stat_blk, jnp.float32),
+        rstd=plgpu.SMEM(stat_blk, jnp.float32),
+        g=plgpu.SMEM(params, gamma.dtype),
+        dg=plgpu.SMEM(params, jnp.float32),
+        db=plgpu.SMEM(params, jnp.float32),
+        bar=plgpu.Barrier(num_arrivals=5 if residual else 4, num_barriers=cfg.stages),
+        params_bar=plgpu.Barrier(num_arrivals=1),
+    )
+    args = (x.reshape(sub), gamma.reshape(params), dy.reshape(sub), mean, rstd)
+    if residual:
+        out_type.insert(1, jax.ShapeDtypeStruct(sub, h_dtype))
+        scratch.update(ds=plgpu.SMEM(blk, ds.dtype), dh=plgpu.SMEM(blk, h_dtype))
+        args = (*args[:3], ds.reshape(sub), mean, rstd)
+
+    def kernel(*refs, **scratch_refs):
+        _bwd_kernel(*refs, scratch_refs, p=p, residual=residual)
+
+    name = "add_layer_norm_bwd_mgpu" if residual else "layer_norm_bwd_mgpu"
+    *grads, dg_part, db_part = rows.launch(kernel, name, tuple(out_type), scratch, {"p": programs},
+                                     8 * rows.LANES * cfg.rows, interpret, args)  # fmt: skip
+    grads = [g.reshape(x.shape) for g in grads]
+    return (*grads, jnp.sum(dg_part, axis=0).reshape(-1), jnp.sum(db_part, axis=0).reshape(-1))
+
+
+def configs(
+    n_rows: int, n_cols: int, dtype, out_dtype, h_dtype=None, param_bytes: int = 8
+) -> tuple[Config, Config]:
+    """(forward, backward) default configs for x (N, D) of `dtype`, y of `out_dtype`, h of
+    `h_dtype` (residual variant) and gamma + beta of `param_bytes` bytes per column.
+
+    Both use the same block_rows (the backward reads the forward's per-block mean/rstd): the
+    smaller of the two directions' choices."""
+    s, o = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    fwd_sizes, bwd_sizes = (s, o), (s, o, s)
+    if h_dtype is not None:
+        hs = jnp.dtype(h_dtype).itemsize
+        fwd_sizes, bwd_sizes = fwd_sizes + (hs, s), bwd_sizes + (s, hs)
+    fwd = default_config(n_rows, n_cols, fwd_sizes, param_bytes * n_cols, backward=False)
+    bwd = default_config(n_rows, n_cols, bwd_sizes, (param_bytes + 8) * n_cols, backward=True)
+    group = max(fwd.rows, bwd.rows)  # both powers of two: a multiple of both
+    block = max(group, min(fwd.block_rows, bwd.block_rows) // group * group)
+    return fwd._replace(block_rows=block), bwd._replace(block_rows=block)

@@ -1,0 +1,223 @@
+"""The Pallas lowering choice (pallas_kernels/triton_backend.py) and the Mosaic GPU kernels on CPU.
+
+A CPU cannot compile Mosaic GPU kernels, but it can (1) check the `backend` argument, (2) lower
+the public functions with backend="mosaic_gpu" to the Mosaic GPU MLIR the GPU compiler would get
+(jax cross-lowering for the cuda platform: every layout, shape and primitive rule of the kernels
+is exercised, only the final PTX compilation is not), and (3) run the kernels in jax's Mosaic GPU
+interpreter against the float64 references. The interpreter does not model the copy engine's
+out-of-bounds handling (clamped row blocks, zero-filled halos), so (3) uses shapes without ragged
+blocks, and for the conv only its interior tiles; benchmarks/mosaic_gpu_check.py checks all of it
+on the GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (
+    add_layer_norm,
+    add_layer_norm_ref,
+    attention_softmax,
+    attention_softmax_ref,
+    depthwise_conv1d,
+    depthwise_conv1d_ref,
+    layer_norm,
+)
+from pallas_kernels import attention_softmax_mgpu as softmax_mgpu
+from pallas_kernels import depthwise_conv1d_mgpu as conv_mgpu
+from pallas_kernels import layer_norm_mgpu as ln_mgpu
+from pallas_kernels.triton_backend import BACKENDS, check_backend
+
+try:  # jax's Mosaic GPU interpreter: private, so its absence skips rather than fails
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+except ImportError:
+    InterpretGPUParams = None
+
+needs_interpreter = pytest.mark.skipif(InterpretGPUParams is None, reason="no Mosaic interpreter")
+
+
+def _ln_args(shape=(4, 256), dtype=jnp.float32):
+    x = jnp.ones(shape, dtype)
+    return x, jnp.ones(shape[-1:]), jnp.zeros(shape[-1:])
+
+
+CALLS = {  # kernel -> (backend, interpret) -> call
+    "layer_norm": lambda be, it: layer_norm(*_ln_args(), interpret=it, backend=be),
+    "add_layer_norm": lambda be, it: add_layer_norm(
+        _ln_args()[0], *_ln_args(), interpret=it, backend=be
+    ),
+    "attention_softmax": lambda be, it: attention_softmax(
+        jnp.ones((1, 1, 2, 128)), causal=True, interpret=it, backend=be
+    ),
+    "depthwise_conv1d": lambda be, it: depthwise_conv1d(
+        jnp.ones((1, 8, 128)), jnp.ones((128, 3)), jnp.ones((128,)), interpret=it, backend=be
+    ),
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(CALLS))
+def test_unknown_backend_is_named(kernel):
+    with pytest.raises(ValueError, match="backend must be one of .*triton.*mosaic_gpu.*'cuda'"):
+        CALLS[kernel]("cuda", None)
+
+
+@pytest.mark.parametrize("kernel", sorted(CALLS))
+@pytest.mark.parametrize("interpret,match", [(True, "no interpret mode"), (None, "CUDA GPU only")])
+def test_mosaic_gpu_refuses_interpret_and_cpu(kernel, interpret, match):
+    with pytest.raises(ValueError, match=match):
+        CALLS[kernel]("mosaic_gpu", interpret)
+
+
+def test_check_backend_accepts_the_two():
+    assert BACKENDS == ("triton", "mosaic_gpu")
+    assert check_backend("triton", True) == "triton"
+
+
+def test_triton_refuses_a_mosaic_config():
+    cfg = ln_mgpu.Config(block_rows=4, rows=4, chunk=256, programs_per_sm=1)
+    with pytest.raises(ValueError, match="layer_norm.Config"):
+        layer_norm(*_ln_args(), config=cfg)
+
+
+@pytest.mark.parametrize(
+    "make_config,match",
+    [
+        (lambda: ln_mgpu.configs(64, 100, jnp.float32, jnp.float32), "hidden size D"),
+        (lambda: softmax_mgpu.configs(8, 200, jnp.float32, False), "key length Tk"),
+        (lambda: conv_mgpu.default_config((1, 8, 96), jnp.float32, 3), "channel count D"),
+    ],
+)
+def test_mosaic_refuses_unaligned_widths(make_config, match):
+    with pytest.raises(ValueError, match=f"multiple of 128.*{match}|{match}.*multiple of 128"):
+        make_config()
+
+
+def test_mosaic_layer_norm_refuses_rows_too_wide_for_shared_memory():
+    with pytest.raises(ValueError, match="do not fit in shared memory"):
+        ln_mgpu.configs(64, 16384, jnp.float32, jnp.float32, jnp.float32)
+
+
+def test_layer_norm_configs_share_block_rows():
+    for n_cols in (256, 768, 3072, 8192):
+        fwd, bwd = ln_mgpu.configs(1000, n_cols, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16)
+        assert fwd.block_rows == bwd.block_rows
+        for cfg in (fwd, bwd):
+            ln_mgpu.check_config(cfg, 1000, n_cols)
+
+
+def _lower_for_cuda(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.fixture
+def pretend_gpu(monkeypatch):
+    """Make check_backend see a GPU, so the public functions take the Mosaic GPU path on CPU."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+
+def _grad_of_sum(fn, argnums):
+    return jax.grad(lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in fn(*a)), argnums)
+
+
+LOWERING_CASES = {  # name -> (function of arrays, arrays); forward and backward are lowered
+    "layer_norm_rows": (
+        lambda x, g, b: (layer_norm(x, g, b, backend="mosaic_gpu"),),
+        _ln_args((37, 256)),
+    ),
+    "add_layer_norm_chunks_bf16": (
+        lambda x, h, g, b: add_layer_norm(x, h, g, b, backend="mosaic_gpu"),
+        (_ln_args((9, 8192), jnp.bfloat16)[0], *_ln_args((9, 8192), jnp.bfloat16)),
+    ),
+    "softmax_causal": (
+        lambda x: (attention_softmax(x, causal=True, scale=0.5, backend="mosaic_gpu"),),
+        (jnp.ones((2, 2, 8, 256)),),
+    ),
+    "softmax_query_mask_chunks": (
+        lambda x, m: (attention_softmax(x, m, backend="mosaic_gpu"),),
+        (jnp.ones((1, 2, 4, 8192), jnp.bfloat16), jnp.zeros((1, 1, 4, 8192))),
+    ),
+    "conv_full": (
+        lambda u, w, b: (depthwise_conv1d(u, w, b, "full", backend="mosaic_gpu"),),
+        (jnp.ones((2, 50, 384)), jnp.ones((384, 3)), jnp.ones((384,))),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOWERING_CASES))
+def test_public_mosaic_path_lowers_for_cuda(pretend_gpu, name):
+    fn, args = LOWERING_CASES[name]
+    n_diff = 1 if name.startswith("softmax") else len(args)
+    fwd = _lower_for_cuda(fn, *args)
+    bwd = _lower_for_cuda(_grad_of_sum(fn, tuple(range(n_diff))), *args)
+    assert "mosaic_gpu" in fwd and bwd.count("mosaic_gpu") >= 2  # the forward and backward kernels
+
+
+@needs_interpreter
+def test_layer_norm_kernels_in_interpreter(float64_ref):
+    """One row at a time in two column chunks (the softmax test covers row groups)."""
+    n_rows, n_cols = 4, 256
+    rng = np.random.default_rng(0)
+    x, h, dy = (jnp.asarray(rng.normal(size=(n_rows, n_cols)), jnp.float32) for _ in range(3))
+    gamma = jnp.asarray(1 + 0.1 * rng.normal(size=n_cols), jnp.float32)
+    beta = jnp.asarray(0.1 * rng.normal(size=n_cols), jnp.float32)
+    cfg = ln_mgpu.Config(block_rows=2, rows=1, chunk=128, programs_per_sm=1)
+    it = InterpretGPUParams()
+    s, y, mean, rstd = ln_mgpu.forward(x, h, gamma, beta, 1e-5, jnp.float32, cfg, interpret=it)
+    dx, dh, dg, db = ln_mgpu.backward(s, gamma, dy, dy, jnp.float32, mean, rstd, cfg, interpret=it)
+    ref_s, ref_y = float64_ref(add_layer_norm_ref, x, h, gamma, beta)
+    np.testing.assert_allclose(s, ref_s, atol=1e-6)
+    np.testing.assert_allclose(y, ref_y, atol=1e-5)
+
+    def loss(x, h, g, b, dy):
+        s, y = add_layer_norm_ref(x, h, g, b)
+        return jnp.sum(s * dy) + jnp.sum(y * dy)
+
+    refs = [float64_ref(jax.grad(loss, i), x, h, gamma, beta, dy) for i in range(4)]
+    for got, ref in zip((dx, dh, dg, db), refs, strict=True):
+        np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max())
+
+
+@needs_interpreter
+def test_softmax_kernels_in_interpreter(float64_ref):
+    b, h, tq, tk = 2, 2, 4, 256
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(b, h, tq, tk)), jnp.float32)
+    dy = jnp.asarray(rng.normal(size=(b, h, tq, tk)), jnp.float32)
+    mask = jnp.asarray(np.where(rng.random((b, 1, 1, tk)) < 0.2, -np.inf, 0.0), jnp.float32)
+    lay = softmax_mgpu.Layout(h, tq, mask_batch=True, mask_query=False, mask_rows=1)
+    cfg = softmax_mgpu.Config(block_rows=4, rows=2, chunk=tk, programs_per_sm=1)
+    it = InterpretGPUParams()
+    flat = x.reshape(-1, tk)
+    y = softmax_mgpu.forward(flat, mask.reshape(b, tk), cfg, 0.5, True, lay, interpret=it)
+    dx = softmax_mgpu.backward(y, dy.reshape(-1, tk), cfg, 0.5, tq, interpret=it)
+
+    def ref(x):
+        return attention_softmax_ref(x, mask, causal=True, scale=0.5)
+
+    np.testing.assert_allclose(y.reshape(x.shape), float64_ref(ref, x), atol=1e-6)
+    ref_dx = float64_ref(lambda x, dy: jax.vjp(ref, x)[1](dy)[0], x, dy)
+    np.testing.assert_allclose(dx.reshape(x.shape), ref_dx, atol=1e-6)
+
+
+@needs_interpreter
+def test_conv_kernels_interior_tiles_in_interpreter(float64_ref):
+    """Tiles whose halo lies inside [0, L): the interpreter clamps out-of-bounds copies where the
+    GPU's copy engine zero-fills, so edge tiles (and dw, db) are checked on the GPU only."""
+    rng = np.random.default_rng(2)
+    u = jnp.asarray(rng.normal(size=(1, 48, 128)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(128, 3)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(128,)), jnp.float32)
+    cfg = conv_mgpu.Config(block_t=16, block_d=128)
+    it = InterpretGPUParams(out_of_bounds_reads="uninitialized")
+    out = conv_mgpu.forward(u, w, b, "full", cfg, interpret=it)
+    g = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    du, _, _ = conv_mgpu.backward(u, w, g, "full", cfg, interpret=it)
+
+    def ref(u):
+        return depthwise_conv1d_ref(u, w, b, "full")
+
+    interior = slice(16, 32)
+    np.testing.assert_allclose(out[:, interior], float64_ref(ref, u)[:, interior], atol=1e-5)
+    ref_du = float64_ref(lambda u, g: jax.vjp(ref, u)[1](g)[0], u, g)
+    np.testing.assert_allclose(du[:, interior], ref_du[:, interior], atol=1e-5)
