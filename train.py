@@ -1,6 +1,9 @@
 """Train a model from a YAML preset: `python train.py [--config configs/X.yaml] [--a.b=value ...]`.
 
 With no arguments it runs the associative-recall preset (configs/ar.yaml) on the CPU.
+Several hosts: the same command on each, with --parallel.coordinator_address=HOST:PORT
+--parallel.num_processes=N --parallel.process_id=I (or $JAX_COORDINATOR_ADDRESS,
+$JAX_NUM_PROCESSES, $JAX_PROCESS_ID); see jaxllm/distributed.py.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from jaxllm import distributed
 from jaxllm.config import ConfigError, load_config
 from jaxllm.train.checkpoint import CheckpointSaveError
 from jaxllm.train.loop import NonFiniteLossError, train
@@ -24,6 +28,15 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "ar.yaml"
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"  # e.g. "checkpoint N could not be restored; restored M"
+
+
+def _who() -> str:
+    """'process I: ' in a multi-process run (each process reports its own errors), else ''."""
+    import jax
+
+    if not jax.distributed.is_initialized():
+        return ""
+    return f"process {jax.process_index()}: "
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         parser.exit(2, f"error: {e}\n")
     try:
-        result = train(cfg)
+        result = train(cfg)  # starts the process group of a multi-host run first
     except (
         ConfigError,
         FileNotFoundError,
@@ -47,9 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         RunDirLockedError,
         CheckpointSaveError,
     ) as e:
-        parser.exit(2, f"error: {e}\n")  # bad data or settings, a busy run dir: one line
+        parser.exit(2, f"error: {_who()}{e}\n")  # bad data or settings, a busy run dir: one line
     except NonFiniteLossError as e:
-        parser.exit(1, f"error: {e}\n")
+        parser.exit(1, f"error: {_who()}{e}\n")
+    if not distributed.is_primary():
+        return 0  # process 0 reports
     bleu = "" if result.bleu != result.bleu else f" | BLEU {result.bleu:.2f}"  # NaN: no BLEU
     print(
         f"done: ran {result.final_step - result.start_step} steps "

@@ -315,16 +315,40 @@ class ParallelConfig(Section):
     it). The batch is split over both axes; parameters and optimizer state are replicated over
     `data` and sharded over `fsdp` (ZeRO-3). The product must equal the device count; -1 (at
     most one axis) fills it, so the defaults run unchanged on 1 or N devices as plain data
-    parallelism. The layout does not change what is computed (up to float reduction order)."""
+    parallelism. The layout does not change what is computed (up to float reduction order).
+    With several processes the devices are those of all of them (`jax.devices()`)."""
 
     PATH: ClassVar[str] = "parallel"
 
     data: int = spec(-1, ge=-1)
     fsdp: int = spec(1, ge=-1)
+    # Several processes (hosts), started with jax.distributed (jaxllm/distributed.py): all
+    # three, or none. None: from $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES /
+    # $JAX_PROCESS_ID, else a Slurm or Open MPI launch of more than one task, else one process.
+    coordinator_address: str | None = spec(None, nonempty=True)  # "host:port" of process 0
+    num_processes: int | None = spec(None, ge=1)
+    process_id: int | None = spec(None, ge=0)  # 0 .. num_processes - 1; 0 starts the service
 
     AXES: ClassVar[tuple[str, ...]] = ("data", "fsdp")
+    PROCESS_GROUP: ClassVar[tuple[str, ...]] = (
+        "coordinator_address",
+        "num_processes",
+        "process_id",
+    )
 
     def _check(self) -> None:
+        if self.coordinator_address is not None:
+            host, colon, port = self.coordinator_address.rpartition(":")
+            if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+                raise ConfigError(
+                    "parallel.coordinator_address must be HOST:PORT with a port in [1, 65535] "
+                    f"(process 0's address), got {self.coordinator_address!r}"
+                )
+        n, i = self.num_processes, self.process_id
+        if n is not None and i is not None and i >= n:
+            raise ConfigError(
+                f"parallel.process_id must be in [0, parallel.num_processes - 1 = {n - 1}], got {i}"
+            )
         sizes = {a: getattr(self, a) for a in self.AXES}
         for axis, n in sizes.items():
             if n == 0:
@@ -415,7 +439,7 @@ def config_changes(old: Config, new: Config) -> list[str]:
 
     a, b = flat(old.to_dict()), flat(new.to_dict())
     skip = {f"train.{k}" for k in TrainConfig.NO_EFFECT}
-    skip |= {f"parallel.{k}" for k in ParallelConfig.AXES}
+    skip |= {f"parallel.{k}" for k in ParallelConfig.AXES + ParallelConfig.PROCESS_GROUP}
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
             if k not in skip and a.get(k) != b.get(k)]  # fmt: skip
 

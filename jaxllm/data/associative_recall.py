@@ -75,15 +75,20 @@ def make_splits(cfg: AssociativeRecallConfig) -> tuple[RecallSplit, RecallSplit]
     return train, test
 
 
-def train_batch(split: RecallSplit, batch_size: int, step: int, seed: int) -> dict[str, np.ndarray]:
+def train_batch(
+    split: RecallSplit, batch_size: int, step: int, seed: int, rows: slice | None = None
+) -> dict[str, np.ndarray]:
     """The batch for `step`: epochs are fixed permutations of the set (drop-last), so the
-    batch depends only on (seed, step) and a resumed run sees the same data."""
+    batch depends only on (seed, step) and a resumed run sees the same data. `rows`: only
+    those rows of it (one process's share of the global batch; None: all)."""
     per_epoch = len(split) // batch_size
     if per_epoch == 0:
         raise ValueError(f"batch_size {batch_size} exceeds the {len(split)} training examples")
     epoch, i = divmod(step, per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(len(split))
     idx = order[i * batch_size : (i + 1) * batch_size]
+    if rows is not None:
+        idx = idx[rows]
     return {"inputs": split.inputs[idx], "targets": split.targets[idx]}
 
 

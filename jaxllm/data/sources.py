@@ -3,6 +3,11 @@
 A train batch is a pure function of (seed, step), so a resumed run sees exactly the batches an
 uninterrupted one would: the data-sampler state is just the step number. A source with epochs
 (translation) also has `steps_per_epoch` and scores a model after each epoch (`score`).
+
+Several processes (jaxllm/distributed.py): `train_batch(step, rows)` makes only rows
+[start, stop) of the global batch, the process's share: the same examples as one process would
+use, partitioned, so no example is read twice per step and the run computes the same thing on
+any number of processes. The loop passes `rows` only when there are several processes.
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ class RecallSource:
     seed: int
     steps_per_epoch = None
 
-    def train_batch(self, step: int) -> Batch:
-        return ar.train_batch(self.train, self.batch_size, step, self.seed)
+    def train_batch(self, step: int, rows: slice | None = None) -> Batch:
+        return ar.train_batch(self.train, self.batch_size, step, self.seed, rows)
 
     def eval_batches(self) -> Iterator[Batch]:
         return ar.eval_batches(self.test, self.batch_size)
@@ -62,9 +67,9 @@ class TokenSource:
     seed: int
     steps_per_epoch = None
 
-    def train_batch(self, step: int) -> Batch:
+    def train_batch(self, step: int, rows: slice | None = None) -> Batch:
         rng = np.random.default_rng([self.seed, step])
-        x, y = get_batch(self.train, self.batch_size, self.context_length, rng)
+        x, y = get_batch(self.train, self.batch_size, self.context_length, rng, rows)
         return {"inputs": x, "targets": y}
 
     def eval_batches(self) -> Iterator[Batch]:
@@ -96,18 +101,23 @@ def _windows(
 
 
 def get_batch(
-    tokens: np.ndarray, batch_size: int, context_length: int, rng: np.random.Generator
+    tokens: np.ndarray,
+    batch_size: int,
+    context_length: int,
+    rng: np.random.Generator,
+    rows: slice | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Random windows: inputs (B, T) int32 and targets (B, T) int32 = inputs shifted by one.
 
     Window starts are uniform over every valid offset. `TokenSource` seeds rng with
     (seed, step), so a batch is a pure function of both and a resumed run needs no saved state.
+    `rows`: read only those windows of the batch (one process's share; None: all B).
     """
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
     _check_batch_args(tokens, batch_size, context_length)
     starts = rng.integers(0, tokens.shape[0] - context_length, size=batch_size)
-    return _windows(tokens, starts, context_length)
+    return _windows(tokens, starts if rows is None else starts[rows], context_length)
 
 
 def iter_eval_batches(
@@ -160,9 +170,15 @@ class TranslationSource:
         length = min(mt.padded_length(longest, self.cfg.pad_multiple), self.context_length)
         return mt.collate(examples, self.tokenizer.pad_id, length)
 
-    def train_batch(self, step: int) -> Batch:
+    def train_batch(self, step: int, rows: slice | None = None) -> Batch:
         epoch, i = divmod(step, self.steps_per_epoch)
-        return self._collate([self.train[j] for j in self._epoch(epoch)[i]])
+        idx = self._epoch(epoch)[i]
+        if rows is None:
+            return self._collate([self.train[j] for j in idx])
+        # One process's rows, padded to the global batch's length (all processes agree on it).
+        longest = max(len(self.train[j][0]) for j in idx)
+        length = min(mt.padded_length(longest, self.cfg.pad_multiple), self.context_length)
+        return mt.collate([self.train[j] for j in idx[rows]], self.tokenizer.pad_id, length)
 
     def eval_batches(self) -> Iterator[Batch]:
         lengths = [len(x) for x, _ in self.valid]
@@ -193,7 +209,18 @@ def load_translation_split(tc: TranslationConfig, which: str) -> list[mt.Pair]:
 
 def translation_tokenizer(cfg: Config, train_pairs: list[mt.Pair]) -> mt.TranslationTokenizer:
     """The run dir's tokenizer.json if it exists (resume, evaluation: same ids), else a BPE
-    trained on the training pairs and saved there."""
+    trained on the training pairs and saved there (by process 0 of several; the others wait
+    for it and load it)."""
+    from jaxllm import distributed  # imports jax: only here
+
+    if distributed.process_count() == 1:
+        return _run_dir_tokenizer(cfg, train_pairs)
+    tok = _run_dir_tokenizer(cfg, train_pairs) if distributed.is_primary() else None
+    distributed.sync("jaxllm-translation-tokenizer")
+    return tok or _run_dir_tokenizer(cfg, [])
+
+
+def _run_dir_tokenizer(cfg: Config, train_pairs: list[mt.Pair]) -> mt.TranslationTokenizer:
     tc = cfg.data.translation
     path = Path(cfg.train.run_dir) / "tokenizer.json"
     if path.is_file():
@@ -220,7 +247,7 @@ def filter_translation_pairs(
     dropped ones are counted on stderr (training and scoring apply the same rule)."""
     tc = cfg.data.translation
     kept, dropped = mt.filter_pairs(pairs, tc.max_words, cfg.model.context_length, tok)
-    if dropped:
+    if dropped and _is_primary():
         rule = f"max_words {tc.max_words} or " if tc.max_words else ""
         print(
             f"{what}: dropped {dropped} of {len(pairs)} pairs longer than {rule}the context "
@@ -230,6 +257,13 @@ def filter_translation_pairs(
     if not kept:
         raise ValueError(f"{what}: no pair is left after the length filter")
     return kept
+
+
+def _is_primary() -> bool:
+    """Process 0 (or the only one): the one that prints."""
+    from jaxllm.distributed import is_primary
+
+    return is_primary()
 
 
 def make_translation_source(cfg: Config) -> TranslationSource:

@@ -21,6 +21,12 @@ What survives which fault (issue 15):
   reads still in flight, absl error logs) is kept off stderr.
 - A checkpoint of another model or optimizer: `CheckpointMismatchError` naming the parameter,
   or the optimizer settings.
+
+Several processes (jaxllm/distributed.py): every process calls `Checkpointer(...)`, `save` and
+`restore` at the same points (orbax writes each process's shards and lets process 0, its
+primary host, write the metadata and finish the save); the run dir must be one filesystem that
+all of them see. Repairs and moves of checkpoint dirs run on process 0 only, and the others
+wait for them.
 """
 
 from __future__ import annotations
@@ -83,6 +89,12 @@ def _leaf_digests(tree: Any) -> Iterator[tuple[str, str]]:
     (and per restore) of GPT-2 124M's 1.5 GB (params + AdamW moments), on top of orbax's work.
     """
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array) and not (
+            leaf.is_fully_addressable or leaf.is_fully_replicated
+        ):  # sharded over several processes: every process gathers it (a collective)
+            from jax.experimental import multihost_utils
+
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
         arr = np.ascontiguousarray(jax.device_get(leaf))
         digest = hashlib.sha256(arr.reshape(-1).view(np.uint8)).hexdigest()
         yield jax.tree_util.keystr(path), f"{arr.dtype}:{digest}"
@@ -204,6 +216,13 @@ def _manager(directory: Path, keep: int) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(directory.resolve(), options=options)
 
 
+def _sync_processes(name: str) -> None:
+    """Wait for every process of a multi-process run (see jaxllm/distributed.py)."""
+    from jaxllm.distributed import sync
+
+    sync(name)
+
+
 def _owns_run_dir(run_dir: Path) -> bool:
     """Whether this process may repair `run_dir`: it holds the run dir lock, or nobody does."""
     from jaxllm.train.run_lock import RunDirLock, RunDirLockedError
@@ -233,6 +252,9 @@ class Checkpointer:
 
     def __init__(self, run_dir: str | Path, keep: int = 3, repair: bool | None = None):
         self.run_dir = Path(run_dir)
+        several = jax.process_count() > 1
+        if several and jax.process_index() != 0:
+            repair = False  # process 0 repairs; the others wait for it below
         if repair is None:
             repair = _owns_run_dir(self.run_dir)
         if repair:
@@ -242,6 +264,10 @@ class Checkpointer:
         self._unusable: dict[str, set[int]] = {"latest": set(), "best": set()}
         if repair:
             self._complete_best()
+        if several:
+            _sync_processes("jaxllm-checkpointer-repair")
+            self.latest.reload()
+            self.best.reload()
 
     # -- where things are ----------------------------------------------------------------------
 
@@ -342,7 +368,7 @@ class Checkpointer:
         this step can be saved again (orbax skips a step that is not newer than its latest)."""
         mngr = self._mngr(which)
         bad = [s for s in mngr.all_steps() if s >= step and s in self._unusable[which]]
-        for s in bad:
+        for s in bad if jax.process_index() == 0 else []:  # the same list on every process
             dest_dir = self.run_dir / QUARANTINE
             dest_dir.mkdir(parents=True, exist_ok=True)
             name = f"{Path(mngr.directory).name}_{s}"
@@ -350,8 +376,9 @@ class Checkpointer:
             while dest.exists():
                 dest, n = dest_dir / f"{name}.{n}", n + 1
             os.replace(self._path(mngr, s), dest)
-            self._unusable[which].discard(s)
         if bad:
+            _sync_processes("jaxllm-checkpoint-quarantine")
+            self._unusable[which] -= set(bad)
             mngr.reload()
 
     def _save_error(
@@ -360,7 +387,7 @@ class Checkpointer:
         with contextlib.suppress(Exception), _quiet_orbax():
             mngr.wait_until_finished()
         directory = Path(mngr.directory)
-        for entry in directory.glob(f"{step}.*{TMP_MARK}*"):
+        for entry in directory.glob(f"{step}.*{TMP_MARK}*") if jax.process_index() == 0 else []:
             shutil.rmtree(entry, ignore_errors=True)
         with contextlib.suppress(Exception):
             mngr.reload()

@@ -1,7 +1,13 @@
-"""The training loop: steps, evaluation, logs, checkpoints, resume, and a NaN guard."""
+"""The training loop: steps, evaluation, logs, checkpoints, resume, and a NaN guard.
+
+With several processes (jaxllm/distributed.py) every process runs this loop on its rows of each
+batch; process 0 alone writes config, logs and metrics, prints and holds the run dir lock, and
+all of them save each checkpoint together (orbax).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -13,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jaxllm import parallel
+from jaxllm import distributed, parallel
 from jaxllm.atomic_file import write_text_atomic
 from jaxllm.config import Config, ConfigError, config_changes, load_config, save_config
 from jaxllm.data.sources import BatchSource, make_source
@@ -48,12 +54,14 @@ class TrainResult:
 
 
 def evaluate(state, source: BatchSource, mesh: jax.sharding.Mesh | None = None) -> dict[str, float]:
-    """Exact mean loss and accuracy over all evaluation batches (split over `mesh` if given)."""
+    """Exact mean loss and accuracy over all evaluation batches (split over `mesh` if given;
+    with several processes each puts only its rows of every batch on its devices)."""
     totals = {"loss_sum": 0.0, "correct": 0, "count": 0}
     step = int(state.step)
+    put = distributed.put_batch if jax.process_count() > 1 else parallel.shard_batch
     for batch in source.eval_batches():
         if mesh is not None:
-            batch = parallel.shard_batch(batch, mesh)
+            batch = put(batch, mesh)
         out = jax.device_get(eval_step(state, batch))
         raise_for_bad_ids(out["bad_ids"], step, "evaluation", state.vocab_size)
         for k in totals:
@@ -124,13 +132,19 @@ def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
     `train.resume` (the default) a run dir that holds checkpoints continues from the latest
     one: batches and dropout depend only on (seed, step), so the loss curve is the one an
     uninterrupted run would give; settings that would change it are refused (check_resume).
+
+    Several processes: `cfg.parallel`'s process group (or the environment's) is started first,
+    before any device is touched (jaxllm/distributed.py); only process 0 takes the lock.
     """
-    with RunDirLock(cfg.train.run_dir):
-        return _train(cfg, source)
+    group = distributed.initialize(cfg.parallel)
+    primary = distributed.is_primary()
+    with RunDirLock(cfg.train.run_dir) if primary else contextlib.nullcontext():
+        return _train(cfg, source, group)
 
 
-def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
+def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGroup) -> TrainResult:
     tc = cfg.train
+    primary, multi = distributed.is_primary(), jax.process_count() > 1
     run_dir = Path(tc.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     source = source or make_source(cfg)
@@ -152,6 +166,10 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
     # Initialised in place on the mesh: with FSDP no device ever holds the whole state.
     state = parallel.create_sharded(lambda: create_state(model, tx, init_rng, example), mesh)
     step_fn = parallel.jit_train_step(train_step, state, mesh)
+    # This process's rows of every train batch (several processes: a disjoint share each).
+    rows = distributed.process_rows(mesh, tc.batch_size) if multi else None
+    if multi:  # put once on every process's devices, not at every step
+        dropout_rng = jax.device_put(dropout_rng, parallel.replicated(mesh))
 
     ckpt = Checkpointer(run_dir, tc.keep_checkpoints)
     start_step, best_eval = 0, math.inf
@@ -167,11 +185,13 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
             check_resume(old, cfg, total_steps(old, source), total)
         state, meta = ckpt.restore(state)
         start_step, best_eval = int(state.step), meta.get("best_score", math.inf)
-        truncate_metrics(run_dir / "metrics.jsonl", start_step)
-        print(f"resuming from step {start_step} ({run_dir / 'checkpoints'})", file=sys.stderr)
-    save_config(cfg, run_dir / "config.yaml")
+        if primary:
+            truncate_metrics(run_dir / "metrics.jsonl", start_step)
+            print(f"resuming from step {start_step} ({run_dir / 'checkpoints'})", file=sys.stderr)
+    if primary:
+        save_config(cfg, run_dir / "config.yaml")
 
-    log = MetricsLog(run_dir)
+    log = MetricsLog(run_dir, enabled=primary)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     log.write(
         {
@@ -181,6 +201,7 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
             "ops": plan.describe(),
             "parallel": parallel.describe(mesh),
             "state_bytes_per_device": parallel.state_bytes_per_device(state),
+            **({"processes": group.describe()} if multi else {}),
             "config": cfg.to_dict(),
         }
     )
@@ -188,16 +209,25 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
         total=total,
         initial=start_step,
         desc="train",
-        disable=not tc.progress,
+        disable=not tc.progress or not primary,
         dynamic_ncols=True,
     )
-    bar.write(plan.describe())
+
+    def echo(message: str) -> None:  # the console, from process 0 only
+        if primary:
+            bar.write(message)
+
+    if multi:
+        echo(group.describe())
+    echo(plan.describe())
     state_mib = parallel.state_bytes_per_device(state) / 2**20
-    bar.write(f"{parallel.describe(mesh)}; params + optimizer state {state_mib:.1f} MiB per device")
+    echo(f"{parallel.describe(mesh)}; params + optimizer state {state_mib:.1f} MiB per device")
     if per_epoch:
-        bar.write(f"{tc.epochs} epochs of {per_epoch} steps = {total} steps")
+        echo(f"{tc.epochs} epochs of {per_epoch} steps = {total} steps")
     tokens = 0  # (padded) input tokens since the last log
     bad = jnp.full((3,), -1, jnp.int32)
+    if multi:
+        bad = jax.device_put(bad, parallel.replicated(mesh))
     losses, rates = [], []
     ev = {"loss": math.nan, "accuracy": math.nan}
     bleu = math.nan
@@ -205,13 +235,16 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
     last_step = start_step
 
     def say(message: str) -> None:  # on the console and in metrics.jsonl
-        bar.write(message)
+        echo(message)
         log.write({"event": "trace", "message": message})
 
-    # train.trace_steps: a jax.profiler trace of those updates in RUN_DIR/trace (else a no-op).
-    trace = StepRangeTrace(tc.trace_steps, run_dir / "trace", say)
+    # train.trace_steps: a jax.profiler trace of those updates in RUN_DIR/trace (else a no-op);
+    # of process 0 only.
+    trace = StepRangeTrace(tc.trace_steps if primary else None, run_dir / "trace", say)
 
     def stop_if_diverged(flags: jax.Array | int) -> None:
+        if not isinstance(flags, int):
+            flags = jax.device_get(flags)  # replicated: every process reads its own copy
         ids_step, n_ids, bad_step = (-1, 0, flags) if isinstance(flags, int) else map(int, flags)
         if ids_step >= 0:  # bad data first: it is what makes the loss blow up
             raise_for_bad_ids(n_ids, ids_step, "train", cfg.model.vocab_size)
@@ -242,9 +275,13 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
 
     try:
         for step in range(start_step, total):
-            batch = source.train_batch(step)
-            tokens += batch["inputs"].size
-            batch = parallel.shard_batch(batch, mesh)
+            if multi:  # this process's rows only, assembled into the global batch
+                batch = distributed.global_batch(
+                    source.train_batch(step, rows), mesh, tc.batch_size
+                )
+            else:
+                batch = parallel.shard_batch(source.train_batch(step), mesh)
+            tokens += batch["inputs"].size  # global
             prev_bad = bad
             trace.before_step(step + 1)
             state, metrics = step_fn(state, batch, dropout_rng)
@@ -287,14 +324,16 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
                     rec |= {"epoch": epoch, "bleu": bleu}
                     line += f"  BLEU {bleu:.2f} (epoch {epoch})"
                     hyp_file = run_dir / f"hypotheses_epoch{epoch}.txt"
-                    write_text_atomic(hyp_file, "\n".join(hyps) + "\n")
                     result = {"epoch": epoch, "step": done, "validation_loss": ev["loss"]}
                     result |= scores | {"hypotheses": hyp_file.name}
-                    write_text_atomic(
-                        run_dir / f"eval_results_epoch{epoch}.json", json.dumps(result, indent=2)
-                    )
+                    if primary:
+                        write_text_atomic(hyp_file, "\n".join(hyps) + "\n")
+                        write_text_atomic(
+                            run_dir / f"eval_results_epoch{epoch}.json",
+                            json.dumps(result, indent=2),
+                        )
                 log.write(rec | {"wall_time": time.perf_counter() - start}, prefix="eval")
-                bar.write(line)
+                echo(line)
                 # The best checkpoint: lowest eval loss, or highest BLEU where BLEU is scored
                 # (a translation model's BLEU keeps rising after its eval loss turns up).
                 score = -bleu if per_epoch is not None else ev["loss"]
@@ -312,7 +351,7 @@ def _train(cfg: Config, source: BatchSource | None) -> TrainResult:
                 last_time = time.perf_counter()
             bar.update(1)
         if start_step >= total:  # a finished run: report its final evaluation again
-            bar.write(
+            echo(
                 f"{run_dir} already holds the finished run (step {start_step} of {total}); "
                 "evaluating its last checkpoint. Choose another --train.run_dir to train anew."
             )

@@ -14,15 +14,23 @@ from jaxllm.atomic_file import write_text_atomic
 
 class MetricsLog:
     """Appends one JSON object per line to run_dir/metrics.jsonl (flushed each write) and
-    writes the numeric fields of step records as TensorBoard scalars under `prefix/name`."""
+    writes the numeric fields of step records as TensorBoard scalars under `prefix/name`.
 
-    def __init__(self, run_dir: Path):
-        run_dir.mkdir(parents=True, exist_ok=True)
+    `enabled=False` (every process but 0 of a multi-process run): opens nothing, writes
+    nothing, so a run dir has one writer."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True):
+        self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
         self._f = self.path.open("a")
         self._tb = EventFileWriter(str(run_dir / "tensorboard"))
 
     def write(self, record: dict, prefix: str | None = None) -> None:
+        if not self.enabled:
+            return
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
         if prefix is not None and "step" in record:
@@ -37,6 +45,8 @@ class MetricsLog:
             )
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self._f.close()
         self._tb.close()
 
