@@ -114,6 +114,7 @@ def _bench(args: argparse.Namespace) -> int:
             arch=args.arch, batch=args.batch, vocab=args.vocab, kernels=args.kernels,
             warmup=args.warmup, steps=args.steps, overrides=tuple(args.set), torch=args.torch,
             compile_workers=args.compile_workers, torch_compile=args.torch_compile,
+            isolate=args.isolate,
         )  # fmt: skip
         bench.check_sweep(sweep)
         if args.torch:
@@ -156,6 +157,11 @@ def _add_bench(sub) -> None:
         "(the whole model, one graph: minutes per config)"
     )
     b.add_argument("--torch-compile", default="regional", help=compile_help)
+    isolate_help = (
+        "a fresh process per size, and a new one after an out-of-memory error (the cell "
+        "re-run alone): auto (on a GPU), always, never"
+    )
+    b.add_argument("--isolate", default="auto", help=isolate_help)
     b.add_argument("--jsonl", default=None, help="append one JSON line per table row here")
     bar_help = "no tqdm bar (there is one only when stderr is a terminal)"
     b.add_argument("--no-progress", action="store_true", help=bar_help)

@@ -1,18 +1,25 @@
 """`profile.py bench` and `profile.py breakdown` on the CPU with the tiny size (issue 10).
 
 The CLI runs in-process (`profile.main([...])`), as a user would call it; the OOM path is
-simulated by making the step builder raise XLA's RESOURCE_EXHAUSTED error.
+simulated by making the step builder raise XLA's RESOURCE_EXHAUSTED error. Isolation (a child
+process per size, a new one after an OOM) is tested with fake children (a few lines of Python
+that speak the protocol) and with real ones whose step is made to run out of memory.
 """
 
 import dataclasses
 import functools
+import gc
 import importlib.util
 import json
 import math
+import os
 import re
+import sys
+import weakref
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -108,6 +115,147 @@ def test_bench_tiny_table_json_lines_and_an_oom_cell(tmp_path, capsys, monkeypat
     assert t32[0]["bytes"] < t32[1]["bytes"] < t32[2]["bytes"]
 
 
+# A child process as bench._child_main behaves, without jax: each cell "ok", but DIES (the
+# process aborts with XLA's out-of-memory message), CROWDED (out of memory unless alone in its
+# process: compiled beside the others) and BOOM (an unrelated crash). argv: log, cells, spec.
+FAKE_CHILD = """
+import json, sys
+log, special = sys.argv[1], json.loads(sys.argv[2])
+cells = json.loads(sys.argv[sys.argv.index("--child") + 1])["cells"]
+with open(log, "a") as f:
+    f.write(json.dumps(cells) + "\\n")
+for cell in cells:
+    kind = next((k for k, c in special.items() if c == cell), None)
+    if kind == "DIES":
+        sys.exit("2026-11-23 E external/xla: RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB")
+    if kind == "BOOM":
+        sys.exit("Segmentation fault in the fake child")
+    oom = kind == "CROWDED" and len(cells) > 1
+    result = {"status": "OOM" if oom else "ok", "mean_s": None if oom else 1e-3, "std_s": 0.0}
+    print("BENCH_CELL " + json.dumps({"cell": cell, "result": result}), flush=True)
+    if oom:
+        break  # as _child_main: stop at the first OOM
+"""
+
+
+def _fake_children(monkeypatch, tmp_path, **special):
+    log = tmp_path / "children.log"
+    cmd = [sys.executable, "-c", FAKE_CHILD, str(log), json.dumps(special)]
+    monkeypatch.setattr(bench, "_child_command", lambda spec: [*cmd, "--child", json.dumps(spec)])
+    return log
+
+
+def test_isolated_sweep_confirms_an_oom_alone_and_measures_the_cells_after_it(
+    monkeypatch, tmp_path
+):
+    """A child stops at its first OOM; that cell runs again alone, and only an OOM there is
+    reported (a child that died with XLA's message counts); the rest go to a new child."""
+    sweep = bench.Sweep(sizes=("tiny",), contexts=(16, 32), vocab=64, batch=2)
+    cells = [[t, "float32", m] for t in (16, 32) for m in bench.DEFAULT_MODES]
+    f16, fb16, ts16, f32, fb32, ts32 = cells
+    log = _fake_children(monkeypatch, tmp_path, CROWDED=fb16, DIES=f32)
+    rows = [r for config in bench.bench_size(sweep, "tiny", dict(os.environ)) for r in config]
+    assert [(r.context, r.mode, r.ours.status) for r in rows] == [
+        (t, m, "OOM" if [t, "float32", m] == f32 else "ok") for t, _, m in cells
+    ]
+    assert all(r.ours.mean_s == 1e-3 for r in rows if r.ours.status == "ok")
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert runs == [cells, [fb16], [ts16, f32, fb32, ts32], [f32], [fb32, ts32]]
+
+    _fake_children(monkeypatch, tmp_path, BOOM=fb32)  # not an OOM: the sweep stops, saying why
+    with pytest.raises(bench.BenchChildError, match=r"\(32, 'float32', 'forward_backward'\).*"
+                       r"exit 1.*Segmentation fault"):  # fmt: skip
+        list(bench.bench_size(sweep, "tiny", dict(os.environ)))
+
+
+# A real child (python -m jaxllm.profiling.bench --child), but its T16 step runs out of memory
+# when called, and from then on every step of its process does: memory that leaked.
+LEAKY_CHILD = """
+import sys
+import jax
+from jaxllm.profiling import bench
+
+log, real, leaked = sys.argv[1], bench.build_step, []
+
+def build_step(mode, holder, batch, apply):
+    step = real(mode, holder, batch, apply)
+    t = batch["inputs"].shape[1]
+
+    def call():
+        if t == 16 or leaked:
+            leaked.append(t)
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1 GiB")
+        return step()
+
+    return call
+
+bench.build_step = build_step
+with open(log, "a") as f:
+    f.write(sys.argv[sys.argv.index("--child") + 1] + "\\n")
+sys.exit(bench._child_main(sys.argv[sys.argv.index("--child") :]))
+"""
+
+
+def test_bench_isolate_always_measures_what_follows_an_oom(tmp_path, capsys, monkeypatch):
+    log = tmp_path / "children.log"
+    cmd = [sys.executable, "-c", LEAKY_CHILD, str(log)]
+    monkeypatch.setattr(bench, "_child_command", lambda spec: [*cmd, "--child", json.dumps(spec)])
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # re-runs load
+    out = tmp_path / "bench.jsonl"
+    argv = ["bench", *TINY_SWEEP, "--contexts", "16,32", "--modes", "forward", *TINY_RUN,
+            "--isolate", "always", "--jsonl", str(out)]  # fmt: skip
+    assert cli(argv) == 0
+    text = capsys.readouterr().out
+    assert "isolation (--isolate always): a fresh process per size" in text
+    rows = table_rows(text)
+    assert [r[1] for r in rows] == ["16", "32"]
+    assert rows[0][4:] == ["OOM", "-", "-", "-"]
+    assert float(rows[1][4]) > 0  # measured in a new process: the leak did not follow it
+    children = [json.loads(line)["cells"] for line in log.read_text().splitlines()]
+    f16, f32 = [16, "float32", "forward"], [32, "float32", "forward"]
+    assert children == [[f16, f32], [f16], [f32]]  # the OOM confirmed alone
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["status"] for r in lines] == ["OOM", "ok"]
+    assert {r["isolation"] for r in lines} == {"process per size"}
+
+
+def test_forward_holds_only_the_parameters_and_train_step_the_full_state(monkeypatch):
+    """While forward is timed no AdamW moment exists; train_step gets them, and they are gone
+    again (its parameters kept) by the next config's forward. The steps are stand-ins (no
+    model compiled): what is resident is bench's own."""
+    seen, moments = [], []
+
+    def build_step(mode, holder, batch, apply):
+        def call():
+            live = {k for k in ("params", "state") if k in holder}
+            params = holder["state"].params if "state" in holder else holder["params"]
+            seen.append((batch["inputs"].shape[1], mode, live, len(jax.tree.leaves(params))))
+            if mode == "train_step":
+                opt_state = jax.tree.leaves(holder["state"].opt_state)
+                assert len(opt_state) > 2 * len(jax.tree.leaves(params))  # mu, nu, count
+                moments.extend(weakref.ref(x) for x in opt_state)
+            else:
+                gc.collect()
+                assert not [r for r in moments if r() is not None], "AdamW state still alive"
+            return jnp.zeros(())
+
+        return call
+
+    monkeypatch.setattr(bench, "build_step", build_step)
+    sweep = bench.Sweep(sizes=("tiny",), contexts=(16, 32), vocab=64, batch=2, warmup=0,
+                        steps=1, modes=("forward", "train_step"), isolate="never")  # fmt: skip
+    cells = bench.plan(sweep)[:3]  # T16 forward, T16 train_step, T32 forward
+    results = dict(bench.measure_cells(sweep, "tiny", cells))
+    assert list(results) == cells and all(m.status == "ok" for m in results.values())
+    assert [(t, m, live) for t, m, live, _ in seen] == [
+        (t, m, {"state" if m == "train_step" else "params"}) for t, _, m in cells
+    ]
+    assert len({n for *_, n in seen}) == 1 and moments  # the same parameters throughout
+    before = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
+    assert not bench.use_children("auto")  # the CPU: in-process (the tests stay fast)
+    assert os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") == before
+
+
 def test_measure_reports_oom_and_raises_anything_else():
     def oom():
         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
@@ -149,6 +297,7 @@ def test_forward_flops_match_the_training_flops_per_token():
         (["bench", "--modes", "backward"], "allowed: logits, forward, forward_backward, train"),
         (["bench", "--dtypes", "float16"], "allowed: float32, bfloat16"),
         (["bench", "--arch", "llama"], "allowed: gpt2, transformer_lm"),
+        (["bench", "--isolate", "sometimes"], "allowed: auto, always, never"),
         (["bench", "--sizes", "tiny", "--contexts", "64,256"], "allowed: 1..128"),
         (["bench", "--contexts", "0"], "positive integers"),
         (["breakdown", "--size", "huge"], "allowed: tiny, small"),

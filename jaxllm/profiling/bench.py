@@ -4,16 +4,48 @@ A sweep over model sizes (CS336's table, plus `tiny` for tests), context lengths
 and modes: `logits` (forward to the logits), `forward` (forward + loss), `forward_backward`
 (the loss's gradient w.r.t. the parameters) and `train_step` (forward, backward, global-norm
 clipping and AdamW: jaxllm.train.state.train_step). Every config gets random token ids and
-fresh float32 parameters (jaxllm.profiling.harness), then the course's recipe: `warmup` calls
-untimed, then `steps` calls, each closed by a device sync and timed on its own; the table
-reports the mean and standard deviation over those `steps` calls. Compilation is not in any of
-them: every executable of a size is compiled ahead of time, in parallel threads, before the
-first call is timed (see `bench_size`; `--compile-workers 1` compiles one at a time), so the
-warm-up covers first-call effects only.
+fresh float32 parameters (as jaxllm.profiling.harness.make_state), then the course's recipe:
+`warmup` calls untimed, then `steps` calls, each closed by a device sync and timed on its own;
+the table reports the mean and standard deviation over those `steps` calls. Compilation is not
+in any of them: every executable of a size is compiled ahead of time, in parallel threads,
+before the first call is timed (see `measure_cells`; `--compile-workers 1` compiles one at a
+time), so the warm-up covers first-call effects only.
 
-A config that does not fit in memory gives an `OOM` cell and the sweep goes on. With `--torch`,
-the same model in PyTorch (jaxllm.profiling.torch_reference), eager and torch.compile, is timed
-with the same recipe in the same process, and the table marks where ours is slower than
+What is resident on the device while a mode is timed (P = parameter count; this is where the
+OOM boundary between the modes comes from):
+  logits, forward   the float32 parameters (4 P bytes), the batch, the activations of one
+                    forward pass and its output (the logits, or the loss).
+  forward_backward  the parameters (4 P) and the gradients it returns (4 P), plus the
+                    activations the backward pass needs.
+  train_step        the whole TrainState: parameters and AdamW's two moments (12 P), donated
+                    and updated in place, plus the gradients (4 P) and the activations inside
+                    the step.
+AdamW's moments exist only for the train_step config: they are made from the parameters just
+before it is timed and dropped after it (the parameters stay for the next config), so the
+other modes never carry the 8 P bytes they do not use. (Until 2026-11-23 one full TrainState
+served every mode: 2.7B float32 forward_backward at context 512 ran out of memory on an H100
+while train_step at 512 fit.)
+
+A config that does not fit in memory gives an `OOM` cell and the sweep goes on; nothing after
+it may be affected by it. `--isolate` (auto: on a GPU) runs every size in a fresh child process
+(`python -m jaxllm.profiling.bench --child ...`, through jaxllm.profiling.isolate) that streams
+its results back a cell at a time (the table, JSON lines and progress bar are the parent's, as
+without it). A child stops at its first out-of-memory error: a failed execution can leave
+memory behind (an H100 sweep once reported every cell of `xl` after the first real OOM as OOM,
+cells that fit in a fresh process included). Its remaining cells go to a new child, and the
+OOM cell itself is first run again alone in a child of its own (its compile next to the
+others', or what an earlier cell left, could have caused it): only an OOM that happens there is
+reported. Children share a persistent compilation cache (a temporary directory, unless
+JAX_COMPILATION_CACHE_DIR is set), so a re-run loads the executables that took jax's threshold
+(a second) to compile instead of compiling them again. The parent starts its backend without
+XLA's preallocation (it only reads the device's name) and never touches the device otherwise;
+the children allocate as a plain run does.
+Without isolation (`--isolate never`, and on the CPU) everything runs in this process, which
+after an OOM frees what it holds and rebuilds the parameters, but cannot free what XLA keeps.
+
+With `--torch`, the same model in PyTorch (jaxllm.profiling.torch_reference), eager and
+torch.compile, is timed with the same recipe in the same process as the config's JAX cells
+(after them, with the parameters resident), and the table marks where ours is slower than
 torch.compile.
 
 Analytic costs carried by every row (and its JSON line, for the roofline plot):
@@ -33,11 +65,17 @@ The train step's cost by difference (what benchmarks/step_breakdown.py printed),
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import dataclasses
 import functools
 import gc
 import json
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -50,8 +88,10 @@ from tqdm import tqdm
 
 from jaxllm.config import Config, ConfigError, ModelConfig, load_config
 from jaxllm.models import build_model
-from jaxllm.profiling.harness import make_state, random_batch, time_calls
-from jaxllm.train.state import Batch, loss_and_sums, train_step
+from jaxllm.profiling.harness import random_batch, time_calls
+from jaxllm.profiling.isolate import Child, stop_children_on_exit
+from jaxllm.train.optim import make_optimizer
+from jaxllm.train.state import Batch, LMTrainState, loss_and_sums, train_step
 
 
 class BenchArgError(ValueError):
@@ -83,6 +123,12 @@ DTYPES = ("float32", "bfloat16")
 ARCHS = ("gpt2", "transformer_lm")
 KERNELS = ("xla", "pallas")
 DTYPE_TAG = {"float32": "f32", "bfloat16": "bf16"}
+ISOLATE = ("auto", "always", "never")
+TORCH = "torch"  # the mode of a cell that times the config's PyTorch reference (--torch)
+CELL_TAG = "BENCH_CELL "  # the line a child process prints a cell's result on
+
+# One measurement: (context, dtype, mode); a config is a (context, dtype) pair.
+Cell = tuple[int, str, str]
 
 
 @dataclass(frozen=True)
@@ -103,6 +149,7 @@ class Sweep:
     torch: bool = False  # also time the PyTorch reference (eager and torch.compile)
     compile_workers: int = 8  # threads compiling a size's executables before timing
     torch_compile: str = "regional"  # torch_reference.compile_model: "regional" or "model"
+    isolate: str = "auto"  # a child process per size: "auto" (on a GPU), "always", "never"
 
 
 @dataclass(frozen=True)
@@ -204,6 +251,7 @@ def check_sweep(sweep: Sweep) -> None:
         ("--dtypes", sweep.dtypes, DTYPES),
         ("--arch", (sweep.arch,), ARCHS),
         ("--kernels", (sweep.kernels,), KERNELS),
+        ("--isolate", (sweep.isolate,), ISOLATE),
     ):
         parse_choices(",".join(items), allowed, flag)
     from jaxllm.profiling.torch_reference import COMPILE_MODES  # no torch import
@@ -271,10 +319,10 @@ def min_bytes(mode: str, n_params: int) -> float:
 # ----------------------------------------------------------------------------- timing
 
 
-def is_oom(error: BaseException) -> bool:
+def is_oom(error: BaseException | str) -> bool:
     """XLA's out-of-memory errors (jax.errors.JaxRuntimeError, formerly XlaRuntimeError) say
     RESOURCE_EXHAUSTED; PyTorch's say 'out of memory'. Matched on the message, as the error
-    class has moved between JAX versions."""
+    class has moved between JAX versions (a child's stderr can be given as it is)."""
     msg = str(error)
     return "RESOURCE_EXHAUSTED" in msg or "out of memory" in msg.lower()
 
@@ -294,28 +342,29 @@ _TRACING = threading.Lock()
 def build_step(
     mode: str, holder: dict[str, Any], batch: Batch, apply: Callable[..., Any]
 ) -> Callable[[], Any]:
-    """Compile `mode` ahead of time for holder["state"]'s shapes, the batch and the model's
-    `apply` (its compute dtype), and return a no-argument call of it that returns something
-    to wait on. train_step donates the state: each call puts the new one in the holder."""
-    state = holder["state"]
-
-    def loss(params: Any, b: Batch) -> jax.Array:
-        return loss_and_sums(params, apply, b, None)[0]
-
+    """Compile `mode` ahead of time for the shapes in holder ("param_shapes", "state_shapes"),
+    the batch and the model's `apply` (its compute dtype), and return a no-argument call of it
+    that returns something to wait on. The call takes what is resident when it runs:
+    holder["params"], or for train_step holder["state"] (the full TrainState), which it donates:
+    each call puts the new one in the holder."""
     if mode == "train_step":
         key = jax.random.PRNGKey(1)
         with _TRACING:
-            lowered = train_step.lower(state.replace(apply_fn=apply), batch, key)
+            lowered = train_step.lower(holder["state_shapes"].replace(apply_fn=apply), batch, key)
         compiled = lowered.compile()
 
         def step() -> Any:
             s = holder["state"]
-            if s.apply_fn is not apply:  # the state shared by the configs of another dtype
+            if s.apply_fn is not apply:  # the state was made with another dtype's model
                 s = s.replace(apply_fn=apply)
             holder["state"], metrics = compiled(s, batch, key)
             return metrics
 
         return step
+
+    def loss(params: Any, b: Batch) -> jax.Array:
+        return loss_and_sums(params, apply, b, None)[0]
+
     fns = {
         "logits": (lambda p, b: apply({"params": p}, b["inputs"])),
         "forward": loss,
@@ -324,9 +373,9 @@ def build_step(
     if mode not in fns:
         raise BenchArgError(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
     with _TRACING:
-        lowered = jax.jit(fns[mode]).lower(state.params, batch)
+        lowered = jax.jit(fns[mode]).lower(holder["param_shapes"], batch)
     compiled = lowered.compile()
-    return lambda: compiled(holder["state"].params, batch)
+    return lambda: compiled(holder["params"], batch)
 
 
 def measure(make: Callable[[], Callable[[], Any]], warmup: int, steps: int) -> Measured:
@@ -341,54 +390,235 @@ def measure(make: Callable[[], Callable[[], Any]], warmup: int, steps: int) -> M
     return summarize(timing.samples)
 
 
-def bench_size(sweep: Sweep, size: str) -> Iterator[list[Row]]:
-    """All contexts x dtypes of one size, a list of rows (one per mode) per config.
+def plan(sweep: Sweep) -> list[Cell]:
+    """A size's cells in the order they are timed: contexts, then dtypes, then modes (in MODES
+    order: train_step, which needs AdamW's moments, last), then the config's PyTorch cell."""
+    modes = [m for m in MODES if m in sweep.modes]
+    extra = [TORCH] if sweep.torch else []
+    return [(t, d, m) for t in sweep.contexts for d in sweep.dtypes for m in modes + extra]
 
-    One state (float32 parameters and AdamW moments: the same for every context and compute
-    dtype) serves all of them. Every executable of the size is compiled first, in parallel
-    threads (XLA compiles with the GIL released; compilation dominates a sweep's wall time),
-    and only then is anything timed, one config after the other, so that nothing else runs
-    on the machine while a call is timed.
+
+class _Resident:
+    """What a size keeps on the device between cells, in `holder` (build_step's calls read it):
+    "params" for logits / forward / forward_backward; for train_step "state", the TrainState
+    made from those parameters (AdamW's moments are created then) and dropped after the cell,
+    its parameters kept. What an out-of-memory error leaves is dropped; the parameters are
+    initialised again (the same values: same key) when next needed."""
+
+    def __init__(self, cfg: Config, batch: Batch, holder: dict[str, Any]) -> None:
+        model = build_model(cfg.model)
+        tx = make_optimizer(cfg.optim, cfg.train.steps or cfg.optim.warmup_steps + 1)
+
+        def init(key: jax.Array, inputs: jax.Array) -> Any:  # harness.make_state's parameters
+            return model.init(key, inputs)["params"]
+
+        def new_state(params: Any) -> LMTrainState:
+            return LMTrainState.create(
+                apply_fn=model.apply, params=params, tx=tx, vocab_size=cfg.model.vocab_size
+            )
+
+        key = jax.random.PRNGKey(0)
+        # jitted: one compile instead of one per op (eager init), and no temporaries
+        self._init = functools.partial(jax.jit(init), key, batch["inputs"])
+        self._new_state = jax.jit(new_state, donate_argnums=0)  # the parameters move in
+        holder["param_shapes"] = jax.eval_shape(init, key, batch["inputs"])
+        holder["state_shapes"] = jax.eval_shape(new_state, holder["param_shapes"])
+        self.holder = holder
+
+    def hold(self, mode: str) -> None:
+        """Make resident what `mode` needs (and nothing more)."""
+        h = self.holder
+        if h.get("params") is None and "state" not in h:
+            h["params"] = self._init()
+        if mode == "train_step" and "state" not in h:
+            h["state"] = self._new_state(h.pop("params"))
+        elif mode != "train_step" and "state" in h:
+            self.release()
+
+    def release(self) -> None:
+        """After train_step: keep its parameters, drop AdamW's moments. A train step that ran
+        out of memory consumed (donated) its state: nothing is kept then."""
+        state = self.holder.pop("state", None)
+        if state is not None and not any(x.is_deleted() for x in jax.tree.leaves(state)):
+            self.holder["params"] = state.params
+
+    def drop(self) -> None:
+        """After an out-of-memory error: drop everything."""
+        self.holder.pop("state", None)
+        self.holder.pop("params", None)
+        gc.collect()
+
+
+def _has_oom(result: Measured | dict[str, dict[str, Measured]]) -> bool:
+    if isinstance(result, Measured):
+        return result.status == "OOM"
+    return any(m.status == "OOM" for side in result.values() for m in side.values())
+
+
+def measure_cells(
+    sweep: Sweep, size: str, cells: Sequence[Cell], stop_after_oom: bool = False
+) -> Iterator[tuple[Cell, Any]]:
+    """Time `cells` of `size` in this process, in order: (cell, Measured), or for a TORCH cell
+    (cell, {"eager" | "compile": {mode: Measured}}).
+
+    Every executable is compiled first, in parallel threads (XLA compiles with the GIL
+    released; compilation dominates a sweep's wall time), and only then is anything timed, one
+    cell after the other, so that nothing else runs on the machine while a call is timed. The
+    parameters (float32, the same for every context and compute dtype) are shared by the
+    cells; see _Resident for what each mode holds. `stop_after_oom`: return after the first
+    cell with an out-of-memory error (a child process: the parent re-runs the rest).
     """
-    configs = [(t, d) for t in sweep.contexts for d in sweep.dtypes]
-    cfgs = {d: build_config(size, **_config_kwargs(sweep, d)) for d in sweep.dtypes}
+    dtypes = list(dict.fromkeys(d for _, d, _ in cells))
+    cfgs = {d: build_config(size, **_config_kwargs(sweep, d)) for d in dtypes}
+    cfg = cfgs[dtypes[0]]
     # random_batch draws (max context + 1)-token windows; their first T + 1 tokens are a
     # window too: inputs[:, :T] and targets[:, :T] stay one token apart.
-    full = random_batch(cfgs[sweep.dtypes[0]], sweep.batch)
-    batches = {t: {k: v[:, :t] for k, v in full.items()} for t in sweep.contexts}
-    # train_step last: it donates the state, which an OOM inside it leaves deleted.
+    full = random_batch(cfg, sweep.batch)
+    batches = {t: {k: v[:, :t] for k, v in full.items()} for t, _, _ in cells}
     modes = [m for m in MODES if m in sweep.modes]
-    model = cfgs[sweep.dtypes[0]].model
-    # Jitted: one compile instead of one per op (eager init), and no temporaries.
-    init = functools.partial(jax.jit(make_state, static_argnums=0), cfgs[sweep.dtypes[0]], full)
-    try:
-        state = init()
-    except Exception as e:
-        if not is_oom(e):
-            raise
-        n_params = _param_count(model, full)
-        for t, d in configs:
-            yield _rows(sweep, size, t, d, modes, n_params, {m: Measured("OOM") for m in modes})
-        return
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
-    holder = {"state": state}
-    del state
-    applies = {d: build_model(cfgs[d].model).apply for d in sweep.dtypes}
+    holder: dict[str, Any] = {}
+    resident = _Resident(cfg, full, holder)
+    applies = {d: build_model(cfgs[d].model).apply for d in dtypes}
     with ThreadPoolExecutor(max(1, sweep.compile_workers)) as pool:
         futures = {
             (t, d, m): pool.submit(build_step, m, holder, batches[t], applies[d])
-            for t, d in configs
-            for m in modes
+            for t, d, m in cells
+            if m != TORCH
         }
         wait(futures.values())  # compile everything before timing anything
-    for t, d in configs:
-        if any(x.is_deleted() for x in jax.tree_util.tree_leaves(holder["state"])):
-            holder["state"] = init()  # a train_step that ran out of memory consumed it
-        results = {m: measure(futures[t, d, m].result, sweep.warmup, sweep.steps) for m in modes}
-        torch = _torch_side(sweep, cfgs[d].model, batches[t], modes) if sweep.torch else {}
-        yield _rows(sweep, size, t, d, modes, n_params, results, torch)
-        for m in modes:  # the executables of this config are done with
-            del futures[t, d, m]
+
+    def ready(cell: Cell) -> Callable[[], Any]:
+        step = futures.pop(cell).result()  # its compile's error, if any, is this cell's
+        resident.hold(cell[2])
+        return step
+
+    for cell in cells:
+        t, d, mode = cell
+        result: Any
+        if mode == TORCH:
+            result = _torch_side(sweep, cfgs[d].model, batches[t], modes)
+        else:
+            result = measure(functools.partial(ready, cell), sweep.warmup, sweep.steps)
+            if mode == "train_step":
+                resident.release()
+        if _has_oom(result):
+            resident.drop()
+        yield cell, result
+        if stop_after_oom and _has_oom(result):
+            return
+
+
+def _isolated_cells(
+    sweep: Sweep, size: str, cells: Sequence[Cell], env: dict[str, str]
+) -> Iterator[tuple[Cell, Any]]:
+    """As measure_cells, each cell measured in a child process: the first child gets all
+    cells; a child stops at its first out-of-memory error. An OOM from a child that ran (or
+    compiled) other cells too is not reported: that cell runs again alone in a new child, and
+    what happens there is its result; the cells after it go to another child."""
+    pending = list(cells)
+    alone = False  # pending[0] ran out of memory beside other cells: run it on its own
+    while pending:
+        run_now = pending[:1] if alone else list(pending)
+        alone = False
+        for cell, result in _child_cells(sweep, size, run_now, env):
+            if cell != pending[0]:
+                raise BenchChildError(f"size {size}: a child gave {cell}, not {pending[0]}")
+            if _has_oom(result) and len(run_now) > 1:
+                alone = True  # the child stops here
+                continue
+            pending.pop(0)
+            yield cell, result
+
+
+class BenchChildError(RuntimeError):
+    """A child process failed other than by running out of memory."""
+
+
+def _child_command(spec: dict[str, Any]) -> list[str]:
+    """The command of a child that measures spec["cells"] of spec["size"] (see _child_main)."""
+    return [sys.executable, "-m", "jaxllm.profiling.bench", "--child", json.dumps(spec)]
+
+
+def _child_cells(
+    sweep: Sweep, size: str, cells: Sequence[Cell], env: dict[str, str]
+) -> Iterator[tuple[Cell, Any]]:
+    """Run `cells` in one child process, (cell, result) as its lines come. A child that dies
+    with an out-of-memory error in its stderr (XLA can abort the process) gives an OOM result
+    for the cell it was at; any other failure raises BenchChildError with its last words."""
+    cells = list(cells)  # the caller's list may change while we yield
+    spec = {"sweep": dataclasses.asdict(sweep), "size": size, "cells": [list(c) for c in cells]}
+    done, last_oom = 0, False
+    with Child(_child_command(spec), env) as child:
+        for line in child.lines():
+            if line.startswith(CELL_TAG):
+                rec = json.loads(line[len(CELL_TAG) :])
+                result = _decode(rec["result"])
+                done, last_oom = done + 1, _has_oom(result)
+                yield tuple(rec["cell"]), result  # type: ignore[misc]
+    if done == len(cells) or (done and (last_oom or child.returncode == 0)):
+        return  # all measured, or it stopped after an OOM: the caller runs the rest
+    last = (child.stderr.strip().splitlines() or ["no output"])[-1][:300]
+    if child.returncode != 0 and is_oom(child.stderr):
+        t, d, mode = cells[done]
+        if mode != TORCH:
+            yield cells[done], Measured("OOM")
+        else:
+            oom = {m: Measured("OOM") for m in sweep.modes}
+            yield cells[done], {"eager": oom, "compile": dict(oom)}
+        return
+    raise BenchChildError(
+        f"size {size}: the child process measuring {cells[done]} failed (exit "
+        f"{child.returncode}): {last}"
+    )
+
+
+def _encode(result: Measured | dict[str, dict[str, Measured]]) -> Any:
+    if isinstance(result, Measured):
+        return dataclasses.asdict(result)
+    return {impl: {m: dataclasses.asdict(x) for m, x in side.items()}
+            for impl, side in result.items()}  # fmt: skip
+
+
+def _decode(data: dict[str, Any]) -> Measured | dict[str, dict[str, Measured]]:
+    if "status" in data:
+        return Measured(**data)
+    return {impl: {m: Measured(**x) for m, x in side.items()} for impl, side in data.items()}
+
+
+def _child_env(cache_dir: str | None) -> dict[str, str]:
+    """A child's environment: ours (XLA_FLAGS, the preallocation setting of a plain run), with
+    the shared compilation cache unless the user set one."""
+    env = dict(os.environ)
+    if cache_dir and "JAX_COMPILATION_CACHE_DIR" not in env:
+        env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+    return env
+
+
+def bench_size(
+    sweep: Sweep, size: str, child_env: dict[str, str] | None = None
+) -> Iterator[list[Row]]:
+    """All contexts x dtypes of one size, a list of rows (one per mode) per config, in order:
+    measured in this process (measure_cells), or with `child_env` in child processes
+    (_isolated_cells)."""
+    cells = plan(sweep)
+    if child_env is None:
+        source = measure_cells(sweep, size, cells)
+    else:
+        source = _isolated_cells(sweep, size, cells, child_env)
+    modes = [m for m in MODES if m in sweep.modes]
+    model = build_config(size, **_config_kwargs(sweep, sweep.dtypes[0])).model
+    n_params = _param_count(model, {"inputs": np.zeros((1, min(sweep.contexts)), np.int32)})
+    results: dict[Cell, Any] = {}
+    configs = [(t, d) for t in sweep.contexts for d in sweep.dtypes]
+    for cell, result in source:
+        results[cell] = result
+        while configs and all((*configs[0], m) in results for m in modes):
+            t, d = configs.pop(0)
+            ours = {m: results.pop((t, d, m)) for m in modes}
+            torch = results.pop((t, d, TORCH), None)
+            yield _rows(sweep, size, t, d, modes, n_params, ours, torch)
+    if configs:  # cannot happen: both sources give every cell
+        raise BenchChildError(f"size {size}: configs {configs} were not measured")
 
 
 def _rows(
@@ -426,8 +656,12 @@ def _rows(
 
 
 def _param_count(m: ModelConfig, batch: Batch) -> int:
-    """Parameters of the model, from shapes only (nothing allocated: for a config that OOMs)."""
-    shapes = jax.eval_shape(build_model(m).init, jax.random.PRNGKey(0), batch["inputs"][:1])
+    """Parameters of the model, from shapes only (nothing allocated, on no device)."""
+
+    def init(inputs: jax.Array) -> Any:
+        return build_model(m).init(jax.random.PRNGKey(0), inputs)
+
+    shapes = jax.eval_shape(init, batch["inputs"][:1])
     return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes["params"])))
 
 
@@ -490,9 +724,10 @@ def format_row(row: Row, torch: bool = False) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def row_json(row: Row, sweep: Sweep, device: str) -> dict[str, Any]:
+def row_json(row: Row, sweep: Sweep, device: str, isolation: str | None = None) -> dict[str, Any]:
     """The JSON line of a row: the roofline plot's keys (name, flops, bytes, seconds: None if
-    OOM) plus everything that identifies and describes the measurement."""
+    OOM) plus everything that identifies and describes the measurement (`isolation`: "process
+    per size" or "none", when given)."""
     o = row.ours
     ok = o.status == "ok"
     out = {
@@ -521,6 +756,8 @@ def row_json(row: Row, sweep: Sweep, device: str) -> dict[str, Any]:
         "device": device,
         "jax": jax.__version__,
     }
+    if isolation is not None:
+        out["isolation"] = isolation
     if row.torch_compile is not None:
         out["torch_compile_mode"] = sweep.torch_compile
     for key, m in (("torch_eager", row.torch_eager), ("torch_compile", row.torch_compile)):
@@ -530,18 +767,62 @@ def row_json(row: Row, sweep: Sweep, device: str) -> dict[str, Any]:
     return out
 
 
+def use_children(isolate: str) -> bool:
+    """Whether the sweep runs a child process per size: "always", "never", or "auto" = on a GPU.
+    Starts this process's backend (to read the device) without XLA's preallocation, which
+    would take 75% of the GPU from the children; the children get the environment as it was
+    (a variable read when the backend starts: effective unless something ran before)."""
+    if isolate == "never":
+        return False
+    key = "XLA_PYTHON_CLIENT_PREALLOCATE"
+    old = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        on_gpu = jax.default_backend() == "gpu"
+    finally:
+        if old is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = old
+    return isolate == "always" or on_gpu
+
+
+@contextlib.contextmanager
+def _children(isolated: bool) -> Iterator[dict[str, str] | None]:
+    """The children's environment for the sweep (None: no children), with a compilation cache
+    shared by them and deleted afterwards; no child outlives the sweep."""
+    if not isolated:
+        yield None
+        return
+    cache = tempfile.mkdtemp(prefix="jaxllm-bench-xla-cache-")
+    try:
+        with stop_children_on_exit():
+            yield _child_env(cache)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
 def run(sweep: Sweep, jsonl_path: str | None = None, progress: bool = True) -> list[Row]:
     """Run the sweep: a preamble and the Markdown table on stdout (a row per config x mode as
     it finishes), a JSON line per row appended to `jsonl_path`, a tqdm bar on stderr (when it
-    is a terminal)."""
+    is a terminal). With `sweep.isolate` (see use_children), every size runs in child
+    processes (see the module docstring); the output is the same."""
     check_sweep(sweep)
+    isolated = use_children(sweep.isolate)
     device = jax.devices()[0].device_kind
+    isolation = "process per size" if isolated else "none"
     print(
         f"bench: arch {sweep.arch}, batch {sweep.batch}, vocab {sweep.vocab}, kernels "
         f"{sweep.kernels}{''.join(f', {o}' for o in sweep.overrides)}; {sweep.warmup} warm-up "
         f"+ {sweep.steps} timed calls each (mean ± std, every call closed by a device sync)"
         + (f"; PyTorch eager and torch.compile ({sweep.torch_compile})" if sweep.torch else "")
-        + f"; device {device}, jax {jax.__version__}",
+        + f"; device {device}, jax {jax.__version__}; isolation (--isolate {sweep.isolate}): "
+        + (
+            "a fresh process per size, a new one after an OOM (whose cell is re-run alone: an "
+            "OOM cell is one that ran out of memory in a process of its own)"
+            if isolated
+            else "none, one process (an OOM can leave memory behind for the cells after it)"
+        ),
         flush=True,
     )
     print(header(sweep.torch), flush=True)
@@ -550,20 +831,44 @@ def run(sweep: Sweep, jsonl_path: str | None = None, progress: bool = True) -> l
     # disable=None: a bar on a terminal only, none in a log file (a redraw per row there)
     bar = tqdm(total=total, desc="bench", unit="config", file=sys.stderr,
                disable=None if progress else True)  # fmt: skip
-    for size in sweep.sizes:
-        bar.set_postfix_str(f"{size}: compiling")
-        for new in bench_size(sweep, size):
-            for row in new:
-                tqdm.write(format_row(row, sweep.torch), file=sys.stdout)
-                if jsonl_path:
-                    with open(jsonl_path, "a") as f:
-                        f.write(json.dumps(row_json(row, sweep, device)) + "\n")
-            rows += new
-            bar.set_postfix_str(f"{size}: timing")
-            bar.update()
-        # Free the size's state and executables before the next size.
-        gc.collect()
-        jax.clear_caches()
+    with _children(isolated) as child_env:
+        for size in sweep.sizes:
+            bar.set_postfix_str(f"{size}: compiling")
+            for new in bench_size(sweep, size, child_env):
+                for row in new:
+                    tqdm.write(format_row(row, sweep.torch), file=sys.stdout)
+                    if jsonl_path:
+                        with open(jsonl_path, "a") as f:
+                            f.write(json.dumps(row_json(row, sweep, device, isolation)) + "\n")
+                rows += new
+                bar.set_postfix_str(f"{size}: timing")
+                bar.update()
+            # Free the size's parameters and executables before the next size.
+            gc.collect()
+            jax.clear_caches()
     bar.close()
     sys.stdout.flush()
     return rows
+
+
+def _child_main(argv: list[str] | None = None) -> int:
+    """A child process (see _child_cells): measure the --child spec's cells, stop after the
+    first out-of-memory error, print each result on a CELL_TAG line as it is known."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--child", required=True, help="JSON: sweep, size, cells")
+    spec = json.loads(p.parse_args(argv).child)
+    raw = spec["sweep"]
+    sweep = Sweep(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+    cells = [(int(t), str(d), str(m)) for t, d, m in spec["cells"]]
+    for cell, result in measure_cells(sweep, spec["size"], cells, stop_after_oom=True):
+        print(CELL_TAG + json.dumps({"cell": list(cell), "result": _encode(result)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    # `profile.py bench` set the XLA flags before starting us; for a direct run, set them
+    # before the backend starts (at the first computation, not at `import jax`).
+    from jaxllm.xla_flags import apply_default_xla_flags
+
+    apply_default_xla_flags()
+    sys.exit(_child_main())

@@ -45,7 +45,6 @@ four in 23 s either way).
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import dataclasses
 import gc
@@ -53,7 +52,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -68,6 +66,9 @@ import jax
 from jaxllm.models import build_model
 from jaxllm.profiling.bench import SIZES, BenchArgError, build_config, is_oom
 from jaxllm.profiling.harness import random_batch, time_calls
+from jaxllm.profiling.isolate import Child, stdin_turn
+from jaxllm.profiling.isolate import Turns as _Turns
+from jaxllm.profiling.isolate import kill_children as _kill_children
 from jaxllm.train.optim import make_optimizer
 from jaxllm.train.state import LMTrainState, loss_and_sums, train_step
 
@@ -251,45 +252,11 @@ def measure_case(
     return rec
 
 
-_CHILDREN: set[subprocess.Popen] = set()  # running config subprocesses (killed on exit)
-_CHILDREN_LOCK = threading.Lock()
-
-
-class _Turns:
-    """The device, one config subprocess at a time, in config order: turn i starts once turn
-    i - 1 is over (its process exited). `abort` releases every waiter."""
-
-    def __init__(self) -> None:
-        self.next = 0
-        self.aborted = False
-        self.cond = threading.Condition()
-
-    def wait(self, i: int) -> bool:
-        """Block until turn i; False when the sweep was aborted."""
-        with self.cond:
-            self.cond.wait_for(lambda: self.next == i or self.aborted)
-            return not self.aborted
-
-    def done(self, i: int) -> None:
-        """Turn i is over (after it started, or without using it: a failed child)."""
-        if self.wait(i):
-            with self.cond:
-                self.next = i + 1
-                self.cond.notify_all()
-
-    def abort(self) -> None:
-        with self.cond:
-            self.aborted = True
-            self.cond.notify_all()
-
-
 @contextlib.contextmanager
 def _stdin_turn() -> Any:
     """A subprocess's turn on the device: say READY_TAG, wait for the parent's "go"."""
-    print(READY_TAG, flush=True)
-    if sys.stdin.readline().strip() != "go":
-        raise SystemExit("memory: no turn on the device (the sweep stopped)")
-    yield
+    with stdin_turn(READY_TAG, "memory: no turn on the device (the sweep stopped)"):
+        yield
 
 
 def _measure_in_subprocess(
@@ -303,63 +270,17 @@ def _measure_in_subprocess(
            json.dumps(dataclasses.asdict(case)), "--out", str(out_dir),
            "--time-steps", str(time_steps)] + (["--wait-turn"] if turns else [])  # fmt: skip
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # peak = what was used
-    t0 = time.perf_counter()
-    tail: collections.deque[str] = collections.deque(maxlen=200)
-    stdout: list[str] = []
-    proc = None
-    try:
-        if turns is not None and turns.aborted:
-            raise SystemExit("memory: the sweep stopped")
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE if turns else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
-        with _CHILDREN_LOCK:
-            _CHILDREN.add(proc)
-
-        def pump(stream: Any) -> None:
-            for line in stream:
-                tail.append(line)
-                if line.startswith(PROGRESS_TAG):
-                    sys.stderr.write(line)
-                    sys.stderr.flush()
-
-        pumping = threading.Thread(target=pump, args=(proc.stderr,), daemon=True)
-        pumping.start()
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if turns is not None and line.startswith(READY_TAG):
-                go = "go\n" if turns.wait(index) else "stop\n"
-                with contextlib.suppress(OSError):  # the child may have died meanwhile
-                    assert proc.stdin is not None
-                    proc.stdin.write(go)
-                    proc.stdin.flush()
-            else:
-                stdout.append(line)
-        proc.wait()
-        pumping.join()
-    finally:
-        if proc is not None:
-            with _CHILDREN_LOCK:
-                _CHILDREN.discard(proc)
-        if turns is not None:
-            turns.done(index)
-    wall = round(time.perf_counter() - t0, 3)  # with the interpreter's start and the wait
+    with Child(cmd, env, progress_tag=PROGRESS_TAG, turns=turns, index=index,
+               ready_tag=READY_TAG, stopped="memory: the sweep stopped") as child:  # fmt: skip
+        stdout = list(child.lines())
+    wall = child.wall_s  # with the interpreter's start and the wait
     for line in stdout:
         if line.startswith(RESULT_TAG):
             return json.loads(line[len(RESULT_TAG) :]) | {"process_s": wall}
-    stderr = "".join(tail)
+    stderr = child.stderr
     err = (stderr.strip().splitlines() or ["no output"])[-1]
-    status = "OOM" if "RESOURCE_EXHAUSTED" in stderr else f"failed (exit {proc.returncode})"
+    status = "OOM" if "RESOURCE_EXHAUSTED" in stderr else f"failed (exit {child.returncode})"
     return {**dataclasses.asdict(case), "status": status, "error": err[:300], "process_s": wall}
-
-
-def _kill_children() -> None:
-    with _CHILDREN_LOCK:
-        children = list(_CHILDREN)
-    for proc in children:
-        with contextlib.suppress(OSError):
-            proc.kill()
 
 
 # ----------------------------------------------------------------------------- output
