@@ -1,6 +1,7 @@
 """Model shapes, parameter counts, causality, dtype handling and input errors."""
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -282,24 +283,26 @@ def test_scan_layers_is_the_same_function_of_the_same_parameters(arch, remat):
     assert shapes["params"]["blocks"]["block"]["attn"]["qkv"]["kernel"].shape == (3, 32, 96)
     assert set(sp) == {k for k in p if not k.startswith("h")} | {"blocks"}
     tok = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 0, cfg.vocab_size)
-    np.testing.assert_allclose(
-        smodel.apply({"params": sp}, tok), model.apply(params, tok), atol=1e-5, rtol=1e-5
-    )
 
-    def grads(m, q):
-        return jax.grad(lambda q: m.apply({"params": q}, tok, tok, method="loss")[0])(q)
+    def run(m, q):
+        logits = m.apply({"params": q}, tok)
+        g = jax.grad(lambda q: m.apply({"params": q}, tok, tok, method="loss")[0])(q)
+        return logits, g
 
-    g, sg = grads(model, p), unstack_blocks(grads(smodel, sp))
+    run = jax.jit(run, static_argnums=0)  # one compile per model, not op-by-op dispatch
+    (logits, g), (slogits, sg) = run(model, p), run(smodel, sp)
+    np.testing.assert_allclose(slogits, logits, atol=1e-5, rtol=1e-5)
+    sg = unstack_blocks(sg)
     assert jax.tree.structure(g) == jax.tree.structure(sg)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(sg), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4)
     cache = init_kv_cache(scfg, 2, 8)
     assert cache["k"].shape == (3, 2, 8, cfg.n_heads, cfg.head_dim)
-    logits, cache = smodel.apply({"params": sp}, tok[:, :5], cache, 0, method="decode")
-    step, _ = smodel.apply({"params": sp}, tok[:, 5:6], cache, 5, method="decode")
-    full = model.apply(params, tok)
-    np.testing.assert_allclose(logits, full[:, :5], atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(step[:, 0], full[:, 5], atol=1e-5, rtol=1e-5)
+    decode = jax.jit(functools.partial(smodel.apply, method="decode"))
+    prefill, cache = decode({"params": sp}, tok[:, :5], cache, 0)
+    step, _ = decode({"params": sp}, tok[:, 5:6], cache, 5)
+    np.testing.assert_allclose(prefill, logits[:, :5], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(step[:, 0], logits[:, 5], atol=1e-5, rtol=1e-5)
 
 
 def test_scan_layers_inits_every_layer_differently_and_drops_out_per_layer():
@@ -308,8 +311,8 @@ def test_scan_layers_inits_every_layer_differently_and_drops_out_per_layer():
     qkv = params["params"]["blocks"]["block"]["attn"]["qkv"]["kernel"]  # (L, D, 3D)
     assert not np.allclose(qkv[0], qkv[1])
     tok = jnp.ones((2, 8), jnp.int32)
-    run = lambda seed: model.apply(  # noqa: E731
-        params, tok, False, rngs={"dropout": jax.random.PRNGKey(seed)}
-    )
-    assert np.allclose(run(0), run(0)) and not np.allclose(run(0), run(1))
-    assert not np.allclose(run(0), model.apply(params, tok))
+    run = jax.jit(lambda key, train: model.apply(params, tok, not train, rngs={"dropout": key}),
+                  static_argnums=1)  # fmt: skip
+    a, b, c = (run(jax.random.PRNGKey(s), True) for s in (0, 0, 1))
+    assert np.allclose(a, b) and not np.allclose(a, c)
+    assert not np.allclose(a, run(jax.random.PRNGKey(0), False))
