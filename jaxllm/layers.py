@@ -104,18 +104,23 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dim (scale only); `path` and `out_dtype` as in LayerNorm."""
+
     eps: float = 1e-5
+    path: ops.NormPath = "xla"
+    out_dtype: Dtype | None = None
 
     @nn.compact
     def __call__(
         self, x: jax.Array, residual: jax.Array | None = None
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        """As LayerNorm: with `residual`, returns (s = x + residual, norm(s))."""
+        """As LayerNorm: with `residual`, returns (s = x + residual, norm(s)); on the Pallas
+        path one kernel does both, both ways."""
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        out_dtype = self.out_dtype or x.dtype
         if residual is not None:
-            x = x + residual.astype(x.dtype)
-            return x, F.rms_norm(x, scale, self.eps)
-        return F.rms_norm(x, scale, self.eps)
+            return ops.add_rms_norm(x, residual, scale, self.eps, out_dtype, self.path)
+        return ops.rms_norm(x, scale, self.eps, out_dtype, self.path)
 
 
 def add_and_norm(norm: nn.Module, x: jax.Array, h: jax.Array | None) -> tuple[jax.Array, jax.Array]:

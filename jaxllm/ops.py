@@ -9,7 +9,8 @@ attention with dropout) or a path the plan names (cuDNN needs a GPU and bf16: el
 attention runs on XLA, and `OpPlan.describe()` says so); nothing falls back silently.
 
 Paths:
-  norm       xla | pallas          LayerNorm (+ the fused residual add); RMSNorm is always xla
+  norm       xla | pallas          LayerNorm (GPT-2) or RMSNorm (transformer_lm), each with the
+                                   fused residual add on the Pallas path
   attention  xla | pallas | cudnn  training/eval attention: XLA's masked softmax, the Pallas
                                    softmax between two XLA einsums, or cuDNN flash attention
   decode     xla                   attention over a KV cache (generation): always XLA
@@ -71,11 +72,8 @@ def plan_ops(cfg: ModelConfig, backend: str | None = None) -> OpPlan:
                 f"attention_impl=dot_product_attention needs a GPU and bfloat16 for cuDNN "
                 f"(backend {backend}, {cfg.compute_dtype}): attention runs on {attention}"
             )
-    norm: NormPath = "pallas" if cfg.kernels == "pallas" and cfg.arch == "gpt2" else "xla"
-    if cfg.kernels == "pallas" and cfg.arch != "gpt2":
-        notes.append(f"{cfg.arch} uses RMSNorm, which has no Pallas kernel: norm runs on xla")
     return OpPlan(
-        norm=norm,
+        norm=cfg.kernels,  # LayerNorm and RMSNorm both have kernels
         attention=attention,
         loss=cfg.loss_impl,
         conv=cfg.kernels,
@@ -118,6 +116,25 @@ def add_layer_norm(
         return pallas_kernels.add_layer_norm(x, h, scale, bias, eps, out_dtype=out_dtype)
     s = x + h.astype(x.dtype)
     return s, F.layer_norm(s, scale, bias, eps).astype(out_dtype)
+
+
+def rms_norm(
+    x: jax.Array, scale: jax.Array, eps: float, out_dtype: jnp.dtype, path: NormPath
+) -> jax.Array:
+    """RMSNorm over the last dim of x (..., D), output in out_dtype."""
+    if path == "pallas":
+        return pallas_kernels.rms_norm(x, scale, eps, out_dtype=out_dtype)
+    return F.rms_norm(x, scale, eps).astype(out_dtype)
+
+
+def add_rms_norm(
+    x: jax.Array, h: jax.Array, scale: jax.Array, eps: float, out_dtype: jnp.dtype, path: NormPath
+) -> tuple[jax.Array, jax.Array]:
+    """(s, RMSNorm(s)) with s = x + h in x's dtype, as `add_layer_norm`."""
+    if path == "pallas":
+        return pallas_kernels.add_rms_norm(x, h, scale, eps, out_dtype=out_dtype)
+    s = x + h.astype(x.dtype)
+    return s, F.rms_norm(s, scale, eps).astype(out_dtype)
 
 
 # ----------------------------------------------------------------------------- attention

@@ -1,5 +1,5 @@
-"""Pallas GPU kernels (fused attention softmax, layer norm, depthwise conv1d, LM-head
-cross-entropy) with custom VJPs.
+"""Pallas GPU kernels (fused attention softmax, layer norm and RMSNorm, depthwise conv1d,
+LM-head cross-entropy) with custom VJPs.
 
 On a GPU they compile (Triton lowering); elsewhere `interpret=None` runs them in interpret mode.
 """
@@ -7,18 +7,22 @@ On a GPU they compile (Triton lowering); elsewhere `interpret=None` runs them in
 from .attention_softmax import attention_softmax
 from .cross_entropy import linear_cross_entropy
 from .depthwise_conv1d import depthwise_conv1d
-from .layer_norm import add_layer_norm, layer_norm
+from .layer_norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .reference import (
     add_layer_norm_ref,
+    add_rms_norm_ref,
     attention_softmax_ref,
     depthwise_conv1d_ref,
     layer_norm_ref,
     linear_cross_entropy_ref,
+    rms_norm_ref,
 )
 
 __all__ = [
     "add_layer_norm",
     "add_layer_norm_ref",
+    "add_rms_norm",
+    "add_rms_norm_ref",
     "attention_softmax",
     "attention_softmax_ref",
     "depthwise_conv1d",
@@ -27,4 +31,6 @@ __all__ = [
     "layer_norm_ref",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
+    "rms_norm",
+    "rms_norm_ref",
 ]

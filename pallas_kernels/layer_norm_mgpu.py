@@ -1,7 +1,10 @@
-"""LayerNorm (optionally with the fused residual add) on Pallas' Mosaic GPU lowering.
+"""LayerNorm and RMSNorm (optionally with the fused residual add) on Pallas' Mosaic GPU lowering.
 
 The Mosaic GPU counterpart of layer_norm.py's Triton kernels, same math and same outputs; it is
-picked with `backend="mosaic_gpu"` on `layer_norm` / `add_layer_norm`, which keep the custom VJP.
+picked with `backend="mosaic_gpu"` on `layer_norm` / `add_layer_norm` / `rms_norm` /
+`add_rms_norm`, which keep the custom VJP. RMSNorm is the same kernel bodies with `rms=True`
+(beta None in `forward`, mean None in `backward`): no mean sweep (the first sweep sums x^2 instead
+of x), no beta, no mean saved, no dbeta partials.
 
 x (N, D), D % 128 == 0. Each program walks a contiguous run of `block_rows`-row blocks
 (rows_mgpu.pipelined_blocks: one bulk TMA copy per block and operand into shared memory, double
@@ -13,12 +16,13 @@ keeps per-program float32 dgamma/dbeta partials in shared memory (each thread ad
 no synchronisation) and writes them once; one small jnp.sum reduces them (no atomics).
 
 mean/rstd are saved per block, (blocks, round_up(block_rows, 32)) float32 (a copy moves a
-multiple of 128 bytes); only this module's backward reads them.
+multiple of 128 bytes); only this module's backward reads them. RMSNorm saves rstd only.
 
 Minimal memory traffic, N rows of D, s bytes per element (as the Triton kernels):
   forward : read x, write y       = 2 * N * D * s  (+ 8 N for mean/rstd, + gamma/beta per program)
   backward: read x, dy; write dx  = 3 * N * D * s  (+ 8 N for mean/rstd, + 8 P D for partials)
   residual: + read h, write s forward; + read ds, write dh backward
+  RMSNorm: the same, less 4 N for the mean, beta and the dbeta partials
 Refused (ValueError): D % 128 != 0, and blocks that do not fit in shared memory (D above ~8k
 float32 in the residual backward).
 """
@@ -33,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import rows_mgpu as rows
+from .layer_norm import kernel_name, operands
 
 
 class Config(NamedTuple):
@@ -115,16 +120,20 @@ def _plan(n_rows: int, n_cols: int, cfg: Config, itemsize: int):
     )  # fmt: skip
 
 
-def _fwd_kernel(*refs, p: rows.BlockPlan, eps: float, residual: bool):
-    if residual:
-        x_g, h_g, g_g, b_g, s_g, y_g, mean_g, rstd_g, sm = refs
-    else:
-        (x_g, g_g, b_g, y_g, mean_g, rstd_g, sm), h_g, s_g = refs, None, None
+def _present(**scratch) -> dict:
+    """Scratch buffers in allocation order, less those this variant lacks (None)."""
+    return {k: v for k, v in scratch.items() if v is not None}
+
+
+def _fwd_kernel(*refs, p: rows.BlockPlan, eps: float, residual: bool, rms: bool):
+    r = dict(zip((*operands("fwd", residual, rms), "sm"), refs, strict=True))
+    sm = r["sm"]
     t = p.tiles
-    rows.copy_in(g_g, sm["g"], sm["params_bar"])
-    rows.copy_in(b_g, sm["b"], sm["params_bar"])
+    rows.copy_in(r["g"], sm["g"], sm["params_bar"])
+    if not rms:
+        rows.copy_in(r["b"], sm["b"], sm["params_bar"])
     plgpu.barrier_wait(sm["params_bar"])
-    first, count = rows.my_blocks(p.steps, mean_g.shape[0])
+    first, count = rows.my_blocks(p.steps, r["rstd"].shape[0])
 
     def compute(blk, slot, carry):
         x_s, y_s = sm["x"].at[slot], sm["y"].at[slot]
@@ -132,41 +141,47 @@ def _fwd_kernel(*refs, p: rows.BlockPlan, eps: float, residual: bool):
         src = sm["s"].at[slot] if residual else x_s
 
         def group(row0):
-            def total(ci, acc):
+            def total(ci, acc):  # sum of x (LayerNorm) or of x^2 (RMSNorm)
                 x = t.load(x_s, row0, ci)
                 if residual:
                     x = (x + t.load(sm["h"].at[slot], row0, ci)).astype(src.dtype)
                     t.store(src, row0, ci, x)
-                return acc + t.row_sum(x.astype(jnp.float32))
+                x = x.astype(jnp.float32)
+                return acc + t.row_sum(x * x if rms else x)
 
-            mean = t.chunks(total, t.row_init(0.0)) / p.width
-            mean_t = t.bcast(mean)
+            moment = t.chunks(total, t.row_init(0.0)) / p.width
+            mean_t = None if rms else t.bcast(moment)
 
-            def centred(ci, acc):
-                xc = t.load(src, row0, ci) - mean_t
+            def centre(x):  # RMSNorm: no centring
+                return x if rms else x - mean_t
+
+            def centred(ci, acc):  # LayerNorm's second sweep: the centred variance
+                xc = centre(t.load(src, row0, ci))
                 return acc + t.row_sum(xc * xc)
 
-            rstd = jax.lax.rsqrt(t.chunks(centred, t.row_init(0.0)) / p.width + eps)
+            var = moment if rms else t.chunks(centred, t.row_init(0.0)) / p.width
+            rstd = jax.lax.rsqrt(var + eps)
             rstd_t = t.bcast(rstd)
 
             def write(ci, carry):
-                xhat = (t.load(src, row0, ci) - mean_t) * rstd_t
-                t.store(y_s, row0, ci, xhat * t.col(sm["g"].at[ci]) + t.col(sm["b"].at[ci]))
+                y = centre(t.load(src, row0, ci)) * rstd_t * t.col(sm["g"].at[ci])
+                t.store(y_s, row0, ci, y if rms else y + t.col(sm["b"].at[ci]))
                 return carry
 
             t.chunks(write, None)
-            t.store_rows(sm["mean"].at[slot], row0, mean)
+            if not rms:
+                t.store_rows(sm["mean"].at[slot], row0, moment)
             t.store_rows(sm["rstd"].at[slot], row0, rstd)
 
         p.groups(blk, group)
         return carry
 
-    loads = [(p.block_view(x_g), sm["x"])]
-    stores = [(p.block_view(y_g), sm["y"])]
+    loads = [(p.block_view(r["x"]), sm["x"])]
+    stores = [(p.block_view(r["y"]), sm["y"])]
     if residual:
-        loads.append((p.block_view(h_g), sm["h"]))
-        stores.append((p.block_view(s_g), sm["s"]))
-    stores += [(lambda blk: mean_g.at[blk], sm["mean"]), (lambda blk: rstd_g.at[blk], sm["rstd"])]
+        loads.append((p.block_view(r["h"]), sm["h"]))
+        stores.append((p.block_view(r["s"]), sm["s"]))
+    stores += [(lambda blk, g=r[k]: g.at[blk], sm[k]) for k in ("mean", "rstd") if k in r]
     rows.pipelined_blocks(
         first=first,
         count=count,
@@ -179,11 +194,12 @@ def _fwd_kernel(*refs, p: rows.BlockPlan, eps: float, residual: bool):
 
 
 def forward(x, h, gamma, beta, eps: float, out_dtype, cfg: Config, interpret: Any = None):
-    """(y, mean, rstd), or (s = x + h, y, mean, rstd) when h is given; x, h (N, D).
+    """(y, mean, rstd), or (s = x + h, y, mean, rstd) when h is given; x, h (N, D). beta None is
+    RMSNorm (mean is then None).
 
     `interpret`: jax's Mosaic GPU interpreter parameters, for CPU tests of the kernel itself."""
     n_rows, n_cols = x.shape
-    residual = h is not None
+    residual, rms = h is not None, beta is None
     sizes = [x.dtype.itemsize, jnp.dtype(out_dtype).itemsize] + (
         [h.dtype.itemsize] if residual else []
     )
@@ -191,65 +207,70 @@ def forward(x, h, gamma, beta, eps: float, out_dtype, cfg: Config, interpret: An
     nc = p.tiles.n_chunks
     sub = (n_rows * nc, cfg.chunk)  # rows as sub-rows of one chunk: a tile is contiguous
     stats = jax.ShapeDtypeStruct((n_blocks, rows_round(cfg.block_rows)), jnp.float32)
-    out_type = [jax.ShapeDtypeStruct(sub, out_dtype), stats, stats]
+    out_type = [jax.ShapeDtypeStruct(sub, out_dtype), *([] if rms else [stats]), stats]
     blk = (cfg.stages, cfg.block_rows * nc, cfg.chunk)
     stat_blk = (cfg.stages, rows_round(cfg.block_rows))
-    scratch = dict(
+    params = [p for p in (gamma, beta) if p is not None]
+    scratch = _present(
         x=plgpu.SMEM(blk, x.dtype),
         y=plgpu.SMEM(blk, out_dtype),
-        mean=plgpu.SMEM(stat_blk, jnp.float32),
+        mean=None if rms else plgpu.SMEM(stat_blk, jnp.float32),
         rstd=plgpu.SMEM(stat_blk, jnp.float32),
         g=plgpu.SMEM((nc, cfg.chunk), gamma.dtype),
-        b=plgpu.SMEM((nc, cfg.chunk), beta.dtype),
+        b=None if rms else plgpu.SMEM((nc, cfg.chunk), beta.dtype),
         bar=plgpu.Barrier(num_arrivals=2 if residual else 1, num_barriers=cfg.stages),
-        params_bar=plgpu.Barrier(num_arrivals=2),
+        params_bar=plgpu.Barrier(num_arrivals=len(params)),
     )
-    params = (gamma.reshape(nc, cfg.chunk), beta.reshape(nc, cfg.chunk))
-    args = (x.reshape(sub), *params)
+    args = (x.reshape(sub), *[q.reshape(nc, cfg.chunk) for q in params])
     if residual:
         out_type.insert(0, jax.ShapeDtypeStruct(sub, x.dtype))
         scratch.update(h=plgpu.SMEM(blk, h.dtype), s=plgpu.SMEM(blk, x.dtype))
-        args = (x.reshape(sub), h.reshape(sub), *params)
+        args = (args[0], h.reshape(sub), *args[1:])
 
     def kernel(*refs, **scratch_refs):
-        _fwd_kernel(*refs, scratch_refs, p=p, eps=eps, residual=residual)
+        _fwd_kernel(*refs, scratch_refs, p=p, eps=eps, residual=residual, rms=rms)
 
-    name = "add_layer_norm_fwd_mgpu" if residual else "layer_norm_fwd_mgpu"
+    name = kernel_name("fwd", residual, rms) + "_mgpu"
     outs = rows.launch(kernel, name, tuple(out_type), scratch, {"p": programs},
-                 4 * rows.LANES * cfg.rows, interpret, args)  # fmt: skip
+                       4 * rows.LANES * cfg.rows, interpret, args)  # fmt: skip
     n_big = 2 if residual else 1
-    return (*(o.reshape(x.shape) for o in outs[:n_big]), *outs[n_big:])
+    big = [o.reshape(x.shape) for o in outs[:n_big]]
+    return (*big, None, outs[-1]) if rms else (*big, *outs[n_big:])
 
 
-def _bwd_kernel(*refs, p: rows.BlockPlan, residual: bool):
-    if residual:  # dx = ds + LN'(dy); dh = dx in h's dtype
-        x_g, g_g, dy_g, ds_g, mean_g, rstd_g, dx_g, dh_g, dg_g, db_g, sm = refs
-    else:
-        (x_g, g_g, dy_g, mean_g, rstd_g, dx_g, dg_g, db_g, sm), ds_g, dh_g = refs, None, None
+def _bwd_kernel(*refs, p: rows.BlockPlan, residual: bool, rms: bool):
+    # with the residual, dx = ds + norm'(dy); dh = dx in h's dtype
+    r = dict(zip((*operands("bwd", residual, rms), "sm"), refs, strict=True))
+    sm = r["sm"]
+    partials = ("dg",) if rms else ("dg", "db")
     t = p.tiles
-    rows.copy_in(g_g, sm["g"], sm["params_bar"])
+    rows.copy_in(r["g"], sm["g"], sm["params_bar"])
     plgpu.barrier_wait(sm["params_bar"])
 
     def zero(ci, carry):  # the per-program dgamma/dbeta partial sums start at zero
-        sm["dg"][ci] = t.col_zeros()
-        sm["db"][ci] = t.col_zeros()
+        for name in partials:
+            sm[name][ci] = t.col_zeros()
         return carry
 
     t.chunks(zero, None)
-    first, count = rows.my_blocks(p.steps, mean_g.shape[0])
+    first, count = rows.my_blocks(p.steps, r["rstd"].shape[0])
 
     def compute(blk, slot, carry):
         x_s, dy_s, dx_s = sm["x"].at[slot], sm["dy"].at[slot], sm["dx"].at[slot]
         n_valid = p.n_valid(blk)
 
         def group(row0):
-            mean_t = t.bcast(t.load_rows(sm["mean"].at[slot], row0))
+            mean_t = None if rms else t.bcast(t.load_rows(sm["mean"].at[slot], row0))
+
+            def centre(x):  # RMSNorm: no centring
+                return x if rms else x - mean_t
+
             rstd_t = t.bcast(t.load_rows(sm["rstd"].at[slot], row0))
             # rows past N in a ragged last block hold stale data: kept out of dgamma/dbeta
             row_ids = t.row_ids(row0)
 
             def terms(ci):
-                xhat = (t.load(x_s, row0, ci) - mean_t) * rstd_t
+                xhat = centre(t.load(x_s, row0, ci)) * rstd_t
                 dy = t.load(dy_s, row0, ci)
                 return xhat, dy, t.col(sm["g"].at[ci]) * dy
 
@@ -260,18 +281,19 @@ def _bwd_kernel(*refs, p: rows.BlockPlan, residual: bool):
                     xhat_ok = jnp.where(row_ids < n_valid, xhat, 0.0)
                 else:
                     dy_ok, xhat_ok = dy, xhat
-                for name, term in (("dg", dy_ok * xhat_ok), ("db", dy_ok)):
+                for name, term in zip(partials, (dy_ok * xhat_ok, dy_ok), strict=False):
                     acc_ref = sm[name].at[ci]  # each thread adds to its own columns
                     acc_ref[...] = t.col_load(acc_ref) + t.col_sum(term)
-                c1, c2 = acc
-                return c1 + t.row_sum(xhat * gdy), c2 + t.row_sum(gdy)
+                terms_sums = (xhat * gdy,) if rms else (xhat * gdy, gdy)
+                return tuple(a + t.row_sum(v) for a, v in zip(acc, terms_sums, strict=True))
 
-            c1, c2 = t.chunks(sums, (t.row_init(0.0), t.row_init(0.0)))
-            c1_t, c2_t = t.bcast(c1 / p.width), t.bcast(c2 / p.width)
+            cs = t.chunks(sums, tuple(t.row_init(0.0) for _ in partials))  # c1 (, c2)
+            c1_t, *c2_t = (t.bcast(c / p.width) for c in cs)
 
             def write(ci, carry):
                 xhat, _, gdy = terms(ci)
-                dx = (gdy - xhat * c1_t - c2_t) * rstd_t
+                dx = gdy - xhat * c1_t
+                dx = (dx if rms else dx - c2_t[0]) * rstd_t
                 if residual:
                     dx = dx + t.load(sm["ds"].at[slot], row0, ci)
                     t.store(sm["dh"].at[slot], row0, ci, dx)
@@ -283,16 +305,12 @@ def _bwd_kernel(*refs, p: rows.BlockPlan, residual: bool):
         p.groups(blk, group)
         return carry
 
-    loads = [
-        (p.block_view(x_g), sm["x"]),
-        (p.block_view(dy_g), sm["dy"]),
-        (lambda blk: mean_g.at[blk], sm["mean"]),
-        (lambda blk: rstd_g.at[blk], sm["rstd"]),
-    ]
-    stores = [(p.block_view(dx_g), sm["dx"])]
+    loads = [(p.block_view(r["x"]), sm["x"]), (p.block_view(r["dy"]), sm["dy"])]
+    loads += [(lambda blk, g=r[k]: g.at[blk], sm[k]) for k in ("mean", "rstd") if k in r]
+    stores = [(p.block_view(r["dx"]), sm["dx"])]
     if residual:
-        loads.append((p.block_view(ds_g), sm["ds"]))
-        stores.append((p.block_view(dh_g), sm["dh"]))
+        loads.append((p.block_view(r["ds"]), sm["ds"]))
+        stores.append((p.block_view(r["dh"]), sm["dh"]))
     rows.pipelined_blocks(
         first=first,
         count=count,
@@ -304,63 +322,70 @@ def _bwd_kernel(*refs, p: rows.BlockPlan, residual: bool):
     )
     part = jax.lax.axis_index("p")
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(sm["dg"], dg_g.at[part], commit_group=False)
-    plgpu.copy_smem_to_gmem(sm["db"], db_g.at[part])
+    for i, name in enumerate(partials):  # one commit group for all
+        last = i == len(partials) - 1
+        plgpu.copy_smem_to_gmem(sm[name], r[name].at[part], commit_group=last)
     plgpu.wait_smem_to_gmem(0)
 
 
 def backward(x, gamma, dy, ds, h_dtype, mean, rstd, cfg: Config, interpret: Any = None):
-    """(dx, dgamma, dbeta), or (dx, dh, dgamma, dbeta) when ds (the gradient of s) is given.
+    """(dx, dgamma, dbeta), or (dx, dh, dgamma, dbeta) when ds (the gradient of s) is given;
+    mean None is RMSNorm (dbeta is then None).
 
     cfg.block_rows must be the forward's: mean/rstd are saved per forward block."""
     n_rows, n_cols = x.shape
-    residual = ds is not None
+    residual, rms = ds is not None, mean is None
     sizes = [x.dtype.itemsize, dy.dtype.itemsize] + (
         [jnp.dtype(h_dtype).itemsize] if residual else []
     )
     p, programs, n_blocks = _plan(n_rows, n_cols, cfg, max(sizes))
     nc = p.tiles.n_chunks
-    if mean.shape != (n_blocks, rows_round(cfg.block_rows)):
-        raise ValueError(f"mean/rstd of shape {mean.shape} do not match {cfg} for {n_rows} rows")
+    if rstd.shape != (n_blocks, rows_round(cfg.block_rows)):
+        raise ValueError(f"mean/rstd of shape {rstd.shape} do not match {cfg} for {n_rows} rows")
     sub = (n_rows * nc, cfg.chunk)
     part = jax.ShapeDtypeStruct((programs, nc, cfg.chunk), jnp.float32)
-    out_type = [jax.ShapeDtypeStruct(sub, x.dtype), part, part]
+    n_parts = 1 if rms else 2
+    out_type = [jax.ShapeDtypeStruct(sub, x.dtype), *[part] * n_parts]
     blk = (cfg.stages, cfg.block_rows * nc, cfg.chunk)
     stat_blk = (cfg.stages, rows_round(cfg.block_rows))
     params = (nc, cfg.chunk)
-    scratch = dict(
+    stats = [rstd] if rms else [mean, rstd]
+    scratch = _present(
         x=plgpu.SMEM(blk, x.dtype),
         dy=plgpu.SMEM(blk, dy.dtype),
         dx=plgpu.SMEM(blk, x.dtype),
-        mean=plgpu.SMEM(stat_blk, jnp.float32),
+        mean=None if rms else plgpu.SMEM(stat_blk, jnp.float32),
         rstd=plgpu.SMEM(stat_blk, jnp.float32),
         g=plgpu.SMEM(params, gamma.dtype),
         dg=plgpu.SMEM(params, jnp.float32),
-        db=plgpu.SMEM(params, jnp.float32),
-        bar=plgpu.Barrier(num_arrivals=5 if residual else 4, num_barriers=cfg.stages),
+        db=None if rms else plgpu.SMEM(params, jnp.float32),
+        # one arrival per load of a block: x, dy, the statistics (and ds)
+        bar=plgpu.Barrier(num_arrivals=2 + len(stats) + residual, num_barriers=cfg.stages),
         params_bar=plgpu.Barrier(num_arrivals=1),
     )
-    args = (x.reshape(sub), gamma.reshape(params), dy.reshape(sub), mean, rstd)
+    args = (x.reshape(sub), gamma.reshape(params), dy.reshape(sub), *stats)
     if residual:
         out_type.insert(1, jax.ShapeDtypeStruct(sub, h_dtype))
         scratch.update(ds=plgpu.SMEM(blk, ds.dtype), dh=plgpu.SMEM(blk, h_dtype))
-        args = (*args[:3], ds.reshape(sub), mean, rstd)
+        args = (*args[:3], ds.reshape(sub), *stats)
 
     def kernel(*refs, **scratch_refs):
-        _bwd_kernel(*refs, scratch_refs, p=p, residual=residual)
+        _bwd_kernel(*refs, scratch_refs, p=p, residual=residual, rms=rms)
 
-    name = "add_layer_norm_bwd_mgpu" if residual else "layer_norm_bwd_mgpu"
-    *grads, dg_part, db_part = rows.launch(kernel, name, tuple(out_type), scratch, {"p": programs},
-                                     8 * rows.LANES * cfg.rows, interpret, args)  # fmt: skip
-    grads = [g.reshape(x.shape) for g in grads]
-    return (*grads, jnp.sum(dg_part, axis=0).reshape(-1), jnp.sum(db_part, axis=0).reshape(-1))
+    name = kernel_name("bwd", residual, rms) + "_mgpu"
+    outs = rows.launch(kernel, name, tuple(out_type), scratch, {"p": programs},
+                       8 * rows.LANES * cfg.rows, interpret, args)  # fmt: skip
+    grads = [g.reshape(x.shape) for g in outs[:-n_parts]]
+    sums = [jnp.sum(q, axis=0).reshape(-1) for q in outs[-n_parts:]]
+    return (*grads, *sums, *((None,) if rms else ()))
 
 
 def configs(
     n_rows: int, n_cols: int, dtype, out_dtype, h_dtype=None, param_bytes: int = 8
 ) -> tuple[Config, Config]:
     """(forward, backward) default configs for x (N, D) of `dtype`, y of `out_dtype`, h of
-    `h_dtype` (residual variant) and gamma + beta of `param_bytes` bytes per column.
+    `h_dtype` (residual variant) and gamma + beta (RMSNorm: gamma) of `param_bytes` bytes per
+    column (the backward's dgamma/dbeta partials are counted as 8 bytes either way).
 
     Both use the same block_rows (the backward reads the forward's per-block mean/rstd): the
     smaller of the two directions' choices."""

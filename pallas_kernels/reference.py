@@ -53,6 +53,14 @@ def layer_norm_ref(x: jax.Array, gamma: jax.Array, beta: jax.Array, eps: float =
     return (y * gamma + beta).astype(x.dtype)
 
 
+def rms_norm_ref(x: jax.Array, gamma: jax.Array, eps: float = 1e-5) -> jax.Array:
+    """x / sqrt(mean(x^2) + eps) * gamma over the last axis; x (..., D), gamma (D,). Statistics in
+    float32 (float64 for float64 input); returns x's dtype."""
+    xf = x.astype(_compute_dtype(x.dtype))
+    y = xf / jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * gamma).astype(x.dtype)
+
+
 def conv1d_padding(kernel_size: int, mode: str) -> tuple[int, int]:
     """(left, right) zero padding of a depthwise conv1d; output length L + left + right - K + 1."""
     if mode == "same":
@@ -107,3 +115,11 @@ def add_layer_norm_ref(
     """(s, LayerNorm(s)) with s = x + h in x's dtype: the pre-norm residual step."""
     s = x + h.astype(x.dtype)
     return s, layer_norm_ref(s, gamma, beta, eps)
+
+
+def add_rms_norm_ref(
+    x: jax.Array, h: jax.Array, gamma: jax.Array, eps: float = 1e-5
+) -> tuple[jax.Array, jax.Array]:
+    """(s, RMSNorm(s)) with s = x + h in x's dtype: the Llama pre-norm residual step."""
+    s = x + h.astype(x.dtype)
+    return s, rms_norm_ref(s, gamma, eps)

@@ -38,10 +38,12 @@ def test_cudnn_needs_gpu_and_bf16_and_the_plan_says_so():
     assert plan_ops(pallas, backend="cpu").attention == "pallas"  # the softmax kernel instead
 
 
-def test_rmsnorm_has_no_kernel_and_the_plan_says_so():
+def test_transformer_lm_rmsnorm_runs_the_pallas_kernel():
+    """kernels: pallas puts the Llama model's RMSNorm (+ residual add) on its kernel too."""
     plan = plan_ops(tiny_config("transformer_lm", kernels="pallas"), backend="gpu")
-    assert plan.norm == "xla" and plan.attention == "pallas"
-    assert "RMSNorm, which has no Pallas kernel" in plan.describe()
+    assert (plan.norm, plan.attention, plan.conv) == ("pallas",) * 3 and not plan.notes
+    assert plan.describe().startswith("ops: norm=pallas attention=pallas")
+    assert plan_ops(tiny_config("transformer_lm"), backend="gpu").norm == "xla"
 
 
 def test_interpret_mode_is_named():

@@ -18,11 +18,14 @@ import pytest
 from pallas_kernels import (
     add_layer_norm,
     add_layer_norm_ref,
+    add_rms_norm,
+    add_rms_norm_ref,
     attention_softmax,
     attention_softmax_ref,
     depthwise_conv1d,
     depthwise_conv1d_ref,
     layer_norm,
+    rms_norm,
 )
 from pallas_kernels import attention_softmax_mgpu as softmax_mgpu
 from pallas_kernels import depthwise_conv1d_mgpu as conv_mgpu
@@ -46,6 +49,10 @@ CALLS = {  # kernel -> (backend, interpret) -> call
     "layer_norm": lambda be, it: layer_norm(*_ln_args(), interpret=it, backend=be),
     "add_layer_norm": lambda be, it: add_layer_norm(
         _ln_args()[0], *_ln_args(), interpret=it, backend=be
+    ),
+    "rms_norm": lambda be, it: rms_norm(*_ln_args()[:2], interpret=it, backend=be),
+    "add_rms_norm": lambda be, it: add_rms_norm(
+        _ln_args()[0], *_ln_args()[:2], interpret=it, backend=be
     ),
     "attention_softmax": lambda be, it: attention_softmax(
         jnp.ones((1, 1, 2, 128)), causal=True, interpret=it, backend=be
@@ -129,6 +136,14 @@ LOWERING_CASES = {  # name -> (function of arrays, arrays); forward and backward
         lambda x, h, g, b: add_layer_norm(x, h, g, b, backend="mosaic_gpu"),
         (_ln_args((9, 8192), jnp.bfloat16)[0], *_ln_args((9, 8192), jnp.bfloat16)),
     ),
+    "rms_norm_row_groups": (
+        lambda x, g: (rms_norm(x, g, backend="mosaic_gpu"),),
+        _ln_args((37, 256))[:2],
+    ),
+    "add_rms_norm_chunks_bf16": (
+        lambda x, h, g: add_rms_norm(x, h, g, backend="mosaic_gpu"),
+        (_ln_args((9, 8192), jnp.bfloat16)[0], *_ln_args((9, 8192), jnp.bfloat16)[:2]),
+    ),
     "softmax_causal": (
         lambda x: (attention_softmax(x, causal=True, scale=0.5, backend="mosaic_gpu"),),
         (jnp.ones((2, 2, 8, 256)),),
@@ -154,28 +169,34 @@ def test_public_mosaic_path_lowers_for_cuda(pretend_gpu, name):
 
 
 @needs_interpreter
-def test_layer_norm_kernels_in_interpreter(float64_ref):
-    """One row at a time in two column chunks (the softmax test covers row groups)."""
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_layer_norm_kernels_in_interpreter(float64_ref, rms):
+    """One row at a time in two column chunks (the softmax test covers row groups); RMSNorm is
+    the same kernels with beta None (no mean, no dbeta)."""
     n_rows, n_cols = 4, 256
     rng = np.random.default_rng(0)
     x, h, dy = (jnp.asarray(rng.normal(size=(n_rows, n_cols)), jnp.float32) for _ in range(3))
     gamma = jnp.asarray(1 + 0.1 * rng.normal(size=n_cols), jnp.float32)
-    beta = jnp.asarray(0.1 * rng.normal(size=n_cols), jnp.float32)
+    beta = None if rms else jnp.asarray(0.1 * rng.normal(size=n_cols), jnp.float32)
+    params = (gamma,) if rms else (gamma, beta)
     cfg = ln_mgpu.Config(block_rows=2, rows=1, chunk=128, programs_per_sm=1)
     it = InterpretGPUParams()
     s, y, mean, rstd = ln_mgpu.forward(x, h, gamma, beta, 1e-5, jnp.float32, cfg, interpret=it)
     dx, dh, dg, db = ln_mgpu.backward(s, gamma, dy, dy, jnp.float32, mean, rstd, cfg, interpret=it)
-    ref_s, ref_y = float64_ref(add_layer_norm_ref, x, h, gamma, beta)
+    assert (mean is None) == (db is None) == rms
+    ref_fn = add_rms_norm_ref if rms else add_layer_norm_ref
+    ref_s, ref_y = float64_ref(ref_fn, x, h, *params)
     np.testing.assert_allclose(s, ref_s, atol=1e-6)
     np.testing.assert_allclose(y, ref_y, atol=1e-5)
 
-    def loss(x, h, g, b, dy):
-        s, y = add_layer_norm_ref(x, h, g, b)
-        return jnp.sum(s * dy) + jnp.sum(y * dy)
+    def loss(x, h, *params_and_dy):
+        s, y = ref_fn(x, h, *params_and_dy[:-1])
+        return jnp.sum(s * params_and_dy[-1]) + jnp.sum(y * params_and_dy[-1])
 
-    refs = [float64_ref(jax.grad(loss, i), x, h, gamma, beta, dy) for i in range(4)]
-    for got, ref in zip((dx, dh, dg, db), refs, strict=True):
-        np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max())
+    refs = float64_ref(jax.grad(loss, tuple(range(2 + len(params)))), x, h, *params, dy)
+    got = (dx, dh, dg) if rms else (dx, dh, dg, db)
+    for g, ref in zip(got, refs, strict=True):
+        np.testing.assert_allclose(g, ref, atol=1e-4 * np.abs(ref).max())
 
 
 @needs_interpreter

@@ -1,4 +1,5 @@
-"""pallas_kernels.layer_norm against the float64 reference: values, gradients, jit, vmap.
+"""pallas_kernels.layer_norm (and rms_norm, the same kernels without mean and beta) against the
+float64 references: values, gradients, jit, vmap.
 
 On CPU the kernels run in interpret mode; on a GPU the same tests check the compiled kernels.
 Tolerances: float32 within 1e-5 (rel and abs, on unit-scale outputs) of float64; bfloat16 outputs
@@ -11,7 +12,16 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from pallas_kernels import add_layer_norm, add_layer_norm_ref, layer_norm, layer_norm_ref
+from pallas_kernels import (
+    add_layer_norm,
+    add_layer_norm_ref,
+    add_rms_norm,
+    add_rms_norm_ref,
+    layer_norm,
+    layer_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
 from pallas_kernels.layer_norm import Config
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -161,3 +171,72 @@ def test_add_layer_norm_rejects_mismatched_branch():
     x, gamma, beta = make((4, 8), jnp.float32)
     with pytest.raises(ValueError, match="h must match x's shape"):
         add_layer_norm(x, jnp.zeros((4, 9)), gamma, beta)
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+
+def rms_norm_np(x, gamma, eps=1e-5):
+    """The float64 NumPy oracle: x / sqrt(mean(x^2) + eps) * gamma."""
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(gamma, np.float64)
+
+
+RMS_CASES = [  # shape (ragged row counts: none is a multiple of the block), dtype, config
+    ((37, 64), jnp.float32, Config(block_rows=4, num_warps=4, programs=3)),
+    ((3, 5, 96), jnp.bfloat16, None),  # 15 rows, default blocks of 16
+    ((9, 768), jnp.float32, Config(block_rows=2, num_warps=4, programs=2)),
+    ((9, 768), jnp.bfloat16, None),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,cfg", RMS_CASES)
+def test_add_rms_norm_values_match_numpy_float64(shape, dtype, cfg):
+    """s = x + h and y = RMSNorm(s) against NumPy in float64 (the plain rms_norm's values are
+    checked with its gradients below)."""
+    x, gamma, _ = make(shape, dtype, seed=10)
+    h = jnp.asarray(np.random.default_rng(11).normal(size=shape), dtype)
+    s, y = add_rms_norm(x, h, gamma, config=cfg)
+    assert s.dtype == y.dtype == dtype and y.shape == shape
+    s64 = np.asarray(s, np.float64)  # the kernel's s, rounded to x's dtype, is y's input
+    want_s = np.asarray(x, np.float64) + np.asarray(h, np.float64)
+    np.testing.assert_allclose(s64, want_s, rtol=TOL[dtype] / 2)
+    np.testing.assert_allclose(
+        np.asarray(y, np.float64), rms_norm_np(s64, gamma), rtol=TOL[dtype], atol=TOL[dtype]
+    )
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=["f32", "bf16"])
+def test_rms_norm_grads_match_float64_reference(float64_ref, case):
+    """d/dx, d/dh (the residual), d/dgamma of add_rms_norm's s and y, and the plain rms_norm's
+    values and d/dx, d/dgamma, against NumPy / jax.grad of the float64 reference. bf16: the
+    model's mixed-precision case (float32 stream x, bf16 branch h, bf16 output and dy)."""
+    shape, dtype, cfg = RMS_CASES[case]
+    x, gamma, _ = make(shape, jnp.float32, seed=12)
+    rng = np.random.default_rng(13)
+    h = jnp.asarray(rng.normal(size=shape), dtype)
+    ds = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    dy = jnp.asarray(rng.normal(size=shape), dtype)
+    kw = dict(out_dtype=dtype, config=cfg)
+
+    y, vjp = jax.vjp(lambda x, g: rms_norm(x, g, **kw), x, gamma)
+    assert y.dtype == dtype
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(y, np.float64), rms_norm_np(x, gamma), rtol=tol, atol=tol)
+    grads = vjp(dy)
+    _, add_vjp = jax.vjp(lambda *a: add_rms_norm(*a, **kw), x, h, gamma)
+    grads += add_vjp((ds, dy))
+    assert grads[0].dtype == grads[2].dtype == jnp.float32 and grads[3].dtype == dtype
+
+    def plain(x, g):
+        return jnp.sum(rms_norm_ref(x, g).astype(jnp.float32) * dy)
+
+    def add(x, h, g):
+        s, y = add_rms_norm_ref(x, h, g)
+        return jnp.sum(s * ds) + jnp.sum(y.astype(jnp.float32) * dy)
+
+    refs = float64_ref(jax.grad(plain, argnums=(0, 1)), x, gamma)
+    refs += float64_ref(jax.grad(add, argnums=(0, 1, 2)), x, h, gamma)
+    gtol = 1e-5 if dtype == jnp.float32 else 1e-2
+    for g, r in zip(grads, refs, strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float64), r, atol=gtol * np.abs(r).max())

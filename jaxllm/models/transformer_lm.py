@@ -24,6 +24,14 @@ from jaxllm.models.decoder import Decoder
 from jaxllm.ops import OpPlan
 
 
+def rms_norm(cfg: ModelConfig, plan: OpPlan) -> functools.partial:
+    """RMSNorm on the plan's norm path. The Pallas kernel writes the compute dtype (the next
+    matmul's input) in its one pass, as GPT-2's LayerNorm does; XLA keeps its float32 output (it
+    fuses the convert into the consumer anyway)."""
+    out_dtype = jnp.dtype(cfg.compute_dtype) if plan.norm == "pallas" else None
+    return functools.partial(RMSNorm, cfg.norm_eps, plan.norm, out_dtype)
+
+
 class Block(nn.Module):
     """x + attn(norm1(x)) with RoPE on q, k; then x + swiglu(norm2(x)); (x, h) in and out."""
 
@@ -44,7 +52,8 @@ class Block(nn.Module):
         conv = None
         if cfg.short_conv:
             conv = DepthwiseConv1d(cfg.short_conv_size, "causal", self.plan.conv, name="conv")
-        ln1, ln2 = RMSNorm(cfg.norm_eps, name="ln1"), RMSNorm(cfg.norm_eps, name="ln2")
+        norm = rms_norm(cfg, self.plan)
+        ln1, ln2 = norm(name="ln1"), norm(name="ln2")
         return pre_norm_block(ln1, ln2, attn, mlp, conv, x, h, inputs, cache)
 
 
@@ -54,8 +63,7 @@ class TransformerLM(Decoder):
         # CS336: token embeddings N(0, 1) truncated at 3 sigma.
         table_init = nn.initializers.truncated_normal(1.0, lower=-3.0, upper=3.0)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.d_model, table_init, name="embed")
-        norm = functools.partial(RMSNorm, cfg.norm_eps)
-        self.build_stack(self.embed_tokens, Block, norm, head_init=cs336_init())
+        self.build_stack(self.embed_tokens, Block, rms_norm(cfg, self.plan), head_init=cs336_init())
 
     def embed(self, tokens: jax.Array, positions: jax.Array, deterministic: bool) -> jax.Array:
         return self.embed_tokens(tokens)  # (B, T, D); positions enter through RoPE

@@ -1,5 +1,8 @@
 """Benchmark of the Pallas kernels against XLA's jit of the jnp reference and PyTorch's op.
 
+Families (`profile.py kernels --only ...`): softmax, layer_norm (LayerNorm rows, then RMSNorm
+rows: the same kernels with `rms=True`, on the same shapes and tilings), conv1d.
+
 For each kernel, direction, shape and dtype: the median device time of the best of a few block
 configurations (and of the default one), achieved GB/s over the minimal bytes (each input read
 once, each output written once; pallas_kernels/*.py docstrings), its share of the measured copy
@@ -18,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import attention_softmax, depthwise_conv1d, layer_norm
+from pallas_kernels import attention_softmax, depthwise_conv1d, layer_norm, rms_norm
 from pallas_kernels.attention_softmax import Config as SoftmaxConfig
 from pallas_kernels.depthwise_conv1d import Config as ConvConfig
 from pallas_kernels.depthwise_conv1d import default_config as conv_default_config
@@ -28,6 +31,7 @@ from pallas_kernels.reference import (
     conv1d_padding,
     depthwise_conv1d_ref,
     layer_norm_ref,
+    rms_norm_ref,
 )
 
 from .timing import chained_median_seconds, rotation_count, torch_median_seconds
@@ -203,6 +207,17 @@ def _softmax_torch(shape, dtype):
 
 
 def layer_norm_cases(shapes=LN_SHAPES, dtypes=DTYPES) -> Iterator[Case]:
+    yield from _norm_cases(False, shapes, dtypes)
+
+
+def rms_norm_cases(shapes=LN_SHAPES, dtypes=DTYPES) -> Iterator[Case]:
+    """RMSNorm (the Llama norm: gamma only) on the LayerNorm shapes and tilings; the same minimal
+    bytes (read x, write y; read x and dy, write dx), gamma (and dgamma partials) aside."""
+    yield from _norm_cases(True, shapes, dtypes)
+
+
+def _norm_cases(rms: bool, shapes, dtypes) -> Iterator[Case]:
+    kernel = "rms_norm" if rms else "layer_norm"
     for shape in shapes:
         for dtype in dtypes:
             n_rows, d = shape
@@ -213,9 +228,11 @@ def layer_norm_cases(shapes=LN_SHAPES, dtypes=DTYPES) -> Iterator[Case]:
                 x = jax.random.normal(k1, shape, jnp.float32).astype(dtype)
                 gamma = 1 + 0.1 * jax.random.normal(k2, (d,), jnp.float32)
                 beta = 0.1 * jax.random.normal(k3, (d,), jnp.float32)
-                return x, gamma, beta
+                return (x, gamma) if rms else (x, gamma, beta)
 
             def pallas(cfg):
+                if rms:
+                    return lambda x, g: rms_norm(x, g, config=cfg)
                 return lambda x, g, b: layer_norm(x, g, b, config=cfg)
 
             width = 1 << (d - 1).bit_length()
@@ -230,14 +247,15 @@ def layer_norm_cases(shapes=LN_SHAPES, dtypes=DTYPES) -> Iterator[Case]:
             configs = sorted({LayerNormConfig(max(1, e // width), nw, p, st)
                               for e, nw, p, st in tiles})  # fmt: skip
             yield from _fwd_bwd_cases(
-                "layer_norm", shape, dtype, (2 * n_rows * d * s, 3 * n_rows * d * s),
-                make_args, pallas, layer_norm_ref, configs, _ln_torch(shape, dtype),
+                kernel, shape, dtype, (2 * n_rows * d * s, 3 * n_rows * d * s), make_args,
+                pallas, rms_norm_ref if rms else layer_norm_ref, configs,
+                _norm_torch(shape, dtype, rms), n_diff=2 if rms else 3,
             )  # fmt: skip
 
 
-def _ln_torch(shape, dtype):
+def _norm_torch(shape, dtype, rms: bool):
     torch = _torch()
-    if torch is None:
+    if torch is None or (rms and not hasattr(torch.nn.functional, "rms_norm")):
         return None
     tdtype = torch.float32 if dtype == jnp.float32 else torch.bfloat16
     d = shape[1]
@@ -248,13 +266,20 @@ def _ln_torch(shape, dtype):
 
     def fwd():
         x, g, b = inputs()
+        if rms:
+            return lambda: torch.nn.functional.rms_norm(x, (d,), g.to(tdtype), 1e-5)
         return lambda: torch.nn.functional.layer_norm(x, (d,), g.to(tdtype), b.to(tdtype))
 
     def bwd():
         x, g, b = inputs()
         g, b = g.to(tdtype), b.to(tdtype)
-        _, mean, rstd = torch.ops.aten.native_layer_norm(x, [d], g, b, 1e-5)
         dy = torch.randn_like(x)
+        if rms:  # what autograd runs for F.rms_norm (fused or composite, by torch version)
+            x.requires_grad_(True)
+            g.requires_grad_(True)
+            y = torch.nn.functional.rms_norm(x, (d,), g, 1e-5)
+            return lambda: torch.autograd.grad(y, (x, g), dy, retain_graph=True)
+        _, mean, rstd = torch.ops.aten.native_layer_norm(x, [d], g, b, 1e-5)
         mask = [True, True, True]
         return lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [d], mean, rstd, g, b, mask)
 
@@ -381,6 +406,12 @@ def conv_cases(shapes=CONV_SHAPES, dtypes=CONV_DTYPES, mode: str = "same") -> It
             yield dataclasses.replace(bwd, configs=conv_sweep(shape, dtype, backward=True))
 
 
+def norm_cases(shapes=LN_SHAPES, dtypes=DTYPES) -> Iterator[Case]:
+    """The layer_norm family: LayerNorm rows, then RMSNorm rows."""
+    yield from layer_norm_cases(shapes, dtypes)
+    yield from rms_norm_cases(shapes, dtypes)
+
+
 def _time_impl(case: Case, impl) -> tuple[float, jax.Array]:
     states = case.states(impl)
     seconds = chained_median_seconds(case.step(impl), states)
@@ -434,7 +465,7 @@ def run(kernels: list[str], tune: bool, jsonl_path: str | None = None) -> list[R
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
     print("copy bandwidth GB/s: " + ", ".join(f"{k} {v:.0f}" for k, v in bw.items()))
     print(HEADER, flush=True)
-    makers = {"softmax": softmax_cases, "layer_norm": layer_norm_cases, "conv1d": conv_cases}
+    makers = {"softmax": softmax_cases, "layer_norm": norm_cases, "conv1d": conv_cases}
     rows = []
     for name in kernels:
         for case in makers[name]():
