@@ -311,17 +311,24 @@ class TrainConfig(Section):
 
 @dataclass(frozen=True)
 class ParallelConfig(Section):
-    """How the run spreads over devices: a mesh of `data` x `fsdp` (jaxllm/parallel.py builds
-    it). The batch is split over both axes; parameters and optimizer state are replicated over
-    `data` and sharded over `fsdp` (ZeRO-3). The product must equal the device count; -1 (at
-    most one axis) fills it, so the defaults run unchanged on 1 or N devices as plain data
-    parallelism. The layout does not change what is computed (up to float reduction order).
-    With several processes the devices are those of all of them (`jax.devices()`)."""
+    """How the run spreads over devices: a mesh of `data` x `fsdp` x `pipeline`
+    (jaxllm/parallel.py builds it). The batch is split over data and fsdp; parameters and
+    optimizer state are replicated over `data` and sharded over `fsdp` (ZeRO-3). `pipeline` > 1
+    cuts the block stack into that many stages of consecutive layers (GPipe, jaxllm/pipeline.py;
+    needs model.scan_layers), each data x fsdp shard of the batch into `microbatches`. The
+    product of the three must equal the device count; -1 (at most one axis) fills it, so the
+    defaults run unchanged on 1 or N devices as plain data parallelism. The layout does not
+    change what is computed (up to float reduction order). With several processes the devices
+    are those of all of them (`jax.devices()`)."""
 
     PATH: ClassVar[str] = "parallel"
 
     data: int = spec(-1, ge=-1)
     fsdp: int = spec(1, ge=-1)
+    pipeline: int = spec(1, ge=-1)  # pipeline stages; > 1 needs model.scan_layers
+    # GPipe microbatches per data x fsdp shard of the batch; the bubble is (S - 1) / (M + S - 1)
+    # of a step. None: as many as stages (M = S). Unused when the mesh has pipeline = 1.
+    microbatches: int | None = spec(None, ge=1)
     # Several processes (hosts), started with jax.distributed (jaxllm/distributed.py): all
     # three, or none. None: from $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES /
     # $JAX_PROCESS_ID, else a Slurm or Open MPI launch of more than one task, else one process.
@@ -329,12 +336,14 @@ class ParallelConfig(Section):
     num_processes: int | None = spec(None, ge=1)
     process_id: int | None = spec(None, ge=0)  # 0 .. num_processes - 1; 0 starts the service
 
-    AXES: ClassVar[tuple[str, ...]] = ("data", "fsdp")
+    AXES: ClassVar[tuple[str, ...]] = ("data", "fsdp", "pipeline")
     PROCESS_GROUP: ClassVar[tuple[str, ...]] = (
         "coordinator_address",
         "num_processes",
         "process_id",
     )
+    # Fields that do not change what a run computes (config_changes skips them on resume).
+    NO_EFFECT: ClassVar[tuple[str, ...]] = (*AXES, "microbatches", *PROCESS_GROUP)
 
     def _check(self) -> None:
         if self.coordinator_address is not None:
@@ -439,7 +448,7 @@ def config_changes(old: Config, new: Config) -> list[str]:
 
     a, b = flat(old.to_dict()), flat(new.to_dict())
     skip = {f"train.{k}" for k in TrainConfig.NO_EFFECT}
-    skip |= {f"parallel.{k}" for k in ParallelConfig.AXES + ParallelConfig.PROCESS_GROUP}
+    skip |= {f"parallel.{k}" for k in ParallelConfig.NO_EFFECT}
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
             if k not in skip and a.get(k) != b.get(k)]  # fmt: skip
 

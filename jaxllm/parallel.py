@@ -1,14 +1,22 @@
 """Where every array of a run lives: the device mesh and the shardings of state and batch.
 
-One mesh with axes ("data", "fsdp") (config `parallel`); everything else is XLA's job:
+One mesh with axes ("pipeline", "data", "fsdp") (config `parallel`); the rest is XLA's job, and
+the pipeline's (jaxllm/pipeline.py):
 
-- The batch is split along its rows over both axes (ZeRO: fsdp ranks see different rows too).
+- The batch is split along its rows over data x fsdp (ZeRO: fsdp ranks see different rows too)
+  and replicated over `pipeline`.
 - Parameters and optimizer state are replicated over `data` and sharded over `fsdp` along
   their largest dimension that the fsdp size divides (replicated where none does). Adam's
-  moments have the parameters' shapes, so one shape rule covers the whole train state.
-- The train step is plain `jax.jit` with these in/out shardings: XLA's SPMD partitioner
-  inserts the all-gathers of sharded weights, the reduce(-scatter)s of the gradients and the
-  reduction of the loss. There is no hand-written communication.
+  moments have the parameters' shapes, so one shape rule covers the whole train state. With
+  model.scan_layers the block stack's leaves (params["blocks"], leading axis n_layers) are
+  sharded over fsdp on a non-layer dimension, and over `pipeline` on the layer axis: stage s
+  holds layers s L/S .. (s + 1) L/S - 1 (and their Adam moments).
+- The train step is `jax.jit` with these in/out shardings: XLA's SPMD partitioner inserts the
+  all-gathers of sharded weights, the reduce(-scatter)s of the gradients and the reduction of
+  the loss. With model.scan_layers and fsdp > 1 the block weights are gathered one layer at a
+  time inside the scanned loop, forward and again in the backward (ZeRO-3), instead of all
+  at the start of the step. With pipeline > 1 the loss runs embed -> GPipe over the stages
+  (`pipeline_apply`: shard_map + ppermute) -> final norm + loss. `mesh_apply` picks the path.
 
 Pallas kernels are custom calls that the partitioner cannot split, so a mesh of more than one
 device refuses a plan with a Pallas path (`check_plan`) instead of running it replicated.
@@ -17,20 +25,37 @@ This module is the only place that decides a mesh or a sharding.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.config import Config, ConfigError, ParallelConfig
+from jaxllm.config import Config, ConfigError, ModelConfig, ParallelConfig
+from jaxllm.layers import AttentionInputs, add_and_norm
+from jaxllm.models.decoder import (
+    Decoder,
+    _ScanLayer,
+    check_targets,
+    check_tokens,
+    default_positions,
+    lm_loss,
+)
 from jaxllm.ops import OpPlan
+from jaxllm.pipeline import bubble_fraction, pipeline_apply
 
-AXES = ParallelConfig.AXES  # ("data", "fsdp")
-BATCH = P(AXES)  # rows split over data x fsdp, the rest of each batch array whole
+AXES = ParallelConfig.AXES  # ("data", "fsdp", "pipeline"): the config's names and order
+# The devices' layout, outermost first: pipeline stages exchange the least (one activation per
+# microbatch and tick, point to point), so across hosts; the fsdp groups the most, neighbours.
+MESH_AXES = ("pipeline", "data", "fsdp")
+BATCH_AXES = ("data", "fsdp")
+BATCH = P(BATCH_AXES)  # rows split over data x fsdp, the rest of each batch array whole
 
 
 def mesh_sizes(cfg: ParallelConfig, n_devices: int) -> dict[str, int]:
@@ -54,13 +79,51 @@ def mesh_sizes(cfg: ParallelConfig, n_devices: int) -> dict[str, int]:
     return sizes
 
 
-def check_batch(batch_size: int, sizes: dict[str, int]) -> None:
-    """The global batch must split evenly over data x fsdp."""
+def n_microbatches(cfg: ParallelConfig, n_stages: int) -> int:
+    """GPipe's microbatch count: parallel.microbatches, or as many as stages when unset."""
+    return cfg.microbatches or n_stages
+
+
+def check_batch(batch_size: int, sizes: dict[str, int], microbatches: int = 1) -> None:
+    """The global batch must split evenly over data x fsdp, and with pipeline stages each of
+    those shards into `microbatches`."""
     ways = sizes["data"] * sizes["fsdp"]
     if batch_size % ways:
         raise ConfigError(
             f"train.batch_size ({batch_size}) must be divisible by parallel.data x parallel.fsdp "
             f"= {sizes['data']} x {sizes['fsdp']} = {ways}: the batch is split over both"
+        )
+    if sizes.get("pipeline", 1) > 1 and batch_size % (ways * microbatches):
+        raise ConfigError(
+            f"train.batch_size ({batch_size}) must be divisible by parallel.data x parallel.fsdp "
+            f"x parallel.microbatches = {sizes['data']} x {sizes['fsdp']} x {microbatches} = "
+            f"{ways * microbatches}: each data x fsdp shard of the batch is cut into the "
+            "pipeline's microbatches; change train.batch_size or parallel.microbatches"
+        )
+
+
+def check_pipeline(model: ModelConfig, n_stages: int) -> None:
+    """What `pipeline` > 1 needs from the model: scanned layers that split evenly into the
+    stages, and no dropout (the stages get no dropout rngs yet)."""
+    if n_stages == 1:
+        return
+    if not model.scan_layers:
+        raise ConfigError(
+            f"parallel.pipeline={n_stages} needs model.scan_layers=true: the stages hold slices "
+            "of the stacked block parameters. Set --model.scan_layers=true (or "
+            "parallel.pipeline=1)"
+        )
+    if model.n_layers % n_stages:
+        raise ConfigError(
+            f"model.n_layers ({model.n_layers}) must be divisible by parallel.pipeline "
+            f"({n_stages}): each stage runs n_layers / pipeline consecutive layers. Change "
+            "model.n_layers or parallel.pipeline"
+        )
+    if model.dropout > 0:
+        raise ConfigError(
+            f"parallel.pipeline={n_stages} does not support model.dropout > 0 yet (got "
+            f"{model.dropout}): the pipeline stages get no dropout rngs. Set --model.dropout=0 "
+            "or parallel.pipeline=1"
         )
 
 
@@ -77,17 +140,24 @@ def check_plan(plan: OpPlan, mesh: Mesh) -> None:
 
 
 def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The run's mesh over `devices` (default: all), after checking sizes and batch."""
+    """The run's mesh over `devices` (default: all), after checking sizes, the model against
+    the pipeline, and the batch (ConfigError naming the fix)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_sizes(cfg.parallel, len(devices))
-    check_batch(cfg.train.batch_size, sizes)
-    # Data outermost: on a multi-GPU host the fsdp groups (more traffic) are neighbours.
-    return Mesh(np.array(devices).reshape(tuple(sizes.values())), AXES)
+    check_pipeline(cfg.model, sizes["pipeline"])
+    check_batch(cfg.train.batch_size, sizes, n_microbatches(cfg.parallel, sizes["pipeline"]))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    return Mesh(np.array(devices).reshape(shape), MESH_AXES)
 
 
-def describe(mesh: Mesh) -> str:
-    """One line for the start of a run, e.g. 'parallel: mesh data=4 fsdp=2 over 8 cpu devices'."""
-    sizes = " ".join(f"{a}={n}" for a, n in mesh.shape.items())
+def describe(mesh: Mesh, microbatches: int | None = None) -> str:
+    """One line for the start of a run, e.g. 'parallel: mesh data=4 fsdp=2 over 8 cpu devices'
+    ('... pipeline=4 (4 microbatches, bubble 43%) ...' with pipeline stages)."""
+    sizes = " ".join(f"{a}={mesh.shape[a]}" for a in AXES if a != "pipeline")
+    stages = mesh.shape["pipeline"]
+    if stages > 1:
+        m = microbatches or stages
+        sizes += f" pipeline={stages} ({m} microbatches, bubble {bubble_fraction(stages, m):.0%})"
     platform = mesh.devices.flat[0].platform
     return f"parallel: mesh {sizes} over {mesh.size} {platform} device{'s' * (mesh.size > 1)}"
 
@@ -105,11 +175,29 @@ def param_spec(shape: Sequence[int], fsdp: int) -> P:
     return P(*(["fsdp" if i == best else None for i in range(len(shape))]))
 
 
+def in_blocks(path: Sequence[Any]) -> bool:
+    """Whether a leaf's tree path runs through a "blocks" entry: the stacked layers of
+    model.scan_layers (params["blocks"], and the Adam moments of the same parameters)."""
+    return any(getattr(k, "key", None) == "blocks" for k in path)
+
+
+def leaf_spec(path: Sequence[Any], shape: Sequence[int], mesh: Mesh) -> P:
+    """The PartitionSpec of one state array: `param_spec`, except that a stacked block leaf
+    (L, ...) keeps its layer axis for `pipeline` (None without stages) and is fsdp-sharded on
+    one of its other dimensions, so that one layer's slice is a shard of that layer."""
+    fsdp = mesh.shape["fsdp"]
+    if in_blocks(path) and len(shape) >= 1:
+        stage = "pipeline" if mesh.shape["pipeline"] > 1 else None
+        return P(stage, *param_spec(shape[1:], fsdp))
+    return param_spec(shape, fsdp)
+
+
 def state_shardings(state: Any, mesh: Mesh) -> Any:
     """A NamedSharding for every array of `state` (a train state, or params alone); works on
     abstract (jax.eval_shape) states too."""
-    fsdp = mesh.shape["fsdp"]
-    return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(np.shape(x), fsdp)), state)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, leaf_spec(path, np.shape(x), mesh)), state
+    )
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -136,30 +224,183 @@ def shard_batch(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
     return {k: put(v) for k, v in batch.items()}
 
 
-def jit_train_step(step: Callable, state: Any, mesh: Mesh) -> Callable:
+# ----------------------------------------------------------------------------- the steps
+
+
+def blocks_loss(
+    model: Decoder,
+    params: Any,
+    tokens: jax.Array,
+    targets: jax.Array,
+    deterministic: bool = True,
+    rngs: dict[str, jax.Array] | None = None,
+    *,
+    run_blocks: Callable[[Callable, Any, Any], Any],
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`model.loss` (model.scan_layers) with its block stack run by
+    `run_blocks(layer_fn, params["blocks"], (x, h)) -> (x, h)` instead of the model's own scan,
+    e.g. `pipeline_apply` or a scan that gathers each layer's weights. The pieces are the
+    model's: embed, the scan body (`_ScanLayer`, remat and all) applied to one layer's slice
+    of params["blocks"], ln_f with the last residual add, the LM head and `lm_loss`. No KV
+    cache; dropout only where `rngs` are given (and only outside the blocks: the callers run
+    this with model.dropout = 0)."""
+    cfg = model.cfg
+    check_tokens(tokens, cfg)
+    check_targets(targets, tokens, cfg)
+    bound = model.bind({"params": params}, rngs=rngs)
+    plan = bound.plan
+    body = _ScanLayer(cfg, plan, bound.blocks.block, parent=None)  # one layer, unbound
+
+    def layer_fn(layer_params: Any, carry: tuple[jax.Array, jax.Array]) -> Any:
+        b, t = carry[0].shape[:2]  # a microbatch's own rows
+        inputs = AttentionInputs(jnp.broadcast_to(jnp.arange(t), (b, t)), deterministic)
+        carry, _ = body.apply({"params": layer_params}, carry, inputs, None)
+        return carry
+
+    with nn.override_named_call(False):  # the scopes of Decoder.loss, nothing between them
+        with jax.named_scope("embed"):
+            x = bound.embed(tokens, default_positions(tokens), deterministic)
+        h = jnp.zeros(x.shape, jnp.dtype(cfg.compute_dtype))  # nothing pending yet
+        with jax.named_scope("blocks"):
+            x, h = run_blocks(layer_fn, params["blocks"], (x, h))
+        with jax.named_scope("ln_f"):
+            _, x = add_and_norm(bound.ln_f, x, h)
+        smoothing = 0.0 if deterministic else cfg.label_smoothing
+        with jax.named_scope("loss"):
+            return lm_loss(x, bound.head_matrix(), targets, cfg, plan.loss, smoothing)
+
+
+def gathered_scan(mesh: Mesh) -> Callable[[Callable, Any, Any], Any]:
+    """A `run_blocks` for `blocks_loss`: the layers in a `lax.scan` whose body all-gathers its
+    layer's fsdp-sharded weights (a sharding constraint to replicated on the slice). The
+    gradients of each layer's weights are reduced inside the backward loop and written into the
+    stacked gradients in the shard layout (a reduce-scatter where XLA forms one; the CPU backend
+    writes all-reduce + slice).
+
+    Nothing derived from the gathered weights is kept for the backward: the body runs under
+    `jax.checkpoint` with the `dots_saveable` policy, so the backward loop gathers each layer
+    again and recomputes its non-matmul ops (norms, activations, softmax) from the saved matmul
+    outputs; at most a layer or two are ever whole on a device (ZeRO-3). Without the policy the
+    scan would save every layer's gathered (and cast, split) weights: all of them whole."""
+
+    def run(layer_fn: Callable, stacked: Any, carry: Any) -> Any:
+        whole = jax.tree.map(lambda _: replicated(mesh), stacked)
+
+        def body(c: Any, p: Any) -> tuple[Any, None]:
+            return layer_fn(jax.lax.with_sharding_constraint(p, whole), c), None
+
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
+        return jax.lax.scan(body, carry, stacked)[0]
+
+    return run
+
+
+class MeshApply:
+    """`model.apply` as the steps call it on a mesh: method "loss" runs `blocks_loss` with
+    `run_blocks` when the batch has a multiple of `rows` rows, everything else (other methods,
+    an evaluation batch that does not split into the microbatches) runs `model.apply`."""
+
+    def __init__(self, model: Decoder, run_blocks: Callable, rows: int, what: str) -> None:
+        self.model, self.run_blocks, self.rows, self.what = model, run_blocks, rows, what
+
+    def __call__(self, variables: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
+        if method == "loss" and np.shape(args[0])[0] % self.rows == 0:
+            rngs = kwargs.pop("rngs", None)
+            loss = functools.partial(blocks_loss, rngs=rngs, run_blocks=self.run_blocks)
+            return loss(self.model, variables["params"], *args, **kwargs)
+        return self.model.apply(variables, *args, method=method, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"MeshApply({type(self.model).__name__}, {self.what})"
+
+
+def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) -> Callable:
+    """The apply function the train and eval steps use on `mesh` in place of a state's
+    `apply_fn` (a Decoder's `model.apply`): with model.scan_layers and pipeline > 1, a
+    `MeshApply` whose loss runs the stages with `pipeline_apply` (`microbatches`, default one
+    per stage); with scan_layers, fsdp > 1 and no dropout, one whose loss gathers the block
+    weights layer by layer (`gathered_scan`); else `apply_fn` itself."""
+    model = getattr(apply_fn, "__self__", None)
+    stages, fsdp = mesh.shape["pipeline"], mesh.shape["fsdp"]
+    scanned = isinstance(model, Decoder) and model.cfg.scan_layers
+    if stages > 1:
+        if not scanned:
+            raise ConfigError(
+                f"a mesh with pipeline={stages} needs a Decoder with model.scan_layers=true, "
+                f"got the apply function {apply_fn!r}"
+            )
+        check_pipeline(model.cfg, stages)
+        m = microbatches or stages
+        run = functools.partial(pipeline_apply, mesh=mesh, n_microbatches=m, batch_axes=BATCH_AXES)
+        ways = mesh.shape["data"] * fsdp * m
+        return MeshApply(model, run, ways, f"pipeline {stages} stages x {m} microbatches")
+    if scanned and fsdp > 1 and model.cfg.dropout == 0:
+        return MeshApply(model, gathered_scan(mesh), 1, f"fsdp {fsdp}, gathered per layer")
+    return apply_fn
+
+
+def _gather_params(params: Any, mesh: Mesh, keep_blocks: bool) -> Any:
+    """Every parameter constrained to replicated (gathered at the start of the step), except
+    the stacked blocks when `keep_blocks` (their path gathers them itself)."""
+    whole = replicated(mesh)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x if keep_blocks and in_blocks(path) else
+        jax.lax.with_sharding_constraint(x, whole),
+        params,
+    )  # fmt: skip
+
+
+def _on_mesh(step: Callable, state: Any, mesh: Mesh, microbatches: int | None) -> Callable:
+    """`step(state, ...)` with the state's apply function swapped for `mesh_apply`'s (and
+    swapped back in a returned state) and, with fsdp > 1, the parameters that no per-layer
+    path gathers gathered at its start."""
+    step = getattr(step, "__wrapped__", step)  # a jitted step: its body, not a nested call
+    apply = mesh_apply(state.apply_fn, mesh, microbatches)
+    swapped, gather = apply is not state.apply_fn, mesh.shape["fsdp"] > 1
+    if not swapped and not gather:
+        return step
+
+    def run(state: Any, *args: Any) -> Any:
+        orig, params = state.apply_fn, state.params
+        if gather:
+            params = _gather_params(params, mesh, keep_blocks=swapped)
+        out = step(state.replace(params=params, apply_fn=apply), *args)
+        if isinstance(out, tuple) and hasattr(out[0], "apply_fn"):  # (new state, metrics)
+            out = (out[0].replace(apply_fn=orig), *out[1:])
+        return out
+
+    return run
+
+
+def jit_train_step(
+    step: Callable, state: Any, mesh: Mesh, microbatches: int | None = None
+) -> Callable:
     """`step(state, batch, rng) -> (state, metrics)` jitted with the state's shardings pinned on
     both sides (so XLA cannot pick another layout for the new state) and metrics replicated;
     the batch keeps the sharding `shard_batch` gave it. The old state is donated.
 
-    With fsdp > 1 the parameters are gathered once, at the start of the step: left to itself,
-    XLA's sharding propagation follows the weights' fsdp split into the activations and then
-    has to undo it ("involuntary full rematerialization" warnings; the embeddings' gradients,
+    The loss runs as `mesh_apply` says: through the pipeline stages (`microbatches`), or with
+    the block weights gathered per layer (model.scan_layers, fsdp > 1, no dropout). Otherwise, with
+    fsdp > 1, the parameters are gathered once, at the start of the step: left to itself, XLA's
+    sharding propagation follows the weights' fsdp split into the activations and then has to
+    undo it ("involuntary full rematerialization" warnings; the embeddings' gradients,
     batch-sharded sums written into fsdp-sharded tables, still raise one or two at compile
-    time: slower, still exact). The stored state stays sharded; a per-layer gather (lower peak
-    memory) needs sharding constraints inside the model: future work."""
+    time: slower, still exact). The stored state stays sharded either way."""
     shardings = state_shardings(state, mesh)
-    step = getattr(step, "__wrapped__", step)  # a jitted step: its body, not a nested call
-
-    def gathered_step(state: Any, batch: Any, rng: jax.Array) -> Any:
-        params = jax.lax.with_sharding_constraint(state.params, replicated(mesh))
-        return step(state.replace(params=params), batch, rng)
-
     return jax.jit(
-        gathered_step if mesh.shape["fsdp"] > 1 else step,
+        _on_mesh(step, state, mesh, microbatches),
         in_shardings=(shardings, None, replicated(mesh)),
         out_shardings=(shardings, replicated(mesh)),
         donate_argnums=0,
     )
+
+
+def jit_eval_step(
+    step: Callable, state: Any, mesh: Mesh, microbatches: int | None = None
+) -> Callable:
+    """`step(state, batch) -> sums` (jaxllm.train.state.eval_step) jitted for `mesh`, its loss
+    run as in `jit_train_step`; state and batch keep the shardings they have."""
+    return jax.jit(_on_mesh(step, state, mesh, microbatches))
 
 
 def state_bytes_per_device(state: Any) -> int:

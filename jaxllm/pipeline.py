@@ -19,6 +19,11 @@ end of each phase where some stages have nothing to do are the bubble,
 Composes with data parallelism: every mesh axis other than `pipeline` (e.g. `data`) splits the
 batch, and each stage's parameters are replicated over those axes (their gradients are summed
 over them by shard_map's transpose).
+
+Training runs it through jaxllm.parallel (config `parallel.pipeline` > 1): `blocks_loss` there
+calls embed, then `pipeline_apply` with the decoder's scan body as `layer_fn` over
+params["blocks"] (stored sharded over `pipeline` on the layer axis), then the final norm and
+the loss. No dropout rngs reach the stages yet (config refuses model.dropout > 0).
 """
 
 from __future__ import annotations

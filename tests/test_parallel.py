@@ -1,4 +1,4 @@
-"""jaxllm.parallel: mesh sizes, shardings, DP / FSDP equivalence, sharded checkpoints.
+"""jaxllm.parallel: mesh sizes, shardings, DP / FSDP / pipeline equivalence, sharded checkpoints.
 
 The multi-device checks need 8 fake CPU devices, which XLA creates only if its flag is set
 before jax is imported: they run in a subprocess (`_on_8_devices`) that imports this file and
@@ -7,8 +7,10 @@ calls one `_check_*` function, which prints its results as one JSON line for the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -17,11 +19,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
+from jax.tree_util import DictKey
 
 from jaxllm import parallel
 from jaxllm.config import ConfigError, ParallelConfig, config_changes, load_config
+from jaxllm.data.sources import make_source
 from jaxllm.models import build_model
 from jaxllm.ops import plan_ops
 from jaxllm.train.checkpoint import Checkpointer, load_run
@@ -84,36 +90,76 @@ def _on_8_devices(check: str, *args: str) -> dict:
 
 
 def test_mesh_sizes_fill_and_refuse():
-    assert parallel.mesh_sizes(ParallelConfig(), 1) == {"data": 1, "fsdp": 1}
-    assert parallel.mesh_sizes(ParallelConfig(), 8) == {"data": 8, "fsdp": 1}
-    assert parallel.mesh_sizes(ParallelConfig(fsdp=2), 8) == {"data": 4, "fsdp": 2}
-    assert parallel.mesh_sizes(ParallelConfig(data=2, fsdp=-1), 8) == {"data": 2, "fsdp": 4}
-    assert parallel.mesh_sizes(ParallelConfig(data=4, fsdp=2), 8) == {"data": 4, "fsdp": 2}
-    with pytest.raises(ConfigError, match=r"needs 6 devices, but there are 8"):
+    def sizes(n, **kw):
+        return tuple(parallel.mesh_sizes(ParallelConfig(**kw), n).values())  # data, fsdp, pipe
+
+    assert sizes(1) == (1, 1, 1)
+    assert sizes(8) == (8, 1, 1)
+    assert sizes(8, fsdp=2) == (4, 2, 1)
+    assert sizes(8, data=2, fsdp=-1) == (2, 4, 1)
+    assert sizes(8, data=4, fsdp=2) == (4, 2, 1)
+    assert sizes(8, pipeline=4) == (2, 1, 4)
+    assert sizes(8, data=1, fsdp=2, pipeline=-1) == (1, 2, 4)
+    with pytest.raises(ConfigError, match=r"data=3 x fsdp=2 x pipeline=1 needs 6 devices, but"):
         parallel.mesh_sizes(ParallelConfig(data=3, fsdp=2), 8)
     with pytest.raises(ConfigError, match=r"fixed sizes \(3\) must divide the device count \(8"):
         parallel.mesh_sizes(ParallelConfig(fsdp=3), 8)
     with pytest.raises(ConfigError, match=r"divisible by parallel.data x parallel.fsdp = 4 x 2"):
         parallel.check_batch(12, {"data": 4, "fsdp": 2})
     parallel.check_batch(16, {"data": 4, "fsdp": 2})
+    stages = {"data": 2, "fsdp": 1, "pipeline": 4}
+    parallel.check_batch(16, stages, 8)
+    with pytest.raises(ConfigError, match=r"x parallel.microbatches = 2 x 1 x 16 = 32: each"):
+        parallel.check_batch(16, stages, 16)
+    parallel.check_batch(16, {**stages, "pipeline": 1}, 16)  # no stages: microbatches unused
+
+
+def test_pipeline_needs_scanned_divisible_layers_without_dropout():
+    model = _cfg("--model.n_layers=4", "--model.scan_layers=true").model
+    parallel.check_pipeline(model, 4)
+    parallel.check_pipeline(model, 2)
+    parallel.check_pipeline(_cfg().model, 1)  # one stage: anything goes
+    with pytest.raises(ConfigError, match=r"pipeline=4 needs model.scan_layers=true.*Set --model"):
+        parallel.check_pipeline(_cfg("--model.n_layers=4").model, 4)
+    with pytest.raises(ConfigError, match=r"model.n_layers \(4\) must be divisible by parallel."):
+        parallel.check_pipeline(model, 3)
+    with pytest.raises(ConfigError, match=r"does not support model.dropout > 0 yet.*dropout=0"):
+        parallel.check_pipeline(dataclasses.replace(model, dropout=0.1), 4)
+    assert parallel.n_microbatches(ParallelConfig(), 4) == 4  # default: one per stage
+    assert parallel.n_microbatches(ParallelConfig(microbatches=8), 4) == 8
+
+
+def test_stacked_block_leaves_shard_layers_over_stages_and_the_rest_over_fsdp():
+    mesh = AbstractMesh((4, 1, 2), parallel.MESH_AXES)  # pipeline 4, data 1, fsdp 2
+    blocks = (DictKey("params"), DictKey("blocks"), DictKey("block"), DictKey("kernel"))
+    assert parallel.leaf_spec(blocks, (4, 32, 96), mesh) == P("pipeline", None, "fsdp")
+    assert parallel.leaf_spec(blocks, (4, 7), mesh) == P("pipeline")  # 7: no fsdp split
+    assert parallel.leaf_spec((DictKey("wte"),), (16, 32), mesh) == P(None, "fsdp")
+    # Without stages the layer axis is never the fsdp one, even where it is the largest.
+    flat = AbstractMesh((1, 1, 8), parallel.MESH_AXES)
+    assert parallel.leaf_spec(blocks, (64, 16, 8), flat) == P(None, "fsdp", None)
 
 
 def test_parallel_config_validation():
-    assert _cfg().parallel == ParallelConfig(data=-1, fsdp=1)
+    assert _cfg().parallel == ParallelConfig(data=-1, fsdp=1, pipeline=1, microbatches=None)
     with pytest.raises(ConfigError, match=r"parallel.data must be >= 1 or -1 \(fill\), got 0"):
         _cfg("--parallel.data=0")
     with pytest.raises(ConfigError, match=r"parallel.fsdp must be >= -1, got -2"):
         _cfg("--parallel.fsdp=-2")
-    with pytest.raises(ConfigError, match=r"at most one of parallel.data, parallel.fsdp"):
-        _cfg("--parallel.fsdp=-1")
+    with pytest.raises(ConfigError, match=r"parallel.pipeline must be >= 1 or -1 \(fill\)"):
+        _cfg("--parallel.pipeline=0")
+    with pytest.raises(ConfigError, match=r"parallel.microbatches must be >= 1, got 0"):
+        _cfg("--parallel.microbatches=0")
     with pytest.raises(
-        ConfigError, match=r"'pipeline' is not in parallel; valid: \['data', 'fsdp'"
+        ConfigError, match=r"at most one of parallel.data, parallel.fsdp, parallel.pipeline"
     ):
-        _cfg("--parallel.pipeline=2")
+        _cfg("--parallel.fsdp=-1")
     with pytest.raises(ConfigError, match=r"train.batch_size \(16\) must be divisible .* = 6"):
         _cfg("--parallel.data=3", "--parallel.fsdp=2")
     # The layout does not change what a run computes: resuming on other devices is allowed.
     assert config_changes(_cfg(), _cfg("--parallel.data=8")) == []
+    staged = _cfg("--parallel.data=2", "--parallel.pipeline=4", "--parallel.microbatches=2")
+    assert config_changes(_cfg(), staged) == []
 
 
 def test_param_spec_shards_largest_divisible_axis():
@@ -128,7 +174,7 @@ def test_param_spec_shards_largest_divisible_axis():
 
 def test_one_device_mesh_and_refusals():
     mesh = parallel.make_mesh(_cfg(), jax.devices()[:1])
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 1}
+    assert dict(mesh.shape) == {"pipeline": 1, "data": 1, "fsdp": 1}
     assert parallel.describe(mesh) == "parallel: mesh data=1 fsdp=1 over 1 cpu device"
     with pytest.raises(ConfigError, match=r"needs 2 devices, but there are 1"):
         parallel.make_mesh(_cfg("--parallel.data=2"), jax.devices()[:1])
@@ -140,8 +186,6 @@ def test_one_device_mesh_and_refusals():
 
 
 def _state_and_batches(cfg, mesh, n=3):
-    from jaxllm.data.sources import make_source
-
     source = make_source(cfg)
     model = build_model(cfg.model)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
@@ -212,6 +256,132 @@ def test_data_and_fsdp_parallel_match_one_device():
     assert 7.0 < ref["bytes"] / out["fsdp8_bytes"] <= 8
 
 
+def _recording(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx`, whose state also keeps the last gradients it was given: opt_state[0] (laid out
+    like the parameters), so the real train step shows its gradients."""
+
+    def init(params):
+        return jax.tree.map(jnp.zeros_like, params), tx.init(params)
+
+    def update(grads, state, params=None):
+        updates, inner = tx.update(grads, state[1], params)
+        return updates, (grads, inner)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _while_collectives(hlo: str, op: str) -> tuple[list[str], list[str]]:
+    """The result shapes of `op` instructions in a compiled HLO module: (inside while-loop
+    bodies, or computations they call), (anywhere else)."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY )?%([\w.\-]+) ", line)
+        if m and line.rstrip().endswith("{"):
+            name = m.group(1)
+            comps[name] = []
+        elif name is not None:
+            comps[name].append(line)
+    inside = set(re.findall(r"body=%([\w.\-]+)", hlo))
+    todo = list(inside)
+    while todo:  # the computations a loop body calls run inside the loop too
+        for callee in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", "\n".join(comps[todo.pop()])):
+            if callee not in inside:
+                inside.add(callee)
+                todo.append(callee)
+    found = {True: [], False: []}
+    for name, lines in comps.items():
+        for line in lines:
+            m = re.search(rf"= (\w+\[[\d,]*\])\S* {op}(?:-start)?\(", line)
+            if m:
+                found[name in inside].append(m.group(1))
+    return found[True], found[False]
+
+
+def _check_pipeline_and_fsdp_layers() -> None:
+    """A 4-layer scanned model, 2 steps on 1 device vs pipeline=4 (4 devices), data=2 x
+    pipeline=4 and data=2 x fsdp=4 (8): losses, gradients (of the real train step, recorded
+    by its optimizer) and final params; where the fsdp all-gathers sit in the compiled step;
+    per-device state bytes with fsdp 1 and 8."""
+    base = ["--model.n_layers=4", "--model.scan_layers=true"]
+    cfg = _cfg(*base)
+    model = build_model(cfg.model)
+    batches = [make_source(cfg).train_batch(i) for i in range(2)]
+
+    def create(tx):
+        return create_state(model, tx, jax.random.PRNGKey(0), jnp.asarray(batches[0]["inputs"]))
+
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    init = jax.device_get(jax.jit(lambda: create(_recording(tx)))())  # on the host
+    out = {}
+    for name, overrides, n in [
+        ("single", [], 1),
+        ("pipeline4", ["--parallel.pipeline=4"], 4),
+        ("data2_pipeline4", ["--parallel.data=2", "--parallel.pipeline=4"], 8),
+        ("data2_fsdp4", ["--parallel.fsdp=4"], 8),
+    ]:
+        c = _cfg(*base, *overrides)
+        mesh = parallel.make_mesh(c, jax.devices()[:n])
+        state = jax.device_put(init, parallel.state_shardings(init, mesh))
+        sharded = [parallel.shard_batch(b, mesh) for b in batches]
+        rng = jax.random.PRNGKey(1)
+        step = parallel.jit_train_step(train_step, state, mesh, c.parallel.microbatches)
+        step = step.lower(state, sharded[0], rng).compile()
+        if name == "data2_fsdp4":
+            out["all_gathers"] = _while_collectives(step.as_text(), "all-gather")
+        losses, grads = [], []
+        for b in sharded:
+            state, m = step(state, b, rng)
+            losses.append(float(m["loss"]))
+            grads += [np.asarray(g).tolist() for g in jax.tree.leaves(state.opt_state[0])]
+        out[name] = {
+            "describe": parallel.describe(mesh, c.parallel.microbatches),
+            "apply": repr(parallel.mesh_apply(state.apply_fn, mesh)),
+            "losses": losses,
+            "grads": grads,
+            "params": [np.asarray(p).tolist() for p in jax.tree.leaves(state.params)],
+            "qkv_spec": str(state.params["blocks"]["block"]["attn"]["qkv"]["kernel"].sharding.spec),
+        }
+    plain = jax.eval_shape(lambda: create(tx))  # shapes suffice to count the bytes
+    for fsdp in (1, 8):
+        c = _cfg(*base, "--parallel.data=1", f"--parallel.fsdp={fsdp}")
+        shardings = parallel.state_shardings(plain, parallel.make_mesh(c, jax.devices()[:fsdp]))
+        placed = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), plain, shardings
+        )
+        out[f"fsdp{fsdp}_bytes"] = parallel.state_bytes_per_device(placed)
+    print(json.dumps(out))
+
+
+def test_pipeline_and_per_layer_fsdp_match_one_device():
+    out = _on_8_devices("_check_pipeline_and_fsdp_layers")
+    ref = out.pop("single")
+    assert ref["apply"].startswith("<bound method Module.apply of GPT2(")  # unchanged path
+    assert out["pipeline4"]["describe"] == (
+        "parallel: mesh data=1 fsdp=1 pipeline=4 (4 microbatches, bubble 43%) over 4 cpu devices"
+    )
+    assert out["data2_pipeline4"]["apply"] == "MeshApply(GPT2, pipeline 4 stages x 4 microbatches)"
+    assert out["data2_pipeline4"]["qkv_spec"] == str(P("pipeline"))  # layers over stages
+    assert out["data2_fsdp4"]["apply"] == "MeshApply(GPT2, fsdp 4, gathered per layer)"
+    assert out["data2_fsdp4"]["qkv_spec"] == str(P(None, None, "fsdp"))
+    for name in ("pipeline4", "data2_pipeline4", "data2_fsdp4"):
+        r = out[name]
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, err_msg=name)
+        _assert_trees_close(r["grads"], ref["grads"], 1e-5, name)  # both steps' gradients
+        # Adam turns float noise in a gradient near 0 into a full-size step: looser.
+        _assert_trees_close(r["params"], ref["params"], 1e-4, name)
+    # The block weights are gathered one layer at a time, inside the scanned loop: forward and
+    # again in the backward (the qkv kernel: (32, 96) a layer, (4, 32, 96) stacked).
+    looped, elsewhere = out["all_gathers"]
+    assert sum("32,96]" in s for s in looped) >= 2, looped
+    assert not any("4,32,96]" in s for s in looped + elsewhere), (looped, elsewhere)
+    assert not any("32,96]" in s for s in elsewhere), elsewhere
+    # Params + both Adam moments: every array of this model divides by 8 on a non-layer axis.
+    assert 7.9 < out["fsdp1_bytes"] / out["fsdp8_bytes"] <= 8
+
+
+PIPE4 = ["--parallel.pipeline=4", "--model.scan_layers=true", "--model.n_layers=4"]
+
+
 def _check_fsdp_layout_and_refusals() -> None:
     out = {}
     cfg = _cfg("--parallel.fsdp=2")
@@ -238,6 +408,12 @@ def _check_fsdp_layout_and_refusals() -> None:
         "fill_not_dividing": ["--parallel.fsdp=3"],
         "batch": ["--train.batch_size=12"],
         "pallas": ["--model.kernels=pallas"],
+        "pipeline_unscanned": ["--parallel.pipeline=4"],
+        "pipeline_layers": ["--parallel.pipeline=4", "--model.scan_layers=true"],  # 2 layers
+        "pipeline_batch": [*PIPE4, "--parallel.data=2", "--parallel.microbatches=16"],
+        "pipeline_dropout": [*PIPE4, "--model.dropout=0.1"],
+        "pipeline_pallas": [*PIPE4, "--model.loss_impl=pallas"],
+        "pipeline_ok": [*PIPE4, "--parallel.microbatches=8"],  # 16 rows = 2 x 8
     }.items():
         try:
             c = _cfg(*overrides)
@@ -258,28 +434,44 @@ def test_fsdp_shards_params_and_refuses_bad_meshes():
     assert out["moment_spec"] == str(P(None, "fsdp"))
     assert out["batch_shards"] == [[2, 9]]  # 16 rows over 4 x 2 devices
     r = out["refused"]
-    assert "parallel mesh data=2 x fsdp=1 needs 2 devices, but there are 8" in r["not_dividing"]
+    assert "mesh data=2 x fsdp=1 x pipeline=1 needs 2 devices, but there are 8" in r["not_dividing"]
     assert "fixed sizes (3) must divide the device count (8)" in r["fill_not_dividing"]
     assert "train.batch_size (12) must be divisible" in r["batch"]
     assert "Pallas path of norm, attention, conv cannot run on a mesh of 8" in r["pallas"]
+    assert "parallel.pipeline=4 needs model.scan_layers=true" in r["pipeline_unscanned"]
+    assert "model.n_layers (2) must be divisible by parallel.pipeline (4)" in r["pipeline_layers"]
+    assert "x parallel.microbatches = 2 x 1 x 16 = 32" in r["pipeline_batch"]
+    assert "does not support model.dropout > 0 yet" in r["pipeline_dropout"]
+    assert "Pallas path of loss cannot run on a mesh of 8" in r["pipeline_pallas"]
+    assert r["pipeline_ok"] is None
+
+
+# train.py's loop on pipeline=4 x fsdp=2; 44 test examples: the last evaluation batch (12 rows)
+# does not split into 2 x 4 microbatches and runs the model's own loss instead.
+STAGED = [*PIPE4, "--parallel.data=1", "--parallel.fsdp=2", "--data.associative_recall.num_test=44"]
 
 
 def _check_train_and_save(run_dir: str) -> None:
-    """train.py's loop on 8 devices (data=8 by default), saving its checkpoints."""
+    """train.py's loop on 8 devices (STAGED), saving its checkpoints."""
     from jaxllm.train.loop import train
 
-    print(json.dumps({"losses": train(_cfg(f"--train.run_dir={run_dir}")).losses}))
+    result = train(_cfg(*STAGED, f"--train.run_dir={run_dir}"))
+    print(json.dumps({"losses": result.losses, "eval_loss": result.eval_loss}))
 
 
 def test_save_on_8_devices_restore_on_one(tmp_path):
+    from jaxllm.train.loop import evaluate
+
     run_dir = tmp_path / "run"
     out = _on_8_devices("_check_train_and_save", str(run_dir))
     assert len(out["losses"]) == 4 and all(np.isfinite(out["losses"]))
     start = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
-    assert start["parallel"] == "parallel: mesh data=8 fsdp=1 over 8 cpu devices"
+    assert start["parallel"] == (
+        "parallel: mesh data=1 fsdp=2 pipeline=4 (4 microbatches, bubble 43%) over 8 cpu devices"
+    )
     assert start["state_bytes_per_device"] > 0
 
-    cfg = _cfg(f"--train.run_dir={run_dir}")
+    cfg = _cfg(*STAGED, f"--train.run_dir={run_dir}")
     model = build_model(cfg.model)
     tx = make_optimizer(cfg.optim, 4)
     state = create_state(model, tx, jax.random.PRNGKey(0), jnp.zeros((1, 9), jnp.int32))
@@ -300,3 +492,7 @@ def test_save_on_8_devices_restore_on_one(tmp_path):
     loaded, want = jax.tree.leaves(variables["params"]), jax.tree.leaves(restored.params)
     for a, b in zip(loaded, want, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The run's last evaluation (pipelined batches + one through the model's own loss) is the
+    # one-device evaluation of its checkpoint.
+    ev = evaluate(restored, make_source(cfg))
+    np.testing.assert_allclose(out["eval_loss"], ev["loss"], rtol=1e-5)

@@ -53,16 +53,19 @@ class TrainResult:
     bleu: float = math.nan  # translation: BLEU after the last epoch
 
 
-def evaluate(state, source: BatchSource, mesh: jax.sharding.Mesh | None = None) -> dict[str, float]:
+def evaluate(
+    state, source: BatchSource, mesh: jax.sharding.Mesh | None = None, step_fn=eval_step
+) -> dict[str, float]:
     """Exact mean loss and accuracy over all evaluation batches (split over `mesh` if given;
-    with several processes each puts only its rows of every batch on its devices)."""
+    with several processes each puts only its rows of every batch on its devices). `step_fn`:
+    eval_step, or its `parallel.jit_eval_step` version for the run's mesh."""
     totals = {"loss_sum": 0.0, "correct": 0, "count": 0}
     step = int(state.step)
     put = distributed.put_batch if jax.process_count() > 1 else parallel.shard_batch
     for batch in source.eval_batches():
         if mesh is not None:
             batch = put(batch, mesh)
-        out = jax.device_get(eval_step(state, batch))
+        out = jax.device_get(step_fn(state, batch))
         raise_for_bad_ids(out["bad_ids"], step, "evaluation", state.vocab_size)
         for k in totals:
             totals[k] += out[k].item()
@@ -165,7 +168,9 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
     tx = make_optimizer(cfg.optim, total)
     # Initialised in place on the mesh: with FSDP no device ever holds the whole state.
     state = parallel.create_sharded(lambda: create_state(model, tx, init_rng, example), mesh)
-    step_fn = parallel.jit_train_step(train_step, state, mesh)
+    microbatches = cfg.parallel.microbatches  # pipeline stages only; None: one per stage
+    step_fn = parallel.jit_train_step(train_step, state, mesh, microbatches)
+    eval_fn = parallel.jit_eval_step(eval_step, state, mesh, microbatches)
     # This process's rows of every train batch (several processes: a disjoint share each).
     rows = distributed.process_rows(mesh, tc.batch_size) if multi else None
     if multi:  # put once on every process's devices, not at every step
@@ -199,7 +204,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
             "step": start_step,
             "params": n_params,
             "ops": plan.describe(),
-            "parallel": parallel.describe(mesh),
+            "parallel": parallel.describe(mesh, microbatches),
             "state_bytes_per_device": parallel.state_bytes_per_device(state),
             **({"processes": group.describe()} if multi else {}),
             "config": cfg.to_dict(),
@@ -221,7 +226,8 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
         echo(group.describe())
     echo(plan.describe())
     state_mib = parallel.state_bytes_per_device(state) / 2**20
-    echo(f"{parallel.describe(mesh)}; params + optimizer state {state_mib:.1f} MiB per device")
+    layout = parallel.describe(mesh, microbatches)
+    echo(f"{layout}; params + optimizer state {state_mib:.1f} MiB per device")
     if per_epoch:
         echo(f"{tc.epochs} epochs of {per_epoch} steps = {total} steps")
     tokens = 0  # (padded) input tokens since the last log
@@ -314,7 +320,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
                 bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{rec['lr']:.2e}")
             end_of_epoch = per_epoch is not None and done % per_epoch == 0
             if (tc.eval_every and done % tc.eval_every == 0) or done == total or end_of_epoch:
-                ev = evaluate(state, source, mesh)
+                ev = evaluate(state, source, mesh, eval_fn)
                 rec = {"step": done, "split": "eval", **ev}
                 line = f"step {done}: eval loss {ev['loss']:.4f}  accuracy {ev['accuracy']:.4f}"
                 if per_epoch is not None:
@@ -355,7 +361,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
                 f"{run_dir} already holds the finished run (step {start_step} of {total}); "
                 "evaluating its last checkpoint. Choose another --train.run_dir to train anew."
             )
-            ev = evaluate(state, source, mesh)
+            ev = evaluate(state, source, mesh, eval_fn)
     finally:
         trace.stop()  # a run that ends (or fails) inside the traced range still writes it
         bar.close()
