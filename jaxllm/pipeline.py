@@ -129,7 +129,7 @@ def pipeline_apply(
             raise ValueError(f"batch axis {a!r} must be a mesh axis other than {axis!r}")
 
     n_stages = mesh.shape[axis]
-    n_layers = _n_layers(stacked_params)
+    n_layers = _leading_size(stacked_params, "stacked_params", "layer")
     if n_layers % n_stages:
         raise ValueError(
             f"the {n_layers} stacked layers must split evenly into {n_stages} pipeline stages "
@@ -138,7 +138,7 @@ def pipeline_apply(
     ways = 1
     for a in batch_axes:
         ways *= mesh.shape[a]
-    batch = _batch_size(x)
+    batch = _leading_size(x, "x", "batch")
     if batch % ways or (batch // ways) % n_microbatches:
         raise ValueError(
             f"batch size {batch} must split over the batch axes {batch_axes} ({ways} ways) and "
@@ -198,21 +198,12 @@ def _stage_fn(layer_fn: LayerFn, remat: bool) -> Callable[[Any, Any], Any]:
     return jax.checkpoint(stage) if remat else stage
 
 
-def _n_layers(stacked_params: Any) -> int:
-    sizes = {jnp.shape(p)[0] if jnp.ndim(p) else 0 for p in jax.tree.leaves(stacked_params)}
+def _leading_size(tree: Any, what: str, axis: str) -> int:
+    """The leading axis size that every leaf of `tree` shares; ValueError if there is none."""
+    sizes = {jnp.shape(a)[0] if jnp.ndim(a) else 0 for a in jax.tree.leaves(tree)}
     if len(sizes) != 1 or 0 in sizes:
         raise ValueError(
-            "stacked_params must be a non-empty pytree whose leaves all share one leading "
-            f"layer axis; got leading sizes {sorted(sizes)}"
-        )
-    return sizes.pop()
-
-
-def _batch_size(x: Any) -> int:
-    sizes = {jnp.shape(a)[0] if jnp.ndim(a) else 0 for a in jax.tree.leaves(x)}
-    if len(sizes) != 1 or 0 in sizes:
-        raise ValueError(
-            "x must be a non-empty pytree of arrays that share one leading batch axis; got "
-            f"leading sizes {sorted(sizes)}"
+            f"{what} must be a non-empty pytree whose leaves all share one leading {axis} axis; "
+            f"got leading sizes {sorted(sizes)}"
         )
     return sizes.pop()
