@@ -17,6 +17,9 @@ the pipeline's (jaxllm/pipeline.py):
   time inside the scanned loop, forward and again in the backward (ZeRO-3), instead of all
   at the start of the step. With pipeline > 1 the loss runs embed -> GPipe over the stages
   (`pipeline_apply`: shard_map + ppermute) -> final norm + loss. `mesh_apply` picks the path.
+  Dropout works on both paths: each layer (and under the pipeline each microbatch) gets its
+  own key folded from the step's dropout rng (`blocks_loss`); the masks differ from the
+  one-device scanned model's, which splits its rng another way.
 
 Pallas kernels are custom calls that the partitioner cannot split, so a mesh of more than one
 device refuses a plan with a Pallas path (`check_plan`) instead of running it replicated.
@@ -104,7 +107,7 @@ def check_batch(batch_size: int, sizes: dict[str, int], microbatches: int = 1) -
 
 def check_pipeline(model: ModelConfig, n_stages: int) -> None:
     """What `pipeline` > 1 needs from the model: scanned layers that split evenly into the
-    stages, and no dropout (the stages get no dropout rngs yet)."""
+    stages."""
     if n_stages == 1:
         return
     if not model.scan_layers:
@@ -118,12 +121,6 @@ def check_pipeline(model: ModelConfig, n_stages: int) -> None:
             f"model.n_layers ({model.n_layers}) must be divisible by parallel.pipeline "
             f"({n_stages}): each stage runs n_layers / pipeline consecutive layers. Change "
             "model.n_layers or parallel.pipeline"
-        )
-    if model.dropout > 0:
-        raise ConfigError(
-            f"parallel.pipeline={n_stages} does not support model.dropout > 0 yet (got "
-            f"{model.dropout}): the pipeline stages get no dropout rngs. Set --model.dropout=0 "
-            "or parallel.pipeline=1"
         )
 
 
@@ -238,12 +235,19 @@ def blocks_loss(
     run_blocks: Callable[[Callable, Any, Any], Any],
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`model.loss` (model.scan_layers) with its block stack run by
-    `run_blocks(layer_fn, params["blocks"], (x, h)) -> (x, h)` instead of the model's own scan,
-    e.g. `pipeline_apply` or a scan that gathers each layer's weights. The pieces are the
-    model's: embed, the scan body (`_ScanLayer`, remat and all) applied to one layer's slice
-    of params["blocks"], ln_f with the last residual add, the LM head and `lm_loss`. No KV
-    cache; dropout only where `rngs` are given (and only outside the blocks: the callers run
-    this with model.dropout = 0)."""
+    `run_blocks(layer_fn, params["blocks"], (x, h), rng=...) -> (x, h)` instead of the model's
+    own scan, e.g. `pipeline_apply` or a scan that gathers each layer's weights (`gathered_scan`).
+    The pieces are the model's: embed, the scan body (`_ScanLayer`, remat and all) applied to
+    one layer's slice of params["blocks"], ln_f with the last residual add, the LM head and
+    `lm_loss`. No KV cache.
+
+    Dropout (model.dropout > 0, not `deterministic`, rngs["dropout"] given): embed draws from
+    rngs as in the model; the blocks get `rng=fold_in(rngs["dropout"], 1)` and `run_blocks`
+    calls `layer_fn(layer_params, carry, key)` with a key of that layer's own (and, in the
+    pipeline, that microbatch's own: `fold_in(fold_in(rng, layer), microbatch)`), which the
+    layer's apply gets as its "dropout" rng. Deterministic for a given rng, different across
+    layers and microbatches, but not the one-device scan's masks (nn.scan splits its rng
+    another way). Otherwise run_blocks gets rng=None and calls `layer_fn(layer_params, carry)`."""
     cfg = model.cfg
     check_tokens(tokens, cfg)
     check_targets(targets, tokens, cfg)
@@ -251,18 +255,23 @@ def blocks_loss(
     plan = bound.plan
     body = _ScanLayer(cfg, plan, bound.blocks.block, parent=None)  # one layer, unbound
 
-    def layer_fn(layer_params: Any, carry: tuple[jax.Array, jax.Array]) -> Any:
+    def layer_fn(layer_params: Any, carry: Any, key: jax.Array | None = None) -> Any:
         b, t = carry[0].shape[:2]  # a microbatch's own rows
         inputs = AttentionInputs(jnp.broadcast_to(jnp.arange(t), (b, t)), deterministic)
-        carry, _ = body.apply({"params": layer_params}, carry, inputs, None)
+        layer_rngs = None if key is None else {"dropout": key}
+        carry, _ = body.apply({"params": layer_params}, carry, inputs, None, rngs=layer_rngs)
         return carry
+
+    dropout = not deterministic and cfg.dropout > 0 and rngs is not None and "dropout" in rngs
+    # Data 1 for the blocks' keys: flax derives embed's from rngs["dropout"] by its own path.
+    blocks_rng = jax.random.fold_in(rngs["dropout"], 1) if dropout else None
 
     with nn.override_named_call(False):  # the scopes of Decoder.loss, nothing between them
         with jax.named_scope("embed"):
             x = bound.embed(tokens, default_positions(tokens), deterministic)
         h = jnp.zeros(x.shape, jnp.dtype(cfg.compute_dtype))  # nothing pending yet
         with jax.named_scope("blocks"):
-            x, h = run_blocks(layer_fn, params["blocks"], (x, h))
+            x, h = run_blocks(layer_fn, params["blocks"], (x, h), rng=blocks_rng)
         with jax.named_scope("ln_f"):
             _, x = add_and_norm(bound.ln_f, x, h)
         smoothing = 0.0 if deterministic else cfg.label_smoothing
@@ -281,16 +290,24 @@ def gathered_scan(mesh: Mesh) -> Callable[[Callable, Any, Any], Any]:
     `jax.checkpoint` with the `dots_saveable` policy, so the backward loop gathers each layer
     again and recomputes its non-matmul ops (norms, activations, softmax) from the saved matmul
     outputs; at most a layer or two are ever whole on a device (ZeRO-3). Without the policy the
-    scan would save every layer's gathered (and cast, split) weights: all of them whole."""
+    scan would save every layer's gathered (and cast, split) weights: all of them whole.
 
-    def run(layer_fn: Callable, stacked: Any, carry: Any) -> Any:
+    With `rng` (dropout), layer i runs as `layer_fn(params_i, carry, fold_in(rng, i))`; the
+    recomputation in the backward draws the same masks from the same keys."""
+
+    def run(layer_fn: Callable, stacked: Any, carry: Any, rng: jax.Array | None = None) -> Any:
         whole = jax.tree.map(lambda _: replicated(mesh), stacked)
 
-        def body(c: Any, p: Any) -> tuple[Any, None]:
-            return layer_fn(jax.lax.with_sharding_constraint(p, whole), c), None
+        def body(c: Any, p_i: tuple[Any, jax.Array]) -> tuple[Any, None]:
+            p, i = p_i
+            p = jax.lax.with_sharding_constraint(p, whole)
+            if rng is None:
+                return layer_fn(p, c), None
+            return layer_fn(p, c, jax.random.fold_in(rng, i)), None
 
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
-        return jax.lax.scan(body, carry, stacked)[0]
+        n_layers = jax.tree.leaves(stacked)[0].shape[0]
+        return jax.lax.scan(body, carry, (stacked, jnp.arange(n_layers)))[0]
 
     return run
 
@@ -318,8 +335,9 @@ def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) 
     """The apply function the train and eval steps use on `mesh` in place of a state's
     `apply_fn` (a Decoder's `model.apply`): with model.scan_layers and pipeline > 1, a
     `MeshApply` whose loss runs the stages with `pipeline_apply` (`microbatches`, default one
-    per stage); with scan_layers, fsdp > 1 and no dropout, one whose loss gathers the block
-    weights layer by layer (`gathered_scan`); else `apply_fn` itself."""
+    per stage); with scan_layers and fsdp > 1, one whose loss gathers the block weights layer
+    by layer (`gathered_scan`); else `apply_fn` itself. Both thread dropout keys per layer
+    (`blocks_loss`)."""
     model = getattr(apply_fn, "__self__", None)
     stages, fsdp = mesh.shape["pipeline"], mesh.shape["fsdp"]
     scanned = isinstance(model, Decoder) and model.cfg.scan_layers
@@ -334,7 +352,7 @@ def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) 
         run = functools.partial(pipeline_apply, mesh=mesh, n_microbatches=m, batch_axes=BATCH_AXES)
         ways = mesh.shape["data"] * fsdp * m
         return MeshApply(model, run, ways, f"pipeline {stages} stages x {m} microbatches")
-    if scanned and fsdp > 1 and model.cfg.dropout == 0:
+    if scanned and fsdp > 1:
         return MeshApply(model, gathered_scan(mesh), 1, f"fsdp {fsdp}, gathered per layer")
     return apply_fn
 
@@ -380,7 +398,7 @@ def jit_train_step(
     the batch keeps the sharding `shard_batch` gave it. The old state is donated.
 
     The loss runs as `mesh_apply` says: through the pipeline stages (`microbatches`), or with
-    the block weights gathered per layer (model.scan_layers, fsdp > 1, no dropout). Otherwise, with
+    the block weights gathered per layer (model.scan_layers, fsdp > 1). Otherwise, with
     fsdp > 1, the parameters are gathered once, at the start of the step: left to itself, XLA's
     sharding propagation follows the weights' fsdp split into the activations and then has to
     undo it ("involuntary full rematerialization" warnings; the embeddings' gradients,

@@ -23,7 +23,7 @@ over them by shard_map's transpose).
 Training runs it through jaxllm.parallel (config `parallel.pipeline` > 1): `blocks_loss` there
 calls embed, then `pipeline_apply` with the decoder's scan body as `layer_fn` over
 params["blocks"] (stored sharded over `pipeline` on the layer axis), then the final norm and
-the loss. No dropout rngs reach the stages yet (config refuses model.dropout > 0).
+the loss. With dropout, `rng` gives every (layer, microbatch) pair its own key.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 Schedule = list[list[tuple[int, int]]]  # [tick][(microbatch, stage), ...]
-LayerFn = Callable[[Any, Any], Any]  # (one layer's params, activations) -> activations
+LayerFn = Callable[..., Any]  # (one layer's params, activations[, key]) -> activations
 
 
 # ----------------------------------------------------------------------------- the schedule
@@ -92,6 +92,7 @@ def pipeline_apply(
     axis: str = "pipeline",
     batch_axes: Sequence[str] | None = None,
     remat: bool = False,
+    rng: jax.Array | None = None,
 ) -> Any:
     """Run L stacked layers as an S-stage GPipe pipeline over mesh axis `axis`.
 
@@ -103,6 +104,12 @@ def pipeline_apply(
     x: the batch, a pytree of arrays (B, ...). B is split over `batch_axes` (default: every
         other mesh axis, e.g. `data`), then each shard into `n_microbatches` microbatches of
         consecutive rows.
+    rng: a PRNG key (e.g. for dropout), or None. When given, layer_fn is called as
+        layer_fn(layer_params, x, key) with key = fold_in(fold_in(rng, layer), microbatch):
+        `layer` the global index 0 .. L - 1, `microbatch` the global one, shard d of the
+        batch axes (row-major over them) having microbatches d M .. d M + M - 1. So every
+        layer of every microbatch gets its own key, the same on any run with the same rng
+        (bubble ticks, whose results are dropped, use microbatch 0's).
     Returns the last stage's outputs, same structure and shapes as x, rows in their order:
     equal (up to float rounding) to running the L layers one after another on all of x.
 
@@ -148,12 +155,17 @@ def pipeline_apply(
 
     batch_spec = P(batch_axes) if batch_axes else P()
     out_spec = P(axis, batch_axes) if batch_axes else P(axis)
-    stage_fn = _stage_fn(layer_fn, remat)
+    per_stage = n_layers // n_stages
+    stage_fn = _stage_fn(layer_fn, remat, keyed=rng is not None)
 
-    def per_device(params: Any, x: Any) -> Any:
+    def per_device(params: Any, x: Any, *key: jax.Array) -> Any:
         # params: leaves (L/S, ...) of this stage; x: leaves (B', ...), B' = B / ways
         stage = jax.lax.axis_index(axis)
         n_ticks = n_microbatches + n_stages - 1
+        shard = 0  # this device's index over the batch axes, row-major
+        for a in batch_axes:
+            shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
+        layers = stage * per_stage + jnp.arange(per_stage)  # this stage's global layer indices
 
         def split(a: jax.Array) -> jax.Array:
             mbs = a.reshape(n_microbatches, -1, *a.shape[1:])  # (M, B'/M, ...)
@@ -165,35 +177,55 @@ def pipeline_apply(
         recv = jax.tree.map(lambda a: jax.lax.pcast(jnp.zeros_like(a[0]), axis, to="varying"), feed)
         shift = [(s, s + 1) for s in range(n_stages - 1)]  # stage s -> s + 1, none wraps round
 
-        def tick(recv: Any, feed_k: Any) -> tuple[Any, Any]:
+        def tick(recv: Any, tick_in: tuple[Any, jax.Array]) -> tuple[Any, Any]:
+            feed_k, k = tick_in
             with jax.named_scope("pipeline_tick"):
                 inp = jax.tree.map(lambda f, r: jnp.where(stage == 0, f, r), feed_k, recv)
-                out = stage_fn(params, inp)  # (B'/M, ...) this stage's microbatch k - stage
+                # (B'/M, ...) this stage's microbatch k - stage (a dummy one in the bubble)
+                if key:
+                    mb = shard * n_microbatches + jnp.clip(k - stage, 0, n_microbatches - 1)
+                    out = stage_fn(params, inp, key[0], layers, mb)
+                else:
+                    out = stage_fn(params, inp)
                 if n_stages > 1:
                     recv = jax.tree.map(lambda a: jax.lax.ppermute(a, axis, shift), out)
             return recv, out
 
-        _, outs = jax.lax.scan(tick, recv, feed, length=n_ticks)  # (M + S - 1, B'/M, ...)
+        ticks = (feed, jnp.arange(n_ticks))
+        _, outs = jax.lax.scan(tick, recv, ticks, length=n_ticks)  # (M + S - 1, B'/M, ...)
         # On the last stage, tick S - 1 + i finished microbatch i.
         return jax.tree.map(
             lambda o: o[n_stages - 1 :].reshape(1, -1, *o.shape[2:]), outs
         )  # (1, B', ...)
 
+    keys = () if rng is None else (rng,)
     stages_out = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(P(axis), batch_spec),
+        in_specs=(P(axis), batch_spec, *(P() for _ in keys)),
         out_specs=out_spec,
-    )(stacked_params, x)  # (S, B, ...): one slice per stage
+    )(stacked_params, x, *keys)  # (S, B, ...): one slice per stage
     return jax.tree.map(lambda o: o[-1], stages_out)  # (B, ...) the last stage's
 
 
-def _stage_fn(layer_fn: LayerFn, remat: bool) -> Callable[[Any, Any], Any]:
-    """(params with leaves (L/S, ...), x) -> x after this stage's L/S layers, in order."""
+def _stage_fn(layer_fn: LayerFn, remat: bool, keyed: bool = False) -> Callable[..., Any]:
+    """(params with leaves (L/S, ...), x) -> x after this stage's L/S layers, in order; `keyed`:
+    (params, x, rng, layers (L/S,) global indices, microbatch) -> x, each layer given the key
+    fold_in(fold_in(rng, layer), microbatch)."""
 
     def stage(params: Any, x: Any) -> Any:
         x, _ = jax.lax.scan(lambda h, p: (layer_fn(p, h), None), x, params)
         return x
+
+    def keyed_stage(params: Any, x: Any, rng: jax.Array, layers: jax.Array, mb: Any) -> Any:
+        def body(h: Any, p_i: tuple[Any, jax.Array]) -> tuple[Any, None]:
+            p, i = p_i
+            return layer_fn(p, h, jax.random.fold_in(jax.random.fold_in(rng, i), mb)), None
+
+        x, _ = jax.lax.scan(body, x, (params, layers))
+        return x
+
+    stage = keyed_stage if keyed else stage
 
     return jax.checkpoint(stage) if remat else stage
 

@@ -114,7 +114,7 @@ def test_mesh_sizes_fill_and_refuse():
     parallel.check_batch(16, {**stages, "pipeline": 1}, 16)  # no stages: microbatches unused
 
 
-def test_pipeline_needs_scanned_divisible_layers_without_dropout():
+def test_pipeline_needs_scanned_divisible_layers():
     model = _cfg("--model.n_layers=4", "--model.scan_layers=true").model
     parallel.check_pipeline(model, 4)
     parallel.check_pipeline(model, 2)
@@ -123,8 +123,7 @@ def test_pipeline_needs_scanned_divisible_layers_without_dropout():
         parallel.check_pipeline(_cfg("--model.n_layers=4").model, 4)
     with pytest.raises(ConfigError, match=r"model.n_layers \(4\) must be divisible by parallel."):
         parallel.check_pipeline(model, 3)
-    with pytest.raises(ConfigError, match=r"does not support model.dropout > 0 yet.*dropout=0"):
-        parallel.check_pipeline(dataclasses.replace(model, dropout=0.1), 4)
+    parallel.check_pipeline(dataclasses.replace(model, dropout=0.1), 4)  # keys per layer
     assert parallel.n_microbatches(ParallelConfig(), 4) == 4  # default: one per stage
     assert parallel.n_microbatches(ParallelConfig(microbatches=8), 4) == 8
 
@@ -301,7 +300,8 @@ def _check_pipeline_and_fsdp_layers() -> None:
     """A 4-layer scanned model, 2 steps on 1 device vs pipeline=4 (4 devices), data=2 x
     pipeline=4 and data=2 x fsdp=4 (8): losses, gradients (of the real train step, recorded
     by its optimizer) and final params; where the fsdp all-gathers sit in the compiled step;
-    per-device state bytes with fsdp 1 and 8."""
+    per-device state bytes with fsdp 1 and 8; with dropout 0.1, pipeline=4 and data2_fsdp4's
+    training losses (twice from one seed, once from another) and evaluation sums."""
     base = ["--model.n_layers=4", "--model.scan_layers=true"]
     cfg = _cfg(*base)
     model = build_model(cfg.model)
@@ -341,6 +341,32 @@ def _check_pipeline_and_fsdp_layers() -> None:
             "params": [np.asarray(p).tolist() for p in jax.tree.leaves(state.params)],
             "qkv_spec": str(state.params["blocks"]["block"]["attn"]["qkv"]["kernel"].sharding.spec),
         }
+
+    # Dropout 0.1, same initial params: the training loss (what train_step differentiates;
+    # forward only, to compile fast) from seed 1 twice and seed 2 once, and the eval sums
+    # (eval_step's, without dropout), one compiled program per mesh.
+    def train_loss_and_eval(state, batch, rng):
+        train = loss_and_sums(state.params, state.apply_fn, batch, rng)[0]
+        return train, loss_and_sums(state.params, state.apply_fn, batch, None)[1]
+
+    drop = [*base, "--model.dropout=0.1"]
+    eval_init = init.replace(apply_fn=build_model(_cfg(*drop).model).apply)
+    out["dropout_eval_single"] = jax.jit(train_loss_and_eval)(eval_init, batches[0], None)[1]
+    for name, overrides, n in [
+        ("pipeline4", ["--parallel.pipeline=4"], 4),
+        ("data2_fsdp4", ["--parallel.fsdp=4"], 8),
+    ]:
+        c = _cfg(*drop, *overrides)
+        mesh = parallel.make_mesh(c, jax.devices()[:n])
+        state = jax.device_put(eval_init, parallel.state_shardings(eval_init, mesh))
+        batch = parallel.shard_batch(batches[0], mesh)
+        run = parallel.jit_eval_step(train_loss_and_eval, state, mesh, c.parallel.microbatches)
+        runs = [run(state, batch, jax.random.PRNGKey(seed)) for seed in (1, 1, 2)]
+        out[f"dropout_{name}"] = {
+            "apply": repr(parallel.mesh_apply(state.apply_fn, mesh)),
+            "losses": [float(loss) for loss, _ in runs],
+            "eval": runs[0][1],
+        }
     plain = jax.eval_shape(lambda: create(tx))  # shapes suffice to count the bytes
     for fsdp in (1, 8):
         c = _cfg(*base, "--parallel.data=1", f"--parallel.fsdp={fsdp}")
@@ -349,7 +375,7 @@ def _check_pipeline_and_fsdp_layers() -> None:
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), plain, shardings
         )
         out[f"fsdp{fsdp}_bytes"] = parallel.state_bytes_per_device(placed)
-    print(json.dumps(out))
+    print(json.dumps(jax.tree.map(lambda x: np.asarray(x).tolist(), out)))
 
 
 def test_pipeline_and_per_layer_fsdp_match_one_device():
@@ -377,6 +403,20 @@ def test_pipeline_and_per_layer_fsdp_match_one_device():
     assert not any("32,96]" in s for s in elsewhere), elsewhere
     # Params + both Adam moments: every array of this model divides by 8 on a non-layer axis.
     assert 7.9 < out["fsdp1_bytes"] / out["fsdp8_bytes"] <= 8
+    # Dropout 0.1: keys per layer (and microbatch) from the step's rng, on the per-layer paths.
+    eval_ref = out.pop("dropout_eval_single")
+    for name in ("pipeline4", "data2_fsdp4"):
+        r = out[f"dropout_{name}"]
+        assert r["apply"] == out[name]["apply"], r["apply"]
+        same, again, other = r["losses"]
+        assert same == again, (name, r["losses"])  # deterministic for one seed
+        assert other != same, (name, r["losses"])  # the seed matters
+        # Dropout 0: the first train step's loss (same params and batch).
+        assert abs(same - ref["losses"][0]) > 1e-4, (name, same, ref["losses"][0])
+        # Evaluation is deterministic: no dropout, the one-device sums.
+        np.testing.assert_allclose(r["eval"]["loss_sum"], eval_ref["loss_sum"], rtol=1e-5)
+        assert r["eval"]["count"] == eval_ref["count"]
+        assert r["eval"]["correct"] == eval_ref["correct"], name
 
 
 PIPE4 = ["--parallel.pipeline=4", "--model.scan_layers=true", "--model.n_layers=4"]
@@ -441,7 +481,7 @@ def test_fsdp_shards_params_and_refuses_bad_meshes():
     assert "parallel.pipeline=4 needs model.scan_layers=true" in r["pipeline_unscanned"]
     assert "model.n_layers (2) must be divisible by parallel.pipeline (4)" in r["pipeline_layers"]
     assert "x parallel.microbatches = 2 x 1 x 16 = 32" in r["pipeline_batch"]
-    assert "does not support model.dropout > 0 yet" in r["pipeline_dropout"]
+    assert r["pipeline_dropout"] is None
     assert "Pallas path of loss cannot run on a mesh of 8" in r["pipeline_pallas"]
     assert r["pipeline_ok"] is None
 

@@ -42,6 +42,24 @@ def pair_layer(p: dict, xh: tuple) -> tuple:
     return x, jnp.tanh(x @ p["w"] + p["b"])
 
 
+def noisy_layer(p: dict, x: jax.Array, key: jax.Array) -> jax.Array:
+    """A keyed layer (like dropout): mlp_layer plus noise drawn from its key."""
+    return mlp_layer(p, x) + 0.1 * jax.random.normal(key, x.shape)
+
+
+def sequential_keyed(layer_fn, params, x, rng, m: int):
+    """The keyed reference: the batch cut into its global microbatches (m per shard, shards
+    of consecutive rows), layer l of microbatch g given fold_in(fold_in(rng, l), g)."""
+    n_layers = jax.tree.leaves(params)[0].shape[0]
+    outs = []
+    for g, mb in enumerate(jnp.split(x, m)):
+        for layer in range(n_layers):
+            p = jax.tree.map(lambda a, i=layer: a[i], params)
+            mb = layer_fn(p, mb, jax.random.fold_in(jax.random.fold_in(rng, layer), g))
+        outs.append(mb)
+    return jnp.concatenate(outs)
+
+
 def sequential(layer_fn, params, x):
     """The reference: all L layers one after another on the whole batch."""
     return jax.lax.scan(lambda h, p: (layer_fn(p, h), None), x, params)[0]
@@ -205,6 +223,20 @@ def _check_pipelines() -> None:
     dp_params, dp_x = toy(n_layers=4, batch=12, seed=1)
     out["dp2_pp4_m3"] = compare(mlp_layer, dp_params, dp_x, dp_pp, m=3)
 
+    # Keyed layers (dropout): layer l of global microbatch g (data shard d has g = 3 d .. 3 d + 2)
+    # gets fold_in(fold_in(rng, l), g).
+    rng = jax.random.PRNGKey(7)
+    run = jax.jit(
+        lambda p, x, k: pipeline_apply(noisy_layer, p, x, mesh=dp_pp, n_microbatches=3, rng=k)
+    )
+    got = run(dp_params, dp_x, rng)
+    out["keyed"] = {
+        "err": max_rel_err(got, sequential_keyed(noisy_layer, dp_params, dp_x, rng, m=6)),
+        "again": bool(jnp.array_equal(got, run(dp_params, dp_x, rng))),
+        "noise": float(jnp.abs(got - sequential(mlp_layer, dp_params, dp_x)).min()),  # all rows
+        "other_rng": float(jnp.abs(got - run(dp_params, dp_x, jax.random.PRNGKey(8))).max()),
+    }
+
     # S = 8 > M = 2, and a pytree carry (x, h) like the decoder blocks'.
     params, x = toy(n_layers=8, batch=4, seed=2)
     xh = (x, jnp.zeros_like(x))
@@ -250,6 +282,9 @@ def test_pipelines_on_8_devices():
     for case in ("pp4_m6", "pp4_m6_remat", "dp2_pp4_m3", "pp8_m2_pair"):
         assert got[case]["out"] < 1e-6, (case, got[case])
         assert got[case]["grads"] < 1e-5, (case, got[case])
+    r = got["keyed"]
+    assert r["err"] < 1e-6 and r["again"], r  # the documented keys, deterministic
+    assert r["noise"] > 0 and r["other_rng"] > 1e-3, r
     assert got["forward_shift"] and got["backward_shift"]
     assert "6 stacked layers must split evenly into 4 pipeline stages" in got["errors"]["layers"]
     assert (
