@@ -44,8 +44,8 @@ def default_config(n_keys: int) -> Config:
     return Config(block_rows, num_warps, max_block=4096)
 
 
-class _Layout(NamedTuple):
-    """Static facts the kernels need to find a row's query index and mask row."""
+class Layout(NamedTuple):
+    """Static facts the kernels (both backends) need to find a row's query index and mask row."""
 
     heads: int
     n_queries: int
@@ -92,7 +92,7 @@ def _safe_max(m):
     return jnp.where(m == -jnp.inf, 0.0, m)  # fully masked row: keep exp(-inf - m) = 0, no NaN
 
 
-def _fwd_kernel(*refs, cfg: Config, scale: float, causal: bool, lay: _Layout):
+def _fwd_kernel(*refs, cfg: Config, scale: float, causal: bool, lay: Layout):
     x_ref, m_ref, y_ref = refs if len(refs) == 3 else (refs[0], None, refs[1])
     n_keys = x_ref.shape[1]
     width = min(pl.next_power_of_2(n_keys), cfg.max_block)
@@ -176,7 +176,7 @@ def _forward(x, mask, cfg, scale, causal, lay, interpret, backend: str):
     if backend == "mosaic_gpu":
         from . import attention_softmax_mgpu as mgpu
 
-        return mgpu.forward(x, mask, cfg[0], scale, causal, mgpu.Layout(*lay))
+        return mgpu.forward(x, mask, cfg[0], scale, causal, lay)
     args = (x,) if mask is None else (x, mask)
     return pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, scale=scale, causal=causal, lay=lay),
@@ -280,7 +280,7 @@ def attention_softmax(
         if config is not None and not isinstance(config, Config):
             raise ValueError(f"backend='triton' takes an attention_softmax.Config, got {config}")
         cfg, interpret = config or default_config(tk), resolve_interpret(interpret)
-    lay = _Layout(
+    lay = Layout(
         heads=h,
         n_queries=tq,
         mask_batch=mask4 is not None and mask4.shape[0] > 1,

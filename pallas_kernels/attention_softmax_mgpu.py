@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import rows_mgpu as rows
+from .attention_softmax import Layout
 
 
 class Config(NamedTuple):
@@ -36,16 +37,6 @@ class Config(NamedTuple):
     chunk: int  # keys per register chunk: divides Tk, a multiple of 128
     programs_per_sm: int  # persistent programs per streaming multiprocessor
     stages: int = 2  # shared memory buffers per operand
-
-
-class Layout(NamedTuple):
-    """Where a row's query index and mask row come from (attention_softmax._Layout's facts)."""
-
-    heads: int
-    n_queries: int
-    mask_batch: bool  # mask varies over B
-    mask_query: bool  # mask varies over Tq
-    mask_rows: int  # Tq or 1: rows of mask per batch entry
 
 
 def default_config(n_queries: int, n_keys: int, itemsize: int, n_operands: int) -> Config:

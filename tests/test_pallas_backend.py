@@ -30,6 +30,7 @@ from pallas_kernels import (
 from pallas_kernels import attention_softmax_mgpu as softmax_mgpu
 from pallas_kernels import depthwise_conv1d_mgpu as conv_mgpu
 from pallas_kernels import layer_norm_mgpu as ln_mgpu
+from pallas_kernels.attention_softmax import Layout
 from pallas_kernels.triton_backend import BACKENDS, check_backend
 
 try:  # jax's Mosaic GPU interpreter: private, so its absence skips rather than fails
@@ -206,7 +207,7 @@ def test_softmax_kernels_in_interpreter(float64_ref):
     x = jnp.asarray(rng.normal(size=(b, h, tq, tk)), jnp.float32)
     dy = jnp.asarray(rng.normal(size=(b, h, tq, tk)), jnp.float32)
     mask = jnp.asarray(np.where(rng.random((b, 1, 1, tk)) < 0.2, -np.inf, 0.0), jnp.float32)
-    lay = softmax_mgpu.Layout(h, tq, mask_batch=True, mask_query=False, mask_rows=1)
+    lay = Layout(h, tq, mask_batch=True, mask_query=False, mask_rows=1)
     cfg = softmax_mgpu.Config(block_rows=4, rows=2, chunk=tk, programs_per_sm=1)
     it = InterpretGPUParams()
     flat = x.reshape(-1, tk)
