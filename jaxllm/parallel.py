@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -147,14 +148,19 @@ def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(np.array(devices).reshape(shape), MESH_AXES)
 
 
-def describe(mesh: Mesh, microbatches: int | None = None) -> str:
+def describe(mesh: Mesh, microbatches: int | None = None, scan_layers: bool = False) -> str:
     """One line for the start of a run, e.g. 'parallel: mesh data=4 fsdp=2 over 8 cpu devices'
-    ('... pipeline=4 (4 microbatches, bubble 43%) ...' with pipeline stages)."""
+    ('... pipeline=4 (4 microbatches, bubble 43%) ...' with pipeline stages). With fsdp > 1 it
+    says where the weights are gathered: per layer (model.scan_layers, no pipeline) or once at
+    the start of the step."""
     sizes = " ".join(f"{a}={mesh.shape[a]}" for a in AXES if a != "pipeline")
     stages = mesh.shape["pipeline"]
     if stages > 1:
         m = microbatches or stages
         sizes += f" pipeline={stages} ({m} microbatches, bubble {bubble_fraction(stages, m):.0%})"
+    if mesh.shape["fsdp"] > 1:
+        per_layer = scan_layers and stages == 1
+        sizes += f" (fsdp weights gathered per {'layer' if per_layer else 'step'})"
     platform = mesh.devices.flat[0].platform
     return f"parallel: mesh {sizes} over {mesh.size} {platform} device{'s' * (mesh.size > 1)}"
 
@@ -325,6 +331,12 @@ class MeshApply:
             rngs = kwargs.pop("rngs", None)
             loss = functools.partial(blocks_loss, rngs=rngs, run_blocks=self.run_blocks)
             return loss(self.model, variables["params"], *args, **kwargs)
+        if method == "loss":  # said once per compile (this runs while jit traces)
+            warnings.warn(
+                f"a batch of {np.shape(args[0])[0]} rows does not split into {self.rows} "
+                f"({self.what}): its loss runs as the plain model, weights gathered whole",
+                stacklevel=2,
+            )
         return self.model.apply(variables, *args, method=method, **kwargs)
 
     def __repr__(self) -> str:

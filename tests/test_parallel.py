@@ -467,7 +467,9 @@ def _check_fsdp_layout_and_refusals() -> None:
 
 def test_fsdp_shards_params_and_refuses_bad_meshes():
     out = _on_8_devices("_check_fsdp_layout_and_refusals")
-    assert out["describe"] == "parallel: mesh data=4 fsdp=2 over 8 cpu devices"
+    assert out["describe"] == (
+        "parallel: mesh data=4 fsdp=2 (fsdp weights gathered per step) over 8 cpu devices"
+    )
     assert out["qkv"]["shape"] == [32, 96]
     assert out["qkv"]["spec"] == str(P(None, "fsdp"))
     assert out["qkv"]["shards"] == [[32, 48]] and out["qkv"]["n_shards"] == 8
@@ -507,7 +509,8 @@ def test_save_on_8_devices_restore_on_one(tmp_path):
     assert len(out["losses"]) == 4 and all(np.isfinite(out["losses"]))
     start = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert start["parallel"] == (
-        "parallel: mesh data=1 fsdp=2 pipeline=4 (4 microbatches, bubble 43%) over 8 cpu devices"
+        "parallel: mesh data=1 fsdp=2 pipeline=4 (4 microbatches, bubble 43%) "
+        "(fsdp weights gathered per step) over 8 cpu devices"
     )
     assert start["state_bytes_per_device"] > 0
 

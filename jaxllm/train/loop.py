@@ -204,7 +204,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
             "step": start_step,
             "params": n_params,
             "ops": plan.describe(),
-            "parallel": parallel.describe(mesh, microbatches),
+            "parallel": parallel.describe(mesh, microbatches, cfg.model.scan_layers),
             "state_bytes_per_device": parallel.state_bytes_per_device(state),
             **({"processes": group.describe()} if multi else {}),
             "config": cfg.to_dict(),
@@ -226,7 +226,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
         echo(group.describe())
     echo(plan.describe())
     state_mib = parallel.state_bytes_per_device(state) / 2**20
-    layout = parallel.describe(mesh, microbatches)
+    layout = parallel.describe(mesh, microbatches, cfg.model.scan_layers)
     echo(f"{layout}; params + optimizer state {state_mib:.1f} MiB per device")
     if per_epoch:
         echo(f"{tc.epochs} epochs of {per_epoch} steps = {total} steps")
