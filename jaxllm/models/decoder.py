@@ -118,7 +118,7 @@ class Decoder(nn.Module):
         tokens: jax.Array,
         inputs: AttentionInputs,
         cache: list[KVCache] | KVCache | None = None,
-    ) -> tuple[jax.Array, list[KVCache] | None]:
+    ) -> tuple[jax.Array, list[KVCache] | KVCache | None]:
         """tokens (B, T) -> final normed hidden states (B, T, D) in compute dtype, new caches."""
         with jax.named_scope("embed"):
             x = self.embed(tokens, inputs.positions, inputs.deterministic)  # (B, T, D)
@@ -177,7 +177,7 @@ class Decoder(nn.Module):
         cache_index: jax.Array | int,
         positions: jax.Array | None = None,
         key_mask: jax.Array | None = None,
-    ) -> tuple[jax.Array, list[KVCache]]:
+    ) -> tuple[jax.Array, list[KVCache] | KVCache]:
         """One decoding step (or the prefill): tokens (B, T) written to cache slots
         cache_index .. cache_index + T - 1 -> (logits (B, T, V), new cache). positions (B, T)
         default to the slots; key_mask (B, S) hides padding slots."""
