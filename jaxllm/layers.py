@@ -87,6 +87,7 @@ class LayerNorm(nn.Module):
     use_bias: bool = True
     path: ops.NormPath = "xla"
     out_dtype: Dtype | None = None
+    shard: ops.KernelShard | None = None  # the plan's: Pallas calls per batch shard
 
     @nn.compact
     def __call__(
@@ -99,8 +100,10 @@ class LayerNorm(nn.Module):
         bias = self.param("bias", nn.initializers.zeros, (d,)) if self.use_bias else None
         out_dtype = self.out_dtype or x.dtype
         if residual is not None:
-            return ops.add_layer_norm(x, residual, scale, bias, self.eps, out_dtype, self.path)
-        return ops.layer_norm(x, scale, bias, self.eps, out_dtype, self.path)
+            return ops.add_layer_norm(
+                x, residual, scale, bias, self.eps, out_dtype, self.path, self.shard
+            )
+        return ops.layer_norm(x, scale, bias, self.eps, out_dtype, self.path, self.shard)
 
 
 class RMSNorm(nn.Module):
@@ -109,6 +112,7 @@ class RMSNorm(nn.Module):
     eps: float = 1e-5
     path: ops.NormPath = "xla"
     out_dtype: Dtype | None = None
+    shard: ops.KernelShard | None = None  # the plan's: Pallas calls per batch shard
 
     @nn.compact
     def __call__(
@@ -119,8 +123,8 @@ class RMSNorm(nn.Module):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
         out_dtype = self.out_dtype or x.dtype
         if residual is not None:
-            return ops.add_rms_norm(x, residual, scale, self.eps, out_dtype, self.path)
-        return ops.rms_norm(x, scale, self.eps, out_dtype, self.path)
+            return ops.add_rms_norm(x, residual, scale, self.eps, out_dtype, self.path, self.shard)
+        return ops.rms_norm(x, scale, self.eps, out_dtype, self.path, self.shard)
 
 
 def add_and_norm(norm: nn.Module, x: jax.Array, h: jax.Array | None) -> tuple[jax.Array, jax.Array]:
@@ -222,6 +226,7 @@ class MultiHeadAttention(nn.Module):
     out_init: Initializer = nn.initializers.normal(0.02)
     compute_dtype: Dtype = jnp.float32
     path: ops.AttentionPath = "xla"
+    shard: ops.KernelShard | None = None
 
     @nn.compact
     def __call__(
@@ -244,7 +249,7 @@ class MultiHeadAttention(nn.Module):
             rng = self.make_rng("dropout")
         with jax.named_scope("sdpa"):  # softmax(q k^T / sqrt(Dh) + mask) v, + the cache write
             if cache is None:
-                y = ops.causal_attention(q, k, v, self.path, self.dropout, rng)
+                y = ops.causal_attention(q, k, v, self.path, self.dropout, rng, self.shard)
             else:
                 slot, old_k, old_v = inputs.cache_index, cache["k"], cache["v"]
                 k = jax.lax.dynamic_update_slice_in_dim(old_k, k.astype(old_k.dtype), slot, 1)
@@ -299,6 +304,7 @@ class DepthwiseConv1d(nn.Module):
     kernel_size: int = 3
     mode: str = "causal"
     path: str = "xla"  # "xla" | "pallas" (jaxllm.ops)
+    shard: ops.KernelShard | None = None
 
     @nn.compact
     def __call__(self, u: jax.Array) -> jax.Array:
@@ -306,4 +312,4 @@ class DepthwiseConv1d(nn.Module):
         init = cs336_init(fan_in=self.kernel_size, fan_out=1)
         w = self.param("kernel", init, (d, self.kernel_size))
         b = self.param("bias", nn.initializers.zeros, (d,))
-        return ops.depthwise_conv1d(u, w, b, self.mode, self.path)
+        return ops.depthwise_conv1d(u, w, b, self.mode, self.path, self.shard)

@@ -8,6 +8,11 @@ is the one exception). A switch that cannot apply is a `ConfigError` at config t
 attention with dropout) or a path the plan names (cuDNN needs a GPU and bf16: elsewhere
 attention runs on XLA, and `OpPlan.describe()` says so); nothing falls back silently.
 
+On a mesh of several devices (jaxllm.parallel) the plan also carries a `KernelShard`: every
+Pallas call then runs once per shard of the batch, inside `jax.shard_map` (a Pallas kernel is a
+custom call that XLA's partitioner cannot split: left to it, the operands are gathered whole
+onto every device and the call runs replicated).
+
 Paths:
   norm       xla | pallas          LayerNorm (GPT-2) or RMSNorm (transformer_lm), each with the
                                    fused residual add on the Pallas path
@@ -22,10 +27,14 @@ Paths:
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from jaxllm import functional as F
@@ -36,12 +45,55 @@ AttentionPath = Literal["xla", "pallas", "cudnn"]
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelShard:
+    """Run each Pallas call per shard of the batch: `jax.shard_map` over `axes` of `mesh`, the
+    leading (row) dimension of every batch-like operand split over them, weights whole.
+    Decided by jaxllm.parallel (the one module that decides shardings)."""
+
+    mesh: Mesh
+    axes: tuple[str, ...]
+
+    @property
+    def ways(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.axes)
+
+    def describe(self) -> str:
+        return f"Pallas per shard over {' x '.join(self.axes)} = {self.ways}"
+
+
+def _per_shard(
+    shard: KernelShard | None,
+    kernel: Callable[..., Any],
+    args: Sequence[Any],
+    batched: Sequence[bool],
+    out_batched: Any,
+) -> Any:
+    """kernel(*args), under `shard` run by each device on its rows: the args flagged `batched`
+    (leading dim = rows) are split over shard.axes, the others passed whole; outputs flagged in
+    `out_batched` (same structure as kernel's output) come back row-split, the others must be
+    the same on every device. Rows that do not split evenly (a last evaluation batch) run whole
+    on every device, as a replicated array would anyway."""
+    if shard is None:
+        return kernel(*args)
+    rows = next(a.shape[0] for a, b in zip(args, batched, strict=True) if b)
+    split = P(shard.axes) if rows % shard.ways == 0 else P()
+    in_specs = tuple(split if b else P() for b in batched)
+    out_specs = jax.tree.map(lambda b: split if b else P(), out_batched)
+    # check_vma off: a pallas_call has no rule for jax's varying-across-devices types.
+    run = jax.shard_map(
+        kernel, mesh=shard.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+    return run(*args)
+
+
+@dataclasses.dataclass(frozen=True)
 class OpPlan:
     norm: NormPath = "xla"
     attention: AttentionPath = "xla"
     loss: Literal["xla", "pallas"] = "xla"
     conv: Literal["xla", "pallas"] = "xla"
     interpret: bool = False  # Pallas kernels run in interpret mode (no GPU): slow, for tests
+    shard: KernelShard | None = None  # several devices: each Pallas call runs per batch shard
     notes: tuple[str, ...] = ()  # why a path differs from what the config asked for
 
     def describe(self) -> str:
@@ -56,11 +108,16 @@ class OpPlan:
         pallas = "pallas" in (self.norm, self.attention, self.loss, self.conv)
         if pallas:
             parts.append("(Pallas interpreted: no GPU)" if self.interpret else "(Pallas compiled)")
+        if pallas and self.shard is not None:
+            parts.append(f"({self.shard.describe()})")
         return "ops: " + " ".join(parts) + "".join(f"; {n}" for n in self.notes)
 
 
-def plan_ops(cfg: ModelConfig, backend: str | None = None) -> OpPlan:
-    """The op paths a model with `cfg` takes on `backend` (default: jax.default_backend())."""
+def plan_ops(
+    cfg: ModelConfig, backend: str | None = None, shard: KernelShard | None = None
+) -> OpPlan:
+    """The op paths a model with `cfg` takes on `backend` (default: jax.default_backend());
+    `shard`: how Pallas calls run on a mesh of several devices (kept only if a path is Pallas)."""
     backend = backend or jax.default_backend()
     notes = []
     attention: AttentionPath = "pallas" if cfg.kernels == "pallas" else "xla"
@@ -72,12 +129,14 @@ def plan_ops(cfg: ModelConfig, backend: str | None = None) -> OpPlan:
                 f"attention_impl=dot_product_attention needs a GPU and bfloat16 for cuDNN "
                 f"(backend {backend}, {cfg.compute_dtype}): attention runs on {attention}"
             )
+    pallas = "pallas" in (cfg.kernels, attention, cfg.loss_impl)
     return OpPlan(
         norm=cfg.kernels,  # LayerNorm and RMSNorm both have kernels
         attention=attention,
         loss=cfg.loss_impl,
         conv=cfg.kernels,
         interpret=backend != "gpu",
+        shard=shard if pallas else None,
         notes=tuple(notes),
     )
 
@@ -92,11 +151,16 @@ def layer_norm(
     eps: float,
     out_dtype: jnp.dtype,
     path: NormPath,
+    shard: KernelShard | None = None,
 ) -> jax.Array:
     """LayerNorm over the last dim of x (..., D), output in out_dtype."""
     if path == "pallas":
         bias = jnp.zeros_like(scale) if bias is None else bias
-        return pallas_kernels.layer_norm(x, scale, bias, eps, out_dtype=out_dtype)
+
+        def kernel(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
+            return pallas_kernels.layer_norm(x, scale, bias, eps, out_dtype=out_dtype)
+
+        return _per_shard(shard, kernel, (x, scale, bias), (True, False, False), True)
     return F.layer_norm(x, scale, bias, eps).astype(out_dtype)
 
 
@@ -108,31 +172,56 @@ def add_layer_norm(
     eps: float,
     out_dtype: jnp.dtype,
     path: NormPath,
+    shard: KernelShard | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(s, LayerNorm(s)) with s = x + h in x's dtype: the pre-norm residual step, one kernel
     both ways on the Pallas path."""
     if path == "pallas":
         bias = jnp.zeros_like(scale) if bias is None else bias
-        return pallas_kernels.add_layer_norm(x, h, scale, bias, eps, out_dtype=out_dtype)
+
+        def kernel(x: jax.Array, h: jax.Array, scale: jax.Array, bias: jax.Array) -> Any:
+            return pallas_kernels.add_layer_norm(x, h, scale, bias, eps, out_dtype=out_dtype)
+
+        args = (x, h, scale, bias)
+        return _per_shard(shard, kernel, args, (True, True, False, False), (True, True))
     s = x + h.astype(x.dtype)
     return s, F.layer_norm(s, scale, bias, eps).astype(out_dtype)
 
 
 def rms_norm(
-    x: jax.Array, scale: jax.Array, eps: float, out_dtype: jnp.dtype, path: NormPath
+    x: jax.Array,
+    scale: jax.Array,
+    eps: float,
+    out_dtype: jnp.dtype,
+    path: NormPath,
+    shard: KernelShard | None = None,
 ) -> jax.Array:
     """RMSNorm over the last dim of x (..., D), output in out_dtype."""
     if path == "pallas":
-        return pallas_kernels.rms_norm(x, scale, eps, out_dtype=out_dtype)
+
+        def kernel(x: jax.Array, scale: jax.Array) -> jax.Array:
+            return pallas_kernels.rms_norm(x, scale, eps, out_dtype=out_dtype)
+
+        return _per_shard(shard, kernel, (x, scale), (True, False), True)
     return F.rms_norm(x, scale, eps).astype(out_dtype)
 
 
 def add_rms_norm(
-    x: jax.Array, h: jax.Array, scale: jax.Array, eps: float, out_dtype: jnp.dtype, path: NormPath
+    x: jax.Array,
+    h: jax.Array,
+    scale: jax.Array,
+    eps: float,
+    out_dtype: jnp.dtype,
+    path: NormPath,
+    shard: KernelShard | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(s, RMSNorm(s)) with s = x + h in x's dtype, as `add_layer_norm`."""
     if path == "pallas":
-        return pallas_kernels.add_rms_norm(x, h, scale, eps, out_dtype=out_dtype)
+
+        def kernel(x: jax.Array, h: jax.Array, scale: jax.Array) -> Any:
+            return pallas_kernels.add_rms_norm(x, h, scale, eps, out_dtype=out_dtype)
+
+        return _per_shard(shard, kernel, (x, h, scale), (True, True, False), (True, True))
     s = x + h.astype(x.dtype)
     return s, F.rms_norm(s, scale, eps).astype(out_dtype)
 
@@ -147,6 +236,7 @@ def causal_attention(
     path: AttentionPath,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    shard: KernelShard | None = None,
 ) -> jax.Array:
     """Causal self-attention without a cache: q, k, v (B, T, H, Dh) -> (B, T, H, Dh)."""
     if path == "cudnn":
@@ -155,8 +245,11 @@ def causal_attention(
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     if path == "pallas":
 
-        def probs_fn(scores: jax.Array, scale: float) -> jax.Array:
-            return pallas_kernels.attention_softmax(scores, None, causal=True, scale=scale)
+        def probs_fn(scores: jax.Array, scale: float) -> jax.Array:  # (B, H, T, T)
+            def kernel(scores: jax.Array) -> jax.Array:
+                return pallas_kernels.attention_softmax(scores, None, causal=True, scale=scale)
+
+            return _per_shard(shard, kernel, (scores,), (True,), True)
 
         return F.attention(q, k, v, None, dropout_rate, dropout_rng, probs_fn=probs_fn)
     mask = F.attention_mask(q.shape[1], k.shape[1])
@@ -174,20 +267,37 @@ def linear_cross_entropy(
     compute_dtype: jnp.dtype,
     path: Literal["xla", "pallas"],
     label_smoothing: float = 0.0,
+    shard: KernelShard | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """LM head + cross-entropy: x (N, D), w (V, D), targets, weights (N,) ->
     (sum_i w_i loss_i, ce (N,), hit (N,)); see `F.linear_cross_entropy`."""
     if path == "pallas":
         if label_smoothing:  # ModelConfig refuses this pairing; a direct caller gets it here
             raise ValueError("label smoothing needs the xla loss path: the fused kernel has none")
-        return pallas_kernels.linear_cross_entropy(x, w, targets, weights, compute_dtype)
+
+        def kernel(x: jax.Array, w: jax.Array, t: jax.Array, wt: jax.Array) -> Any:
+            loss, ce, hit = pallas_kernels.linear_cross_entropy(x, w, t, wt, compute_dtype)
+            return loss[None], ce, hit  # (1,): one partial sum per shard, added up below
+
+        args = (x, w, targets, weights)
+        parts, ce, hit = _per_shard(shard, kernel, args, (True, False, True, True), (True,) * 3)
+        return jnp.sum(parts), ce, hit
     return F.linear_cross_entropy(x, w, targets, weights, compute_dtype, label_smoothing)
 
 
 def depthwise_conv1d(
-    u: jax.Array, w: jax.Array, b: jax.Array, mode: str, path: Literal["xla", "pallas"]
+    u: jax.Array,
+    w: jax.Array,
+    b: jax.Array,
+    mode: str,
+    path: Literal["xla", "pallas"],
+    shard: KernelShard | None = None,
 ) -> jax.Array:
     """Per-channel conv over (B, L, D) with w (D, K), b (D,); see `F.depthwise_conv1d`."""
     if path == "pallas":
-        return pallas_kernels.depthwise_conv1d(u, w, b, mode)
+
+        def kernel(u: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+            return pallas_kernels.depthwise_conv1d(u, w, b, mode)
+
+        return _per_shard(shard, kernel, (u, w, b), (True, False, False), True)
     return F.depthwise_conv1d(u, w, b, mode)

@@ -21,13 +21,17 @@ the pipeline's (jaxllm/pipeline.py):
   own key folded from the step's dropout rng (`blocks_loss`); the masks differ from the
   one-device scanned model's, which splits its rng another way.
 
-Pallas kernels are custom calls that the partitioner cannot split, so a mesh of more than one
-device refuses a plan with a Pallas path (`check_plan`) instead of running it replicated.
+Pallas kernels are custom calls that the partitioner cannot split (it would gather their operands
+and run them whole on every device), so on a mesh of several devices the model runs with a
+`KernelShard` (`kernel_model`): each Pallas call is a `shard_map` over data x fsdp, rows split,
+weights whole. Inside the pipeline's own shard_map the stages' kernels already see per-device
+arrays and run as they are.
 This module is the only place that decides a mesh or a sharding.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -51,7 +55,7 @@ from jaxllm.models.decoder import (
     default_positions,
     lm_loss,
 )
-from jaxllm.ops import OpPlan
+from jaxllm.ops import KernelShard
 from jaxllm.pipeline import bubble_fraction, pipeline_apply
 
 AXES = ParallelConfig.AXES  # ("data", "fsdp", "pipeline"): the config's names and order
@@ -117,6 +121,12 @@ def check_pipeline(model: ModelConfig, n_stages: int) -> None:
             "of the stacked block parameters. Set --model.scan_layers=true (or "
             "parallel.pipeline=1)"
         )
+    if model.short_conv and model.kernels == "pallas":
+        # Seen on 8 CPU devices: the step hung in a collective (the stages' other kernels run).
+        raise ConfigError(
+            f"parallel.pipeline={n_stages} with model.short_conv=true needs model.kernels=xla: "
+            "the Pallas depthwise conv inside pipeline stages is not supported yet"
+        )
     if model.n_layers % n_stages:
         raise ConfigError(
             f"model.n_layers ({model.n_layers}) must be divisible by parallel.pipeline "
@@ -125,16 +135,15 @@ def check_pipeline(model: ModelConfig, n_stages: int) -> None:
         )
 
 
-def check_plan(plan: OpPlan, mesh: Mesh) -> None:
-    """Refuse Pallas paths on a mesh of more than one device (see the module docstring)."""
-    pallas = [f for f in ("norm", "attention", "loss", "conv") if getattr(plan, f) == "pallas"]
-    if mesh.size > 1 and pallas:
-        raise ConfigError(
-            f"the Pallas path of {', '.join(pallas)} cannot run on a mesh of {mesh.size} "
-            "devices: Pallas kernels are opaque to XLA's partitioner (shard_map wrapping is "
-            "not implemented yet). Set model.kernels=xla and model.loss_impl=xla, or run on "
-            "one device"
-        )
+def kernel_model(model: Decoder, mesh: Mesh) -> Decoder:
+    """`model` as it runs on `mesh`: on several devices a clone whose Pallas calls run per
+    shard of the batch (`KernelShard` over data x fsdp; its plan's describe() says so); on one
+    device, or without a Pallas path, `model` itself. Same parameters either way."""
+    if mesh.size == 1 or model.kernel_shard is not None:
+        return model
+    shard = KernelShard(mesh, BATCH_AXES)
+    sharded = model.clone(kernel_shard=shard)
+    return sharded if sharded.plan.shard is not None else model
 
 
 def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -239,6 +248,7 @@ def blocks_loss(
     rngs: dict[str, jax.Array] | None = None,
     *,
     run_blocks: Callable[[Callable, Any, Any], Any],
+    per_device_blocks: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`model.loss` (model.scan_layers) with its block stack run by
     `run_blocks(layer_fn, params["blocks"], (x, h), rng=...) -> (x, h)` instead of the model's
@@ -253,13 +263,18 @@ def blocks_loss(
     pipeline, that microbatch's own: `fold_in(fold_in(rng, layer), microbatch)`), which the
     layer's apply gets as its "dropout" rng. Deterministic for a given rng, different across
     layers and microbatches, but not the one-device scan's masks (nn.scan splits its rng
-    another way). Otherwise run_blocks gets rng=None and calls `layer_fn(layer_params, carry)`."""
+    another way). Otherwise run_blocks gets rng=None and calls `layer_fn(layer_params, carry)`.
+
+    `per_device_blocks`: run_blocks calls layer_fn inside its own shard_map (the pipeline), on
+    per-device arrays: the layers' Pallas calls run there as they are, without the plan's
+    KernelShard (which the embed, ln_f and loss outside keep)."""
     cfg = model.cfg
     check_tokens(tokens, cfg)
     check_targets(targets, tokens, cfg)
     bound = model.bind({"params": params}, rngs=rngs)
     plan = bound.plan
-    body = _ScanLayer(cfg, plan, bound.blocks.block, parent=None)  # one layer, unbound
+    body_plan = dataclasses.replace(plan, shard=None) if per_device_blocks else plan
+    body = _ScanLayer(cfg, body_plan, bound.blocks.block, parent=None)  # one layer, unbound
 
     def layer_fn(layer_params: Any, carry: Any, key: jax.Array | None = None) -> Any:
         b, t = carry[0].shape[:2]  # a microbatch's own rows
@@ -282,7 +297,8 @@ def blocks_loss(
             _, x = add_and_norm(bound.ln_f, x, h)
         smoothing = 0.0 if deterministic else cfg.label_smoothing
         with jax.named_scope("loss"):
-            return lm_loss(x, bound.head_matrix(), targets, cfg, plan.loss, smoothing)
+            head = bound.head_matrix()
+            return lm_loss(x, head, targets, cfg, plan.loss, smoothing, plan.shard)
 
 
 def gathered_scan(mesh: Mesh) -> Callable[[Callable, Any, Any], Any]:
@@ -321,15 +337,28 @@ def gathered_scan(mesh: Mesh) -> Callable[[Callable, Any, Any], Any]:
 class MeshApply:
     """`model.apply` as the steps call it on a mesh: method "loss" runs `blocks_loss` with
     `run_blocks` when the batch has a multiple of `rows` rows, everything else (other methods,
-    an evaluation batch that does not split into the microbatches) runs `model.apply`."""
+    an evaluation batch that does not split into the microbatches) runs `model.apply`.
+    `per_device_blocks`: see `blocks_loss`."""
 
-    def __init__(self, model: Decoder, run_blocks: Callable, rows: int, what: str) -> None:
+    def __init__(
+        self,
+        model: Decoder,
+        run_blocks: Callable,
+        rows: int,
+        what: str,
+        per_device_blocks: bool = False,
+    ) -> None:
         self.model, self.run_blocks, self.rows, self.what = model, run_blocks, rows, what
+        self.per_device_blocks = per_device_blocks
 
     def __call__(self, variables: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
         if method == "loss" and np.shape(args[0])[0] % self.rows == 0:
-            rngs = kwargs.pop("rngs", None)
-            loss = functools.partial(blocks_loss, rngs=rngs, run_blocks=self.run_blocks)
+            loss = functools.partial(
+                blocks_loss,
+                rngs=kwargs.pop("rngs", None),
+                run_blocks=self.run_blocks,
+                per_device_blocks=self.per_device_blocks,
+            )
             return loss(self.model, variables["params"], *args, **kwargs)
         if method == "loss":  # said once per compile (this runs while jit traces)
             warnings.warn(
@@ -348,9 +377,12 @@ def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) 
     `apply_fn` (a Decoder's `model.apply`): with model.scan_layers and pipeline > 1, a
     `MeshApply` whose loss runs the stages with `pipeline_apply` (`microbatches`, default one
     per stage); with scan_layers and fsdp > 1, one whose loss gathers the block weights layer
-    by layer (`gathered_scan`); else `apply_fn` itself. Both thread dropout keys per layer
-    (`blocks_loss`)."""
+    by layer (`gathered_scan`); else the model's apply. Both thread dropout keys per layer
+    (`blocks_loss`). A Decoder runs as `kernel_model` makes it (Pallas calls per batch shard)."""
     model = getattr(apply_fn, "__self__", None)
+    if isinstance(model, Decoder) and kernel_model(model, mesh) is not model:
+        model = kernel_model(model, mesh)
+        apply_fn = model.apply
     stages, fsdp = mesh.shape["pipeline"], mesh.shape["fsdp"]
     scanned = isinstance(model, Decoder) and model.cfg.scan_layers
     if stages > 1:
@@ -361,9 +393,18 @@ def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) 
             )
         check_pipeline(model.cfg, stages)
         m = microbatches or stages
-        run = functools.partial(pipeline_apply, mesh=mesh, n_microbatches=m, batch_axes=BATCH_AXES)
+        plan = model.plan
+        pallas = "pallas" in (plan.norm, plan.attention, plan.conv)  # in the stages
+        run = functools.partial(
+            pipeline_apply,
+            mesh=mesh,
+            n_microbatches=m,
+            batch_axes=BATCH_AXES,
+            check_vma=not pallas,
+        )
         ways = mesh.shape["data"] * fsdp * m
-        return MeshApply(model, run, ways, f"pipeline {stages} stages x {m} microbatches")
+        what = f"pipeline {stages} stages x {m} microbatches"
+        return MeshApply(model, run, ways, what, per_device_blocks=True)
     if scanned and fsdp > 1:
         return MeshApply(model, gathered_scan(mesh), 1, f"fsdp {fsdp}, gathered per layer")
     return apply_fn
@@ -393,7 +434,7 @@ def _on_mesh(step: Callable, state: Any, mesh: Mesh, microbatches: int | None) -
     def run(state: Any, *args: Any) -> Any:
         orig, params = state.apply_fn, state.params
         if gather:
-            params = _gather_params(params, mesh, keep_blocks=swapped)
+            params = _gather_params(params, mesh, keep_blocks=isinstance(apply, MeshApply))
         out = step(state.replace(params=params, apply_fn=apply), *args)
         if isinstance(out, tuple) and hasattr(out[0], "apply_fn"):  # (new state, metrics)
             out = (out[0].replace(apply_fn=orig), *out[1:])

@@ -93,6 +93,7 @@ def pipeline_apply(
     batch_axes: Sequence[str] | None = None,
     remat: bool = False,
     rng: jax.Array | None = None,
+    check_vma: bool = True,
 ) -> Any:
     """Run L stacked layers as an S-stage GPipe pipeline over mesh axis `axis`.
 
@@ -110,6 +111,8 @@ def pipeline_apply(
         batch axes (row-major over them) having microbatches d M .. d M + M - 1. So every
         layer of every microbatch gets its own key, the same on any run with the same rng
         (bubble ticks, whose results are dropped, use microbatch 0's).
+    check_vma: jax.shard_map's type check of what varies across devices; layers that call
+        Pallas kernels need it off (a pallas_call declares no such types).
     Returns the last stage's outputs, same structure and shapes as x, rows in their order:
     equal (up to float rounding) to running the L layers one after another on all of x.
 
@@ -204,6 +207,7 @@ def pipeline_apply(
         mesh=mesh,
         in_specs=(P(axis), batch_spec, *(P() for _ in keys)),
         out_specs=out_spec,
+        check_vma=check_vma,
     )(stacked_params, x, *keys)  # (S, B, ...): one slice per stage
     return jax.tree.map(lambda o: o[-1], stages_out)  # (B, ...) the last stage's
 

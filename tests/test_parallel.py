@@ -29,7 +29,6 @@ from jaxllm import parallel
 from jaxllm.config import ConfigError, ParallelConfig, config_changes, load_config
 from jaxllm.data.sources import make_source
 from jaxllm.models import build_model
-from jaxllm.ops import plan_ops
 from jaxllm.train.checkpoint import Checkpointer, load_run
 from jaxllm.train.optim import make_optimizer
 from jaxllm.train.state import create_state, loss_and_sums, train_step
@@ -177,8 +176,9 @@ def test_one_device_mesh_and_refusals():
     assert parallel.describe(mesh) == "parallel: mesh data=1 fsdp=1 over 1 cpu device"
     with pytest.raises(ConfigError, match=r"needs 2 devices, but there are 1"):
         parallel.make_mesh(_cfg("--parallel.data=2"), jax.devices()[:1])
-    pallas = plan_ops(_cfg("--model.kernels=pallas").model)
-    parallel.check_plan(pallas, mesh)  # one device: Pallas runs as before
+    model = build_model(_cfg("--model.kernels=pallas").model)
+    assert parallel.kernel_model(model, mesh) is model  # one device: Pallas runs as before
+    assert model.plan.shard is None and "per shard" not in model.plan.describe()
 
 
 # ----------------------------------------------------------------------------- 8 devices
@@ -447,17 +447,16 @@ def _check_fsdp_layout_and_refusals() -> None:
         "not_dividing": ["--parallel.data=2"],
         "fill_not_dividing": ["--parallel.fsdp=3"],
         "batch": ["--train.batch_size=12"],
-        "pallas": ["--model.kernels=pallas"],
         "pipeline_unscanned": ["--parallel.pipeline=4"],
         "pipeline_layers": ["--parallel.pipeline=4", "--model.scan_layers=true"],  # 2 layers
         "pipeline_batch": [*PIPE4, "--parallel.data=2", "--parallel.microbatches=16"],
         "pipeline_dropout": [*PIPE4, "--model.dropout=0.1"],
-        "pipeline_pallas": [*PIPE4, "--model.loss_impl=pallas"],
+        "pipeline_conv": [*PIPE4, "--model.short_conv=true", "--model.kernels=pallas"],
         "pipeline_ok": [*PIPE4, "--parallel.microbatches=8"],  # 16 rows = 2 x 8
     }.items():
         try:
             c = _cfg(*overrides)
-            parallel.check_plan(build_model(c.model).plan, parallel.make_mesh(c))
+            parallel.make_mesh(c)
             refused[name] = None
         except ConfigError as e:
             refused[name] = str(e)
@@ -479,13 +478,95 @@ def test_fsdp_shards_params_and_refuses_bad_meshes():
     assert "mesh data=2 x fsdp=1 x pipeline=1 needs 2 devices, but there are 8" in r["not_dividing"]
     assert "fixed sizes (3) must divide the device count (8)" in r["fill_not_dividing"]
     assert "train.batch_size (12) must be divisible" in r["batch"]
-    assert "Pallas path of norm, attention, conv cannot run on a mesh of 8" in r["pallas"]
     assert "parallel.pipeline=4 needs model.scan_layers=true" in r["pipeline_unscanned"]
     assert "model.n_layers (2) must be divisible by parallel.pipeline (4)" in r["pipeline_layers"]
     assert "x parallel.microbatches = 2 x 1 x 16 = 32" in r["pipeline_batch"]
     assert r["pipeline_dropout"] is None
-    assert "Pallas path of loss cannot run on a mesh of 8" in r["pipeline_pallas"]
+    assert "with model.short_conv=true needs model.kernels=xla" in r["pipeline_conv"]
     assert r["pipeline_ok"] is None
+
+
+def _check_pallas_on_mesh() -> None:
+    """A 4-layer scanned model with every Pallas kernel (interpreted) and the fused loss, 2
+    steps on 1 device vs data=8 (the model's own apply), data=2 x fsdp=4 (per-layer gather) and
+    data=2 x pipeline=4: losses, grad norms, final params; the plan's line; how many shard_maps
+    the data=8 step's program holds; an evaluation batch of 12 rows (does not split over 8:
+    the kernels run whole on every device) against the one-device sums. The depthwise conv
+    (model.short_conv, refused under a pipeline) alone: value and gradients per shard."""
+    from jaxllm import ops
+    from jaxllm.train.state import eval_step
+
+    base = ["--model.n_layers=4", "--model.scan_layers=true", "--model.kernels=pallas"]
+    base += ["--model.loss_impl=pallas"]
+    cfg = _cfg(*base)
+    single = parallel.make_mesh(cfg, jax.devices()[:1])
+    init, batches = _state_and_batches(cfg, single, 2)
+    init = jax.device_get(init)
+    odd = {k: v[:12] for k, v in batches[0].items()}
+    out = {}
+    for name, overrides, n in [
+        ("single", [], 1),
+        ("data8", [], 8),
+        ("data2_fsdp4", ["--parallel.fsdp=4"], 8),
+        ("data2_pipeline4", ["--parallel.data=2", "--parallel.pipeline=4"], 8),
+    ]:
+        c = _cfg(*base, *overrides)
+        mesh = parallel.make_mesh(c, jax.devices()[:n])
+        state = jax.device_put(init, parallel.state_shardings(init, mesh))
+        sharded = [parallel.shard_batch(b, mesh) for b in batches]
+        step = parallel.jit_train_step(train_step, state, mesh, c.parallel.microbatches)
+        rng = jax.random.PRNGKey(1)
+        if name in ("single", "data8"):
+            jaxpr = str(jax.make_jaxpr(step)(state, sharded[0], rng))
+            out[f"{name}_shard_maps"] = jaxpr.count("shard_map[")
+        sums = parallel.jit_eval_step(eval_step, state, mesh)(
+            state, parallel.shard_batch(odd, mesh)
+        )
+        losses, norms = [], []
+        for b in sharded:
+            state, m = step(state, b, rng)
+            losses.append(float(m["loss"]))
+            norms.append(float(m["grad_norm"]))
+        out[name] = {
+            "ops": parallel.kernel_model(build_model(c.model), mesh).plan.describe(),
+            "losses": losses,
+            "norms": norms,
+            "params": [np.asarray(p).tolist() for p in jax.tree.leaves(state.params)],
+            "eval": jax.tree.map(lambda x: np.asarray(x).tolist(), sums),
+        }
+    u, w, b = (
+        jax.random.normal(jax.random.PRNGKey(i), s)
+        for i, s in enumerate([(16, 9, 8), (8, 3), (8,)])
+    )
+
+    def conv_loss(u, w, b, shard):
+        y = ops.depthwise_conv1d(u, w, b, "causal", "pallas", shard)
+        return jnp.sum(jnp.sin(y)), y
+
+    shard = ops.KernelShard(parallel.make_mesh(_cfg()), parallel.BATCH_AXES)
+    for name, sh in [("conv_single", None), ("conv_sharded", shard)]:
+        grad = jax.jit(jax.grad(conv_loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+        out[name] = [np.asarray(x).tolist() for x in jax.tree.leaves(grad(u, w, b, sh))]
+    print(json.dumps(out))
+
+
+def test_pallas_kernels_run_per_batch_shard_and_match_one_device():
+    out = _on_8_devices("_check_pallas_on_mesh")
+    ref = out.pop("single")
+    assert "per shard" not in ref["ops"], ref["ops"]
+    # The scan body's 2 norms and softmax, ln_f and the loss, forward and backward: each kernel
+    # call a shard_map of its own on the mesh, none on one device.
+    assert out.pop("single_shard_maps") == 0
+    assert out.pop("data8_shard_maps") >= 5
+    _assert_trees_close(out.pop("conv_sharded"), out.pop("conv_single"), 1e-6, "conv")
+    for name, r in out.items():
+        ways = 2 if "pipeline" in name else 8  # the stages hold the other 4 devices
+        assert r["ops"].endswith(f"(Pallas per shard over data x fsdp = {ways})"), r["ops"]
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-5, err_msg=name)
+        _assert_trees_close(r["params"], ref["params"], 1e-5, name)
+        np.testing.assert_allclose(r["eval"]["loss_sum"], ref["eval"]["loss_sum"], rtol=1e-5)
+        assert r["eval"]["correct"] == ref["eval"]["correct"], name
 
 
 # train.py's loop on pipeline=4 x fsdp=2; 44 test examples: the last evaluation batch (12 rows)

@@ -66,11 +66,14 @@ def explicit_scopes(method: Callable) -> Callable:
 
 class Decoder(nn.Module):
     cfg: ModelConfig
+    # Set by jaxllm.parallel on a mesh of several devices (a clone of the model): how the Pallas
+    # kernels run there (per batch shard). None: one device.
+    kernel_shard: ops.KernelShard | None = None
 
     @property
     def plan(self) -> ops.OpPlan:
         """The op paths this model takes (jaxllm.ops); blocks and norms get them from here."""
-        return ops.plan_ops(self.cfg)
+        return ops.plan_ops(self.cfg, shard=self.kernel_shard)
 
     # ------------------------------------------------------------ what an architecture writes
 
@@ -167,7 +170,8 @@ class Decoder(nn.Module):
         x, _ = self.hidden(tokens, AttentionInputs(default_positions(tokens), deterministic))
         smoothing = 0.0 if deterministic else self.cfg.label_smoothing
         with jax.named_scope("loss"):
-            return lm_loss(x, self.head_matrix(), targets, self.cfg, self.plan.loss, smoothing)
+            head, plan = self.head_matrix(), self.plan
+            return lm_loss(x, head, targets, self.cfg, plan.loss, smoothing, plan.shard)
 
     @explicit_scopes
     def decode(
@@ -310,6 +314,7 @@ def lm_loss(
     cfg: ModelConfig,
     path: str,
     label_smoothing: float = 0.0,
+    shard: ops.KernelShard | None = None,
 ) -> tuple[jax.Array, Sums]:
     """Mean next-token cross-entropy over the targets that are not IGNORE (label-smoothed when
     label_smoothing > 0; the sums always hold the plain cross-entropy).
@@ -317,7 +322,7 @@ def lm_loss(
     x (B, T, D) final hidden states; head (V, D) the LM-head matrix (logits = x head^T, in
     cfg.compute_dtype); targets (B, T) int. Returns (loss, {loss_sum, correct, count}): sums
     over the batch, so metrics of several batches add up exactly; "correct" counts targets whose
-    logit is the row's maximum. `path` ("xla" | "pallas") comes from the OpPlan.
+    logit is the row's maximum. `path` ("xla" | "pallas") and `shard` come from the OpPlan.
     """
     d = x.shape[-1]
     valid = (targets != IGNORE).reshape(-1)  # (N,)
@@ -326,7 +331,7 @@ def lm_loss(
     safe = jnp.where(valid, targets.reshape(-1), 0)
     dtype = jnp.dtype(cfg.compute_dtype)
     loss, ce, hit = ops.linear_cross_entropy(
-        x.reshape(-1, d), head, safe, weights, dtype, path, label_smoothing
+        x.reshape(-1, d), head, safe, weights, dtype, path, label_smoothing, shard
     )
     return loss, {
         "loss_sum": jnp.sum(jnp.where(valid, ce, 0.0)),

@@ -29,7 +29,7 @@ def rms_norm(cfg: ModelConfig, plan: OpPlan) -> functools.partial:
     matmul's input) in its one pass, as GPT-2's LayerNorm does; XLA keeps its float32 output (it
     fuses the convert into the consumer anyway)."""
     out_dtype = jnp.dtype(cfg.compute_dtype) if plan.norm == "pallas" else None
-    return functools.partial(RMSNorm, cfg.norm_eps, plan.norm, out_dtype)
+    return functools.partial(RMSNorm, cfg.norm_eps, plan.norm, out_dtype, plan.shard)
 
 
 class Block(nn.Module):
@@ -45,13 +45,15 @@ class Block(nn.Module):
         cfg, dtype = self.cfg, jnp.dtype(self.cfg.compute_dtype)
         attn = MultiHeadAttention(
             cfg.n_heads, False, False, cfg.dropout, cfg.rope_theta, cs336_init(), cs336_init(),
-            dtype, self.plan.attention, name="attn",
+            dtype, self.plan.attention, self.plan.shard, name="attn",
         )  # fmt: skip
         mlp = SwiGLU(cfg.ffn_dim, cs336_init(), dtype, name="mlp")
 
         conv = None
         if cfg.short_conv:
-            conv = DepthwiseConv1d(cfg.short_conv_size, "causal", self.plan.conv, name="conv")
+            conv = DepthwiseConv1d(
+                cfg.short_conv_size, "causal", self.plan.conv, self.plan.shard, name="conv"
+            )
         norm = rms_norm(cfg, self.plan)
         ln1, ln2 = norm(name="ln1"), norm(name="ln2")
         return pre_norm_block(ln1, ln2, attn, mlp, conv, x, h, inputs, cache)

@@ -152,9 +152,8 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
     run_dir.mkdir(parents=True, exist_ok=True)
     source = source or make_source(cfg)
     model = build_model(cfg.model)
-    plan = model.plan
     mesh = parallel.make_mesh(cfg)  # ConfigError if the sizes do not fit the devices or batch
-    parallel.check_plan(plan, mesh)
+    plan = parallel.kernel_model(model, mesh).plan  # the paths the steps take on this mesh
     total = total_steps(cfg, source)
     per_epoch = source.steps_per_epoch if tc.epochs is not None else None
     if cfg.optim.warmup_steps >= total:
