@@ -121,6 +121,12 @@ def check_pipeline(model: ModelConfig, n_stages: int) -> None:
             "of the stacked block parameters. Set --model.scan_layers=true (or "
             "parallel.pipeline=1)"
         )
+    if model.attention_impl == "dot_product_attention":
+        # Measured on 2 H200s, jax 0.11.2: the train step died with a segmentation fault.
+        raise ConfigError(
+            f"parallel.pipeline={n_stages} needs model.attention_impl=xla: cuDNN attention "
+            "inside the pipeline stages crashed XLA (segmentation fault, jax 0.11.2 on GPU)"
+        )
     if model.short_conv and model.kernels == "pallas":
         # Seen on 8 CPU devices: the step hung in a collective (the stages' other kernels run).
         raise ConfigError(
@@ -137,11 +143,16 @@ def check_pipeline(model: ModelConfig, n_stages: int) -> None:
 
 def kernel_model(model: Decoder, mesh: Mesh) -> Decoder:
     """`model` as it runs on `mesh`: on several devices a clone whose Pallas calls run per
-    shard of the batch (`KernelShard` over data x fsdp; its plan's describe() says so); on one
+    shard of the batch (`KernelShard` over data x fsdp, and pipeline when there are stages;
+    its plan's describe() says so); on one
     device, or without a Pallas path, `model` itself. Same parameters either way."""
     if mesh.size == 1 or model.kernel_shard is not None:
         return model
-    shard = KernelShard(mesh, BATCH_AXES)
+    # With stages, the pipeline's output rows are split over them too (pipeline_apply): the
+    # final norm and the loss run on 1/S of the rows per stage. The stages' own kernels run
+    # inside the pipeline's shard_map, per device (blocks_loss).
+    axes = ("pipeline", *BATCH_AXES) if mesh.shape["pipeline"] > 1 else BATCH_AXES
+    shard = KernelShard(mesh, axes)
     sharded = model.clone(kernel_shard=shard)
     return sharded if sharded.plan.shard is not None else model
 
@@ -301,6 +312,20 @@ def blocks_loss(
             return lm_loss(x, head, targets, cfg, plan.loss, smoothing, plan.shard)
 
 
+# Ops that only move, cast or re-shape data: recomputed in the backward, never saved (see
+# gathered_scan). Weights pass through nothing else between their gather and their matmul.
+_DATA_MOVEMENT = frozenset({
+    "sharding_constraint", "convert_element_type", "slice", "dynamic_slice", "split",
+    "squeeze", "expand_dims", "reshape", "broadcast_in_dim", "transpose", "concatenate",
+    "pad", "rev", "copy", "copy_p",
+})  # fmt: skip
+
+
+def _save_computed(prim: Any, *_: Any, **__: Any) -> bool:
+    """A jax.checkpoint policy: save what `prim` outputs unless it only moves data."""
+    return prim.name not in _DATA_MOVEMENT
+
+
 def gathered_scan(mesh: Mesh) -> Callable[[Callable, Any, Any], Any]:
     """A `run_blocks` for `blocks_loss`: the layers in a `lax.scan` whose body all-gathers its
     layer's fsdp-sharded weights (a sharding constraint to replicated on the slice). The
@@ -309,10 +334,14 @@ def gathered_scan(mesh: Mesh) -> Callable[[Callable, Any, Any], Any]:
     writes all-reduce + slice).
 
     Nothing derived from the gathered weights is kept for the backward: the body runs under
-    `jax.checkpoint` with the `dots_saveable` policy, so the backward loop gathers each layer
-    again and recomputes its non-matmul ops (norms, activations, softmax) from the saved matmul
-    outputs; at most a layer or two are ever whole on a device (ZeRO-3). Without the policy the
-    scan would save every layer's gathered (and cast, split) weights: all of them whole.
+    `jax.checkpoint` with `_save_computed`, which saves the outputs of the ops that compute
+    (matmuls, kernels, elementwise math, reductions) and recomputes the ones that only move,
+    cast or re-shape data, which is all the weights go through before a matmul. So the backward
+    loop gathers each layer again, re-casts and re-slices it, and recomputes nothing else; at
+    most a layer or two are ever whole on a device (ZeRO-3). Without a policy the scan would save
+    every layer's gathered weights (and their casts and slices): all of them whole. (The
+    `dots_saveable` policy keeps them out too, but recomputes the norms, activations and
+    attention in the backward.) With model.remat=block each layer saves only its inputs.
 
     With `rng` (dropout), layer i runs as `layer_fn(params_i, carry, fold_in(rng, i))`; the
     recomputation in the backward draws the same masks from the same keys."""
@@ -327,7 +356,7 @@ def gathered_scan(mesh: Mesh) -> Callable[[Callable, Any, Any], Any]:
                 return layer_fn(p, c), None
             return layer_fn(p, c, jax.random.fold_in(rng, i)), None
 
-        body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
+        body = jax.checkpoint(body, policy=_save_computed)
         n_layers = jax.tree.leaves(stacked)[0].shape[0]
         return jax.lax.scan(body, carry, (stacked, jnp.arange(n_layers)))[0]
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 Schedule = list[list[tuple[int, int]]]  # [tick][(microbatch, stage), ...]
@@ -114,7 +114,8 @@ def pipeline_apply(
     check_vma: jax.shard_map's type check of what varies across devices; layers that call
         Pallas kernels need it off (a pallas_call declares no such types).
     Returns the last stage's outputs, same structure and shapes as x, rows in their order:
-    equal (up to float rounding) to running the L layers one after another on all of x.
+    equal (up to float rounding) to running the L layers one after another on all of x; placed
+    with their rows split over (axis, *batch_axes) where they divide.
 
     Every tick, each stage runs its layers (under the named scope `pipeline_tick`, so the
     profiler shows the M + S - 1 ticks of the forward and of the backward) and sends its output
@@ -209,7 +210,13 @@ def pipeline_apply(
         out_specs=out_spec,
         check_vma=check_vma,
     )(stacked_params, x, *keys)  # (S, B, ...): one slice per stage
-    return jax.tree.map(lambda o: o[-1], stages_out)  # (B, ...) the last stage's
+    last = jax.tree.map(lambda o: o[-1], stages_out)  # (B, ...) the last stage's
+    if batch % (ways * n_stages) == 0:
+        # Rows split over the stages too: whatever follows (a final norm, an LM head) runs on
+        # 1/S of the rows on each stage instead of all of them on every stage.
+        rows = NamedSharding(mesh, P((axis, *batch_axes)))
+        last = jax.tree.map(lambda o: jax.lax.with_sharding_constraint(o, rows), last)
+    return last
 
 
 def _stage_fn(layer_fn: LayerFn, remat: bool, keyed: bool = False) -> Callable[..., Any]:

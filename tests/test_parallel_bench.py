@@ -32,6 +32,7 @@ TINY = [
     "model.context_length=32",
     "model.vocab_size=64",
     "data.kind=associative_recall",  # the preset's token files insist on GPT-2's vocabulary
+    "model.attention_impl=xla",  # the pipeline refuses the preset's cuDNN attention
 ]
 
 
