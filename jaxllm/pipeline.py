@@ -125,9 +125,15 @@ def pipeline_apply(
     Memory per device: this stage's L/S layers, the M + S - 1 tick outputs and what the
     backward keeps of each tick (with `remat`, only each tick's stage input).
 
-    Measuring the bubble (not implemented yet): with T_pipe the time of the pipelined step and
-    T_seq = S x the time of one stage on all M microbatches (the whole stack on one device),
-    the measured bubble is 1 - T_seq / (S T_pipe), to compare with bubble_fraction(S, M).
+    The tick loop and each stage's layer loop are unrolled (`lax.scan(unroll=True)`): as while
+    loops, every one of the (M + S - 1) x L/S layer iterations paid fixed copies of its slices
+    and carries, and no transfer overlapped a tick's compute. GPT-2 124M, S = 2, M = 4, batch 32
+    on 2 H200s (benchmarks/RESULTS.md): 150.9 ms a step as loops, 91.9 ms unrolled. The price is
+    compile time, which grows with (M + S - 1) x L/S.
+
+    Measuring the bubble (benchmarks/parallel_throughput.py): with T_pipe the time of the
+    pipelined step and T_seq the time of the whole stack on one device, the measured bubble is
+    1 - T_seq / (S T_pipe), to compare with bubble_fraction(S, M).
     """
     _check_positive(n_microbatches=n_microbatches)
     if axis not in mesh.shape:
@@ -196,7 +202,8 @@ def pipeline_apply(
             return recv, out
 
         ticks = (feed, jnp.arange(n_ticks))
-        _, outs = jax.lax.scan(tick, recv, ticks, length=n_ticks)  # (M + S - 1, B'/M, ...)
+        # Unrolled, as the stage's layers are (_stage_fn): see the docstring.
+        _, outs = jax.lax.scan(tick, recv, ticks, length=n_ticks, unroll=True)  # (M+S-1, B'/M, ..)
         # On the last stage, tick S - 1 + i finished microbatch i.
         return jax.tree.map(
             lambda o: o[n_stages - 1 :].reshape(1, -1, *o.shape[2:]), outs
@@ -225,7 +232,7 @@ def _stage_fn(layer_fn: LayerFn, remat: bool, keyed: bool = False) -> Callable[.
     fold_in(fold_in(rng, layer), microbatch)."""
 
     def stage(params: Any, x: Any) -> Any:
-        x, _ = jax.lax.scan(lambda h, p: (layer_fn(p, h), None), x, params)
+        x, _ = jax.lax.scan(lambda h, p: (layer_fn(p, h), None), x, params, unroll=True)
         return x
 
     def keyed_stage(params: Any, x: Any, rng: jax.Array, layers: jax.Array, mb: Any) -> Any:
@@ -233,7 +240,7 @@ def _stage_fn(layer_fn: LayerFn, remat: bool, keyed: bool = False) -> Callable[.
             p, i = p_i
             return layer_fn(p, h, jax.random.fold_in(jax.random.fold_in(rng, i), mb)), None
 
-        x, _ = jax.lax.scan(body, x, (params, layers))
+        x, _ = jax.lax.scan(body, x, (params, layers), unroll=True)
         return x
 
     stage = keyed_stage if keyed else stage
