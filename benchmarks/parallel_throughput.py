@@ -14,18 +14,19 @@ back-to-back steps closed by a device sync.
 
 Variants (N = --devices, default all visible):
   single       1 device, batch = per-device batch.
-  single_scan  1 device, model.scan_layers=true: the baseline of fsdp and pp (both need it).
+  single_scan  1 device, model.scan_layers=true: the baseline of fsdp (which needs it).
   dp           parallel.data=N, global batch N x per-device batch; compared with `single`.
   fsdp         parallel.fsdp=N, scan_layers (weights gathered per layer), global batch
                N x per-device batch; compared with `single_scan`.
   pp           parallel.pipeline=N (S = N stages), scan_layers, once per microbatch count M of
                --microbatches; global batch = per-device batch (the whole batch goes through
-               every stage); compared with `single_scan` at that same batch.
+               every stage); compared with `single` at that same batch (the stages unroll
+               their layers, as the plain model does).
 
 Per row: speedup = tokens/s over the 1-device baseline's, scaling efficiency = speedup / N.
 MFU per device counts throughput.py's FLOPs per token (jaxllm.profiling.flops, PaLM's 6 N +
 12 L d T) against its peak (989 TFLOP/s dense bf16: H100 SXM, the same for the H200) x N.
-Pipeline bubble, measured: 1 - t_single_scan / (S x t_pp), the share of the S devices' time
+Pipeline bubble, measured: 1 - t_single / (S x t_pp), the share of the S devices' time
 not spent on the 1-device work (t = step time at the same global batch); next to GPipe's bound
 (S - 1) / (M + S - 1) (jaxllm.pipeline.bubble_fraction), which ignores the stages' transfers.
 A baseline this run does not measure is taken from an earlier row of --jsonl with the same
@@ -75,7 +76,9 @@ from jaxllm.train.optim import make_optimizer
 from jaxllm.train.state import create_state, train_step
 
 VARIANTS = ("single", "single_scan", "dp", "fsdp", "pp")  # run order: baselines first
-BASELINE = {"dp": "single", "fsdp": "single_scan", "pp": "single_scan"}
+# pp against the plain (unrolled) model: the stages unroll their layers too (jaxllm.pipeline),
+# and the scanned model's loop overheads would flatter the pipeline (RESULTS.md, issue 14).
+BASELINE = {"dp": "single", "fsdp": "single_scan", "pp": "single"}
 MIB = 2**20
 
 

@@ -121,12 +121,6 @@ def check_pipeline(model: ModelConfig, n_stages: int) -> None:
             "of the stacked block parameters. Set --model.scan_layers=true (or "
             "parallel.pipeline=1)"
         )
-    if model.attention_impl == "dot_product_attention":
-        # Measured on 2 H200s, jax 0.11.2: the train step died with a segmentation fault.
-        raise ConfigError(
-            f"parallel.pipeline={n_stages} needs model.attention_impl=xla: cuDNN attention "
-            "inside the pipeline stages crashed XLA (segmentation fault, jax 0.11.2 on GPU)"
-        )
     if model.short_conv and model.kernels == "pallas":
         # Seen on 8 CPU devices: the step hung in a collective (the stages' other kernels run).
         raise ConfigError(

@@ -128,8 +128,9 @@ def pipeline_apply(
     The tick loop and each stage's layer loop are unrolled (`lax.scan(unroll=True)`): as while
     loops, every one of the (M + S - 1) x L/S layer iterations paid fixed copies of its slices
     and carries, and no transfer overlapped a tick's compute. GPT-2 124M, S = 2, M = 4, batch 32
-    on 2 H200s (benchmarks/RESULTS.md): 150.9 ms a step as loops, 91.9 ms unrolled. The price is
-    compile time, which grows with (M + S - 1) x L/S.
+    on 2 H200s (benchmarks/RESULTS.md): 150.9 ms a step as loops, 91.9 ms unrolled; and cuDNN
+    attention, which crashed XLA inside the rolled tick loop (segmentation fault, jax 0.11.2),
+    runs unrolled. The price is compile time, which grows with (M + S - 1) x L/S.
 
     Measuring the bubble (benchmarks/parallel_throughput.py): with T_pipe the time of the
     pipelined step and T_seq the time of the whole stack on one device, the measured bubble is

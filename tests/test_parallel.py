@@ -452,7 +452,6 @@ def _check_fsdp_layout_and_refusals() -> None:
         "pipeline_batch": [*PIPE4, "--parallel.data=2", "--parallel.microbatches=16"],
         "pipeline_dropout": [*PIPE4, "--model.dropout=0.1"],
         "pipeline_conv": [*PIPE4, "--model.short_conv=true", "--model.kernels=pallas"],
-        "pipeline_cudnn": [*PIPE4, "--model.attention_impl=dot_product_attention"],
         "pipeline_ok": [*PIPE4, "--parallel.microbatches=8"],  # 16 rows = 2 x 8
     }.items():
         try:
@@ -484,7 +483,6 @@ def test_fsdp_shards_params_and_refuses_bad_meshes():
     assert "x parallel.microbatches = 2 x 1 x 16 = 32" in r["pipeline_batch"]
     assert r["pipeline_dropout"] is None
     assert "with model.short_conv=true needs model.kernels=xla" in r["pipeline_conv"]
-    assert "pipeline=4 needs model.attention_impl=xla: cuDNN attention" in r["pipeline_cudnn"]
     assert r["pipeline_ok"] is None
 
 
