@@ -487,17 +487,16 @@ def test_fsdp_shards_params_and_refuses_bad_meshes():
 
 
 def _check_pallas_on_mesh() -> None:
-    """A 4-layer scanned model with every Pallas kernel (interpreted) and the fused loss, 2
+    """A 2-layer scanned model with every Pallas kernel (interpreted) and the fused loss, 2
     steps on 1 device vs data=8 (the model's own apply), data=2 x fsdp=4 (per-layer gather) and
-    data=2 x pipeline=4: losses, grad norms, final params; the plan's line; how many shard_maps
+    data=4 x pipeline=2: losses, grad norms, final params; the plan's line; how many shard_maps
     the data=8 step's program holds; an evaluation batch of 12 rows (does not split over 8:
     the kernels run whole on every device) against the one-device sums. The depthwise conv
     (model.short_conv, refused under a pipeline) alone: value and gradients per shard."""
     from jaxllm import ops
     from jaxllm.train.state import eval_step
 
-    base = ["--model.n_layers=4", "--model.scan_layers=true", "--model.kernels=pallas"]
-    base += ["--model.loss_impl=pallas"]
+    base = ["--model.scan_layers=true", "--model.kernels=pallas", "--model.loss_impl=pallas"]
     cfg = _cfg(*base)
     single = parallel.make_mesh(cfg, jax.devices()[:1])
     init, batches = _state_and_batches(cfg, single, 2)
@@ -508,7 +507,7 @@ def _check_pallas_on_mesh() -> None:
         ("single", [], 1),
         ("data8", [], 8),
         ("data2_fsdp4", ["--parallel.fsdp=4"], 8),
-        ("data2_pipeline4", ["--parallel.data=2", "--parallel.pipeline=4"], 8),
+        ("data4_pipeline2", ["--parallel.data=4", "--parallel.pipeline=2"], 8),
     ]:
         c = _cfg(*base, *overrides)
         mesh = parallel.make_mesh(c, jax.devices()[:n])
