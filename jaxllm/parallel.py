@@ -17,6 +17,9 @@ the pipeline's (jaxllm/pipeline.py):
   time inside the scanned loop, forward and again in the backward (ZeRO-3), instead of all
   at the start of the step. With pipeline > 1 the loss runs embed -> GPipe over the stages
   (`pipeline_apply`: shard_map + ppermute) -> final norm + loss. `mesh_apply` picks the path.
+  Under a pipeline, fsdp-sharded stage weights are gathered once per step, on entering the
+  stages: a per-layer gather there would run once per tick (M + S - 1 times a step) instead of
+  once, as in DeepSpeed, which does not combine ZeRO-3 with pipeline stages either.
   Dropout works on both paths: each layer (and under the pipeline each microbatch) gets its
   own key folded from the step's dropout rng (`blocks_loss`); the masks differ from the
   one-device scanned model's, which splits its rng another way.
