@@ -18,17 +18,18 @@ the pipeline's (jaxllm/pipeline.py):
   at the start of the step. With pipeline > 1 the loss runs embed -> GPipe over the stages
   (`pipeline_apply`: shard_map + ppermute) -> final norm + loss. `mesh_apply` picks the path.
   Under a pipeline, fsdp-sharded stage weights are gathered once per step, on entering the
-  stages: a per-layer gather there would run once per tick (M + S - 1 times a step) instead of
-  once, as in DeepSpeed, which does not combine ZeRO-3 with pipeline stages either.
+  stages: a per-layer gather there would run once per tick, M + S - 1 times a step instead of
+  once (DeepSpeed does not combine ZeRO-3 with pipeline stages either).
   Dropout works on both paths: each layer (and under the pipeline each microbatch) gets its
   own key folded from the step's dropout rng (`blocks_loss`); the masks differ from the
   one-device scanned model's, which splits its rng another way.
 
 Pallas kernels are custom calls that the partitioner cannot split (it would gather their operands
 and run them whole on every device), so on a mesh of several devices the model runs with a
-`KernelShard` (`kernel_model`): each Pallas call is a `shard_map` over data x fsdp, rows split,
-weights whole. Inside the pipeline's own shard_map the stages' kernels already see per-device
-arrays and run as they are.
+`KernelShard` (`kernel_model`): each Pallas call is a `shard_map` over data x fsdp (and
+pipeline, whose stages also split the rows of the final norm and loss), rows split, weights
+whole. Inside the pipeline's own shard_map the stages' kernels already see per-device arrays and
+run as they are.
 This module is the only place that decides a mesh or a sharding.
 """
 
