@@ -26,8 +26,8 @@ the pipeline's (jaxllm/pipeline.py):
 
 Pallas kernels are custom calls that the partitioner cannot split (it would gather their operands
 and run them whole on every device), so on a mesh of several devices the model runs with a
-`KernelShard` (`kernel_model`): each Pallas call is a `shard_map` over data x fsdp (and
-pipeline, whose stages also split the rows of the final norm and loss), rows split, weights
+`KernelShard` (`kernel_model`): each Pallas call is a `shard_map` over the mesh's axes (rows
+split over pipeline x data x fsdp: with stages, they split the final norm and loss too), weights
 whole. Inside the pipeline's own shard_map the stages' kernels already see per-device arrays and
 run as they are.
 This module is the only place that decides a mesh or a sharding.
@@ -141,16 +141,17 @@ def check_pipeline(model: ModelConfig, n_stages: int) -> None:
 
 def kernel_model(model: Decoder, mesh: Mesh) -> Decoder:
     """`model` as it runs on `mesh`: on several devices a clone whose Pallas calls run per
-    shard of the batch (`KernelShard` over data x fsdp, and pipeline when there are stages;
-    its plan's describe() says so); on one
+    shard of the batch (`KernelShard` over pipeline x data x fsdp; its plan's describe() says
+    so); on one
     device, or without a Pallas path, `model` itself. Same parameters either way."""
     if mesh.size == 1 or model.kernel_shard is not None:
         return model
-    # With stages, the pipeline's output rows are split over them too (pipeline_apply): the
-    # final norm and the loss run on 1/S of the rows per stage. The stages' own kernels run
-    # inside the pipeline's shard_map, per device (blocks_loss).
-    axes = ("pipeline", *BATCH_AXES) if mesh.shape["pipeline"] > 1 else BATCH_AXES
-    shard = KernelShard(mesh, axes)
+    # Rows over every mesh axis. With stages, the pipeline's output rows are split over them too
+    # (pipeline_apply): the final norm and the loss run on 1/S of the rows per stage (the
+    # stages' own kernels run inside the pipeline's shard_map, per device: blocks_loss). With
+    # one stage the axis has size 1 and splits nothing; left out, shard_map's transpose would
+    # all-reduce every kernel input's cotangent over it (a collective per call, of 1 device).
+    shard = KernelShard(mesh, MESH_AXES)
     sharded = model.clone(kernel_shard=shard)
     return sharded if sharded.plan.shard is not None else model
 
