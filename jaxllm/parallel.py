@@ -142,8 +142,7 @@ def check_pipeline(model: ModelConfig, n_stages: int) -> None:
 def kernel_model(model: Decoder, mesh: Mesh) -> Decoder:
     """`model` as it runs on `mesh`: on several devices a clone whose Pallas calls run per
     shard of the batch (`KernelShard` over pipeline x data x fsdp; its plan's describe() says
-    so); on one
-    device, or without a Pallas path, `model` itself. Same parameters either way."""
+    so); on one device, or without a Pallas path, `model` itself. Same parameters either way."""
     if mesh.size == 1 or model.kernel_shard is not None:
         return model
     # Rows over every mesh axis. With stages, the pipeline's output rows are split over them too
@@ -408,9 +407,10 @@ def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) 
     by layer (`gathered_scan`); else the model's apply. Both thread dropout keys per layer
     (`blocks_loss`). A Decoder runs as `kernel_model` makes it (Pallas calls per batch shard)."""
     model = getattr(apply_fn, "__self__", None)
-    if isinstance(model, Decoder) and kernel_model(model, mesh) is not model:
-        model = kernel_model(model, mesh)
-        apply_fn = model.apply
+    if isinstance(model, Decoder):
+        sharded = kernel_model(model, mesh)
+        if sharded is not model:  # else keep apply_fn itself: _on_mesh compares identities
+            model, apply_fn = sharded, sharded.apply
     stages, fsdp = mesh.shape["pipeline"], mesh.shape["fsdp"]
     scanned = isinstance(model, Decoder) and model.cfg.scan_layers
     if stages > 1:

@@ -43,15 +43,14 @@ class Block(nn.Module):
         ln = functools.partial(LayerNorm, cfg.norm_eps, cfg.bias, plan.norm, dtype, plan.shard)
         attn = MultiHeadAttention(
             cfg.n_heads, cfg.qkv_bias, cfg.bias, cfg.dropout, None, init, out_init, dtype,
-            self.plan.attention, self.plan.shard, name="attn",
+            plan.attention, plan.shard, name="attn",
         )  # fmt: skip
         mlp = FeedForward(cfg.ffn_dim, cfg.bias, cfg.dropout, init, out_init, dtype, name="mlp")
 
         conv = None
         if cfg.short_conv:
-            conv = DepthwiseConv1d(
-                cfg.short_conv_size, "causal", self.plan.conv, self.plan.shard, name="conv"
-            )
+            k = cfg.short_conv_size
+            conv = DepthwiseConv1d(k, "causal", plan.conv, plan.shard, name="conv")
         return pre_norm_block(ln(name="ln1"), ln(name="ln2"), attn, mlp, conv, x, h, inputs, cache)
 
 
@@ -63,9 +62,8 @@ class GPT2(Decoder):
         self.wpe = Embedding(cfg.context_length, cfg.d_model, init)  # (T_max, D)
         self.drop = Dropout(cfg.dropout)
         dtype = jnp.dtype(cfg.compute_dtype)
-        norm = functools.partial(
-            LayerNorm, cfg.norm_eps, cfg.bias, self.plan.norm, dtype, self.plan.shard
-        )
+        plan = self.plan
+        norm = functools.partial(LayerNorm, cfg.norm_eps, cfg.bias, plan.norm, dtype, plan.shard)
         self.build_stack(self.wte, Block, norm, head_init=init)
 
     def embed(self, tokens: jax.Array, positions: jax.Array, deterministic: bool) -> jax.Array:

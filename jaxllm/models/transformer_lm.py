@@ -42,19 +42,18 @@ class Block(nn.Module):
     def __call__(
         self, x: jax.Array, h: jax.Array | None, inputs: AttentionInputs, cache: KVCache | None
     ) -> tuple[jax.Array, jax.Array, KVCache | None]:
-        cfg, dtype = self.cfg, jnp.dtype(self.cfg.compute_dtype)
+        cfg, dtype, plan = self.cfg, jnp.dtype(self.cfg.compute_dtype), self.plan
         attn = MultiHeadAttention(
             cfg.n_heads, False, False, cfg.dropout, cfg.rope_theta, cs336_init(), cs336_init(),
-            dtype, self.plan.attention, self.plan.shard, name="attn",
+            dtype, plan.attention, plan.shard, name="attn",
         )  # fmt: skip
         mlp = SwiGLU(cfg.ffn_dim, cs336_init(), dtype, name="mlp")
 
         conv = None
         if cfg.short_conv:
-            conv = DepthwiseConv1d(
-                cfg.short_conv_size, "causal", self.plan.conv, self.plan.shard, name="conv"
-            )
-        norm = rms_norm(cfg, self.plan)
+            k = cfg.short_conv_size
+            conv = DepthwiseConv1d(k, "causal", plan.conv, plan.shard, name="conv")
+        norm = rms_norm(cfg, plan)
         ln1, ln2 = norm(name="ln1"), norm(name="ln2")
         return pre_norm_block(ln1, ln2, attn, mlp, conv, x, h, inputs, cache)
 
