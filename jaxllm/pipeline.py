@@ -13,8 +13,8 @@ end of each phase where some stages have nothing to do are the bubble,
 - `pipeline_apply`: the forward written with `jax.shard_map` + `jax.lax.ppermute`. It works on
   any `layer_fn(layer_params, x) -> x` and parameters stacked along a leading layer axis (the
   layout of `model.scan_layers`: params["blocks"] with leaves (L, ...)), not on model classes.
-  The backward is not written: `jax.grad` transposes the tick loop (a `lax.scan`) into a
-  reversed loop whose ppermutes send cotangents stage s + 1 -> s, i.e. the GPipe backward.
+  The backward is not written: `jax.grad` transposes the (unrolled) tick loop into the reversed
+  sequence of ticks whose ppermutes send cotangents stage s + 1 -> s, i.e. the GPipe backward.
 
 Composes with data parallelism: every mesh axis other than `pipeline` (e.g. `data`) splits the
 batch, and each stage's parameters are replicated over those axes (their gradients are summed
@@ -100,8 +100,8 @@ def pipeline_apply(
     layer_fn(layer_params, x) -> x: one layer; layer_params are stacked_params' leaves without
         their leading axis, x a pytree of arrays (B, ...) that keeps its shapes (e.g. (x, h)).
     stacked_params: a pytree whose leaves all have a leading layer axis L divisible by
-        S = mesh.shape[axis]; stage s holds layers s L/S .. (s + 1) L/S - 1 and runs them with
-        `lax.scan` (`remat`: recompute them in the backward, GPipe's re-materialisation).
+        S = mesh.shape[axis]; stage s holds layers s L/S .. (s + 1) L/S - 1 and runs them in
+        order (`remat`: recompute them in the backward, GPipe's re-materialisation).
     x: the batch, a pytree of arrays (B, ...). B is split over `batch_axes` (default: every
         other mesh axis, e.g. `data`), then each shard into `n_microbatches` microbatches of
         consecutive rows.
@@ -125,12 +125,14 @@ def pipeline_apply(
     Memory per device: this stage's L/S layers, the M + S - 1 tick outputs and what the
     backward keeps of each tick (with `remat`, only each tick's stage input).
 
-    The tick loop and each stage's layer loop are unrolled (`lax.scan(unroll=True)`): as while
-    loops, every one of the (M + S - 1) x L/S layer iterations paid fixed copies of its slices
-    and carries, and no transfer overlapped a tick's compute. GPT-2 124M, S = 2, M = 4, batch 32
-    on 2 H200s (benchmarks/RESULTS.md): 150.9 ms a step as loops, 91.9 ms unrolled; and cuDNN
-    attention, which crashed XLA inside the rolled tick loop (segmentation fault, jax 0.11.2),
-    runs unrolled. The price is compile time, which grows with (M + S - 1) x L/S.
+    The tick loop and each stage's layer loop are Python loops, unrolled into the jaxpr. As
+    `lax.scan` while loops, every one of the (M + S - 1) x L/S layer iterations paid fixed copies
+    of its slices and carries (GPT-2 124M, S = 2, M = 4, batch 32 on 2 H200s, benchmarks/
+    RESULTS.md: 150.9 ms a step as loops, 91.9 ms as `scan(unroll=True)`), and cuDNN attention
+    crashed XLA inside the rolled tick loop (segmentation fault, jax 0.11.2). `scan(unroll=True)`
+    still stacked every residual the backward keeps into (L/S, ...) and (M + S - 1, ...) arrays
+    and sliced them back: ~6 ms of copies a step at M = 8, batch 64, which plain loops do not
+    make. The price is compile time, which grows with (M + S - 1) x L/S.
 
     Measuring the bubble (benchmarks/parallel_throughput.py): with T_pipe the time of the
     pipelined step and T_seq the time of the whole stack on one device, the measured bubble is
@@ -172,42 +174,39 @@ def pipeline_apply(
     def per_device(params: Any, x: Any, *key: jax.Array) -> Any:
         # params: leaves (L/S, ...) of this stage; x: leaves (B', ...), B' = B / ways
         stage = jax.lax.axis_index(axis)
-        n_ticks = n_microbatches + n_stages - 1
         shard = 0  # this device's index over the batch axes, row-major
         for a in batch_axes:
             shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
-        layers = stage * per_stage + jnp.arange(per_stage)  # this stage's global layer indices
-
-        def split(a: jax.Array) -> jax.Array:
-            mbs = a.reshape(n_microbatches, -1, *a.shape[1:])  # (M, B'/M, ...)
-            pad = jnp.zeros((n_stages - 1, *mbs.shape[1:]), a.dtype)  # stage 0's bubble input
-            return jnp.concatenate([mbs, pad])  # (M + S - 1, B'/M, ...)
-
-        feed = jax.tree.map(split, x)  # what stage 0 reads at each tick
-        # What each stage received from the previous one; varying over `axis` like the sends.
-        recv = jax.tree.map(lambda a: jax.lax.pcast(jnp.zeros_like(a[0]), axis, to="varying"), feed)
+        # One pytree per layer, sliced once per step (not once per tick and layer).
+        stage_params = [jax.tree.map(lambda p, i=i: p[i], params) for i in range(per_stage)]
+        layers = [stage * per_stage + i for i in range(per_stage)]  # their global indices
+        # (M, B'/M, ...): microbatch i is rows i B'/M .. (i + 1) B'/M - 1 of this shard
+        mbs = jax.tree.map(lambda a: a.reshape(n_microbatches, -1, *a.shape[1:]), x)
+        # What this stage received from the previous one; varying over `axis` like the sends.
+        recv = jax.tree.map(lambda a: jax.lax.pcast(jnp.zeros_like(a[0]), axis, to="varying"), mbs)
         shift = [(s, s + 1) for s in range(n_stages - 1)]  # stage s -> s + 1, none wraps round
 
-        def tick(recv: Any, tick_in: tuple[Any, jax.Array]) -> tuple[Any, Any]:
-            feed_k, k = tick_in
+        outs = []
+        for k in range(n_microbatches + n_stages - 1):  # unrolled: see the docstring
             with jax.named_scope("pipeline_tick"):
-                inp = jax.tree.map(lambda f, r: jnp.where(stage == 0, f, r), feed_k, recv)
+                # Stage 0 reads microbatch k (zeros in its bubble), the others what they got.
+                if k < n_microbatches:
+                    feed = jax.tree.map(lambda a, k=k: a[k], mbs)
+                else:
+                    feed = jax.tree.map(jnp.zeros_like, recv)
+                inp = jax.tree.map(lambda f, r: jnp.where(stage == 0, f, r), feed, recv)
                 # (B'/M, ...) this stage's microbatch k - stage (a dummy one in the bubble)
                 if key:
                     mb = shard * n_microbatches + jnp.clip(k - stage, 0, n_microbatches - 1)
-                    out = stage_fn(params, inp, key[0], layers, mb)
+                    out = stage_fn(stage_params, inp, key[0], layers, mb)
                 else:
-                    out = stage_fn(params, inp)
-                if n_stages > 1:
-                    recv = jax.tree.map(lambda a: jax.lax.ppermute(a, axis, shift), out)
-            return recv, out
-
-        ticks = (feed, jnp.arange(n_ticks))
-        # Unrolled, as the stage's layers are (_stage_fn): see the docstring.
-        _, outs = jax.lax.scan(tick, recv, ticks, length=n_ticks, unroll=True)  # (M+S-1, B'/M, ..)
+                    out = stage_fn(stage_params, inp)
+                if n_stages > 1 and k < n_microbatches + n_stages - 2:  # the last goes nowhere
+                    recv = jax.lax.ppermute(out, axis, shift)  # one collective, all leaves
+            outs.append(out)
         # On the last stage, tick S - 1 + i finished microbatch i.
         return jax.tree.map(
-            lambda o: o[n_stages - 1 :].reshape(1, -1, *o.shape[2:]), outs
+            lambda *o: jnp.concatenate(o)[None], *outs[n_stages - 1 :]
         )  # (1, B', ...)
 
     keys = () if rng is None else (rng,)
@@ -228,24 +227,23 @@ def pipeline_apply(
 
 
 def _stage_fn(layer_fn: LayerFn, remat: bool, keyed: bool = False) -> Callable[..., Any]:
-    """(params with leaves (L/S, ...), x) -> x after this stage's L/S layers, in order; `keyed`:
-    (params, x, rng, layers (L/S,) global indices, microbatch) -> x, each layer given the key
-    fold_in(fold_in(rng, layer), microbatch)."""
+    """(one params pytree per layer, x) -> x after this stage's L/S layers, in order; `keyed`:
+    (layer params, x, rng, layers: their global indices, microbatch) -> x, each layer given the
+    key fold_in(fold_in(rng, layer), microbatch)."""
 
-    def stage(params: Any, x: Any) -> Any:
-        x, _ = jax.lax.scan(lambda h, p: (layer_fn(p, h), None), x, params, unroll=True)
+    def stage(params: Sequence[Any], x: Any) -> Any:
+        for p in params:
+            x = layer_fn(p, x)
         return x
 
-    def keyed_stage(params: Any, x: Any, rng: jax.Array, layers: jax.Array, mb: Any) -> Any:
-        def body(h: Any, p_i: tuple[Any, jax.Array]) -> tuple[Any, None]:
-            p, i = p_i
-            return layer_fn(p, h, jax.random.fold_in(jax.random.fold_in(rng, i), mb)), None
-
-        x, _ = jax.lax.scan(body, x, (params, layers), unroll=True)
+    def keyed_stage(
+        params: Sequence[Any], x: Any, rng: jax.Array, layers: Sequence[Any], mb: Any
+    ) -> Any:
+        for p, i in zip(params, layers, strict=True):
+            x = layer_fn(p, x, jax.random.fold_in(jax.random.fold_in(rng, i), mb))
         return x
 
     stage = keyed_stage if keyed else stage
-
     return jax.checkpoint(stage) if remat else stage
 
 
