@@ -312,6 +312,24 @@ def test_bad_flags_exit_with_one_line_naming_what_is_allowed(argv, allowed):
     assert isinstance(msg, str) and "\n" not in msg and allowed in msg, msg
 
 
+def test_rows_wait_for_the_torch_cell(monkeypatch):
+    """With --torch a config's rows carry PyTorch's times: the row is made only after the
+    config's torch cell (timed last), not as soon as our own modes are measured."""
+    sweep = bench.Sweep(sizes=("tiny",), contexts=(16,), vocab=64, batch=2, torch=True,
+                        modes=("forward", "train_step"))  # fmt: skip
+    torch_ms = {"eager": {m: bench.Measured("ok", 3e-3, 0.0) for m in sweep.modes},
+                "compile": {m: bench.Measured("ok", 2e-3, 0.0) for m in sweep.modes}}  # fmt: skip
+
+    def fake_cells(sweep, size, cells, stop_after_oom=False):
+        for cell in cells:
+            yield cell, torch_ms if cell[2] == bench.TORCH else bench.Measured("ok", 1e-3, 0.0)
+
+    monkeypatch.setattr(bench, "measure_cells", fake_cells)
+    rows = [r for config in bench.bench_size(sweep, "tiny") for r in config]
+    assert [r.mode for r in rows] == ["forward", "train_step"]
+    assert all(r.torch_compile.mean_s == 2e-3 and r.torch_eager.mean_s == 3e-3 for r in rows)
+
+
 def test_torch_side_needs_torch_with_cuda():
     try:
         import torch

@@ -610,9 +610,10 @@ def bench_size(
     n_params = _param_count(model, {"inputs": np.zeros((1, min(sweep.contexts)), np.int32)})
     results: dict[Cell, Any] = {}
     configs = [(t, d) for t in sweep.contexts for d in sweep.dtypes]
+    wanted = [*modes, *([TORCH] if sweep.torch else [])]  # a config's row waits for all of them
     for cell, result in source:
         results[cell] = result
-        while configs and all((*configs[0], m) in results for m in modes):
+        while configs and all((*configs[0], m) in results for m in wanted):
             t, d = configs.pop(0)
             ours = {m: results.pop((t, d, m)) for m in modes}
             torch = results.pop((t, d, TORCH), None)
