@@ -55,19 +55,23 @@ def _run(args: list[str], devices: int | None) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out = tmp_path_factory.mktemp("bench") / "rows.jsonl"
+def test_every_variant_on_two_devices(tmp_path: Path) -> None:
+    """One bench run (about 30 s on 2 CPU cores) checked three ways. One test, not three
+    sharing a fixture: pytest-xdist would run that fixture once per worker."""
+    out = tmp_path / "rows.jsonl"
     variants = "--variants=single,single_scan,dp,fsdp,pp"
     done = _run([*TINY, variants, "--microbatches=2", f"--jsonl={out}"], devices=2)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     assert "| variant | devices |" in done.stdout  # the markdown table
     assert "parallel: mesh data=1 fsdp=2" in done.stdout  # describe() lines, once per variant
     assert "ops: norm=xla" in done.stdout
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    check_every_variant_gives_a_finite_row(rows)
+    check_fsdp_halves_the_state_per_device(rows)
+    check_pipeline_rows_carry_bubble_and_bound(rows)
 
 
-def test_every_variant_gives_a_finite_row(rows: list[dict]) -> None:
+def check_every_variant_gives_a_finite_row(rows: list[dict]) -> None:
     by = {r["variant"]: r for r in rows}
     assert set(by) == {"single", "single_scan", "dp", "fsdp", "pp"}
     for r in rows:
@@ -87,14 +91,14 @@ def test_every_variant_gives_a_finite_row(rows: list[dict]) -> None:
         assert r["scaling_efficiency"] == pytest.approx(r["speedup"] / 2)
 
 
-def test_fsdp_halves_the_state_per_device(rows: list[dict]) -> None:
+def check_fsdp_halves_the_state_per_device(rows: list[dict]) -> None:
     by = {r["variant"]: r for r in rows}
     fsdp, one = by["fsdp"]["state_bytes_per_device"], by["single_scan"]["state_bytes_per_device"]
     assert 0.45 * one <= fsdp <= 0.6 * one
     assert by["dp"]["state_bytes_per_device"] == by["single"]["state_bytes_per_device"]
 
 
-def test_pipeline_rows_carry_bubble_and_bound(rows: list[dict]) -> None:
+def check_pipeline_rows_carry_bubble_and_bound(rows: list[dict]) -> None:
     (pp,) = [r for r in rows if r["variant"] == "pp"]
     base = next(r for r in rows if r["variant"] == "single")
     assert pp["microbatches"] == 2
