@@ -27,9 +27,10 @@ the pipeline's (jaxllm/pipeline.py):
 Pallas kernels are custom calls that the partitioner cannot split (it would gather their operands
 and run them whole on every device), so on a mesh of several devices the model runs with a
 `KernelShard` (`kernel_model`): each Pallas call is a `shard_map` over the mesh's axes (rows
-split over pipeline x data x fsdp: with stages, they split the final norm and loss too), weights
-whole. Inside the pipeline's own shard_map the stages' kernels already see per-device arrays and
-run as they are.
+split over data x fsdp x pipeline, ROW_AXES: with stages, they split the embedding, the final
+norm and the loss too, in the order the pipeline reads and writes rows), weights whole.
+Inside the pipeline's own shard_map the stages' kernels already see per-device arrays and run
+as they are.
 This module is the only place that decides a mesh or a sharding.
 """
 
@@ -68,6 +69,9 @@ AXES = ParallelConfig.AXES  # ("data", "fsdp", "pipeline"): the config's names a
 MESH_AXES = ("pipeline", "data", "fsdp")
 BATCH_AXES = ("data", "fsdp")
 BATCH = P(BATCH_AXES)  # rows split over data x fsdp, the rest of each batch array whole
+# Rows over every axis, the stages innermost: each data x fsdp shard split over the stages,
+# as pipeline_apply reads its input and places its output (no row moves in between).
+ROW_AXES = (*BATCH_AXES, "pipeline")
 
 
 def mesh_sizes(cfg: ParallelConfig, n_devices: int) -> dict[str, int]:
@@ -141,7 +145,7 @@ def check_pipeline(model: ModelConfig, n_stages: int) -> None:
 
 def kernel_model(model: Decoder, mesh: Mesh) -> Decoder:
     """`model` as it runs on `mesh`: on several devices a clone whose Pallas calls run per
-    shard of the batch (`KernelShard` over pipeline x data x fsdp; its plan's describe() says
+    shard of the batch (`KernelShard` over data x fsdp x pipeline; its plan's describe() says
     so); on one device, or without a Pallas path, `model` itself. Same parameters either way."""
     if mesh.size == 1 or model.kernel_shard is not None:
         return model
@@ -150,7 +154,7 @@ def kernel_model(model: Decoder, mesh: Mesh) -> Decoder:
     # stages' own kernels run inside the pipeline's shard_map, per device: blocks_loss). With
     # one stage the axis has size 1 and splits nothing; left out, shard_map's transpose would
     # all-reduce every kernel input's cotangent over it (a collective per call, of 1 device).
-    shard = KernelShard(mesh, MESH_AXES)
+    shard = KernelShard(mesh, ROW_AXES)
     sharded = model.clone(kernel_shard=shard)
     return sharded if sharded.plan.shard is not None else model
 
@@ -374,12 +378,19 @@ class MeshApply:
         rows: int,
         what: str,
         per_device_blocks: bool = False,
+        split_rows: NamedSharding | None = None,
     ) -> None:
         self.model, self.run_blocks, self.rows, self.what = model, run_blocks, rows, what
-        self.per_device_blocks = per_device_blocks
+        self.per_device_blocks, self.split_rows = per_device_blocks, split_rows
 
     def __call__(self, variables: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
         if method == "loss" and np.shape(args[0])[0] % self.rows == 0:
+            n_rows, rows = np.shape(args[0])[0], self.split_rows
+            if rows is not None and n_rows % math.prod(rows.mesh.shape[a] for a in ROW_AXES) == 0:
+                # tokens and targets split over the stages too: the embedding runs on 1/S of
+                # the rows per stage, as the pipeline reads them (pipeline_apply)
+                tokens, targets = (jax.lax.with_sharding_constraint(a, rows) for a in args[:2])
+                args = (tokens, targets, *args[2:])
             loss = functools.partial(
                 blocks_loss,
                 rngs=kwargs.pop("rngs", None),
@@ -432,7 +443,8 @@ def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) 
         )
         ways = mesh.shape["data"] * fsdp * m
         what = f"pipeline {stages} stages x {m} microbatches"
-        return MeshApply(model, run, ways, what, per_device_blocks=True)
+        split = NamedSharding(mesh, P(ROW_AXES))
+        return MeshApply(model, run, ways, what, per_device_blocks=True, split_rows=split)
     if scanned and fsdp > 1:
         return MeshApply(model, gathered_scan(mesh), 1, f"fsdp {fsdp}, gathered per layer")
     return apply_fn

@@ -34,7 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 Schedule = list[list[tuple[int, int]]]  # [tick][(microbatch, stage), ...]
@@ -114,8 +114,12 @@ def pipeline_apply(
     check_vma: jax.shard_map's type check of what varies across devices; layers that call
         Pallas kernels need it off (a pallas_call declares no such types).
     Returns the last stage's outputs, same structure and shapes as x, rows in their order:
-    equal (up to float rounding) to running the L layers one after another on all of x; placed
-    with their rows split over (axis, *batch_axes) where they divide.
+    equal (up to float rounding) to running the L layers one after another on all of x. Where
+    B divides by ways x S, x is read and the output placed with rows split over
+    (*batch_axes, axis), so whatever comes before or after (an embedding, a final norm, an LM
+    head) runs on 1/S of the rows on each stage: stage 0 gathers its shard's rows and the last
+    stage scatters its results with S - 1 point-to-point sends each. Otherwise x is read
+    replicated over the stages and the output comes back that way.
 
     Every tick, each stage runs its layers (under the named scope `pipeline_tick`, so the
     profiler shows the M + S - 1 ticks of the forward and of the backward) and sends its output
@@ -166,13 +170,41 @@ def pipeline_apply(
             f"{ways} x {n_microbatches} = {ways * n_microbatches}"
         )
 
-    batch_spec = P(batch_axes) if batch_axes else P()
-    out_spec = P(axis, batch_axes) if batch_axes else P(axis)
+    # Rows split over the stages too (where they divide): device (stage s, shard d) holds
+    # rows chunk s of shard d, in and out. Stage 0 gathers its shard's rows from the other
+    # stages, the last stage scatters its results back: point-to-point sends of 1/S of the
+    # rows each. Replicated over the stages instead, the input's cotangent would be summed over
+    # them (an all-reduce of every activation row) and the output moved twice.
+    split = batch % (ways * n_stages) == 0
+    rows_spec = P((*batch_axes, axis))
+    if split:
+        in_spec, out_spec = rows_spec, rows_spec
+    else:
+        in_spec = P(batch_axes) if batch_axes else P()
+        out_spec = P(axis, batch_axes) if batch_axes else P(axis)
     per_stage = n_layers // n_stages
     stage_fn = _stage_fn(layer_fn, remat, keyed=rng is not None)
+    last = n_stages - 1
+
+    def gather_rows(a: jax.Array) -> jax.Array:
+        # (B'/S, ...) this stage's rows -> (B', ...): on stage 0 the shard's rows in order
+        parts = [a] + [jax.lax.ppermute(a, axis, [(s, 0)]) for s in range(1, n_stages)]
+        return jnp.concatenate(parts)
+
+    def scatter_rows(a: jax.Array) -> jax.Array:
+        # (B', ...) on the last stage -> (B'/S, ...) on stage s: its chunk s
+        c = a.shape[0] // n_stages
+        mine = a[last * c :]
+        for s in range(last):
+            got = jax.lax.ppermute(a[s * c : (s + 1) * c], axis, [(last, s)])
+            mine = jnp.where(jax.lax.axis_index(axis) == s, got, mine)
+        return mine
 
     def per_device(params: Any, x: Any, *key: jax.Array) -> Any:
-        # params: leaves (L/S, ...) of this stage; x: leaves (B', ...), B' = B / ways
+        # params: leaves (L/S, ...) of this stage; x: leaves (B', ...), B' = B / ways, or
+        # with `split` (B'/S, ...), this stage's chunk of them
+        if split:
+            x = jax.tree.map(gather_rows, x)  # (B', ...)
         stage = jax.lax.axis_index(axis)
         shard = 0  # this device's index over the batch axes, row-major
         for a in batch_axes:
@@ -183,7 +215,10 @@ def pipeline_apply(
         # (M, B'/M, ...): microbatch i is rows i B'/M .. (i + 1) B'/M - 1 of this shard
         mbs = jax.tree.map(lambda a: a.reshape(n_microbatches, -1, *a.shape[1:]), x)
         # What this stage received from the previous one; varying over `axis` like the sends.
-        recv = jax.tree.map(lambda a: jax.lax.pcast(jnp.zeros_like(a[0]), axis, to="varying"), mbs)
+        # (zeros_like keeps a's type: with `split`, x already varies over `axis`)
+        recv = jax.tree.map(lambda a: jnp.zeros_like(a[0]), mbs)
+        if not split:
+            recv = jax.tree.map(lambda a: jax.lax.pcast(a, axis, to="varying"), recv)
         shift = [(s, s + 1) for s in range(n_stages - 1)]  # stage s -> s + 1, none wraps round
 
         outs = []
@@ -205,25 +240,20 @@ def pipeline_apply(
                     recv = jax.lax.ppermute(out, axis, shift)  # one collective, all leaves
             outs.append(out)
         # On the last stage, tick S - 1 + i finished microbatch i.
-        return jax.tree.map(
-            lambda *o: jnp.concatenate(o)[None], *outs[n_stages - 1 :]
-        )  # (1, B', ...)
+        done = jax.tree.map(lambda *o: jnp.concatenate(o), *outs[last:])  # (B', ...)
+        if split:
+            return jax.tree.map(scatter_rows, done)  # (B'/S, ...)
+        return jax.tree.map(lambda o: o[None], done)  # (1, B', ...)
 
     keys = () if rng is None else (rng,)
-    stages_out = jax.shard_map(
+    out = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(P(axis), batch_spec, *(P() for _ in keys)),
+        in_specs=(P(axis), in_spec, *(P() for _ in keys)),
         out_specs=out_spec,
         check_vma=check_vma,
-    )(stacked_params, x, *keys)  # (S, B, ...): one slice per stage
-    last = jax.tree.map(lambda o: o[-1], stages_out)  # (B, ...) the last stage's
-    if batch % (ways * n_stages) == 0:
-        # Rows split over the stages too: whatever follows (a final norm, an LM head) runs on
-        # 1/S of the rows on each stage instead of all of them on every stage.
-        rows = NamedSharding(mesh, P((axis, *batch_axes)))
-        last = jax.tree.map(lambda o: jax.lax.with_sharding_constraint(o, rows), last)
-    return last
+    )(stacked_params, x, *keys)  # split: (B, ...); else (S, B, ...), one slice per stage
+    return out if split else jax.tree.map(lambda o: o[-1], out)  # (B, ...)
 
 
 def _stage_fn(layer_fn: LayerFn, remat: bool, keyed: bool = False) -> Callable[..., Any]:

@@ -560,7 +560,7 @@ def test_pallas_kernels_run_per_batch_shard_and_match_one_device():
     _assert_trees_close(out.pop("conv_sharded"), out.pop("conv_single"), 1e-6, "conv")
     for name, r in out.items():
         # Rows over every axis (pipeline has size 1 without stages: no collective over it).
-        assert r["ops"].endswith("(Pallas per shard over pipeline x data x fsdp = 8)"), r["ops"]
+        assert r["ops"].endswith("(Pallas per shard over data x fsdp x pipeline = 8)"), r["ops"]
         np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, err_msg=name)
         np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-5, err_msg=name)
         _assert_trees_close(r["params"], ref["params"], 1e-5, name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -223,24 +224,51 @@ def _check_pipelines() -> None:
     dp_params, dp_x = toy(n_layers=4, batch=12, seed=1)
     out["dp2_pp4_m3"] = compare(mlp_layer, dp_params, dp_x, dp_pp, m=3)
 
+    # The same with 24 rows, which also split over the 4 stages: rows in and out split over
+    # (data, pipeline), gathered to stage 0 and scattered from stage 3 by ppermute.
+    split_params, split_x = toy(n_layers=4, batch=24, seed=3)
+    out["dp2_pp4_m3_split"] = compare(mlp_layer, split_params, split_x, dp_pp, m=3)
+
     # Keyed layers (dropout): layer l of global microbatch g (data shard d has g = 3 d .. 3 d + 2)
-    # gets fold_in(fold_in(rng, l), g).
+    # gets fold_in(fold_in(rng, l), g); rows replicated over the stages (12) and split (24).
     rng = jax.random.PRNGKey(7)
     run = jax.jit(
         lambda p, x, k: pipeline_apply(noisy_layer, p, x, mesh=dp_pp, n_microbatches=3, rng=k)
     )
-    got = run(dp_params, dp_x, rng)
-    out["keyed"] = {
-        "err": max_rel_err(got, sequential_keyed(noisy_layer, dp_params, dp_x, rng, m=6)),
-        "again": bool(jnp.array_equal(got, run(dp_params, dp_x, rng))),
-        "noise": float(jnp.abs(got - sequential(mlp_layer, dp_params, dp_x)).min()),  # all rows
-        "other_rng": float(jnp.abs(got - run(dp_params, dp_x, jax.random.PRNGKey(8))).max()),
+    for name, (p, x) in {
+        "keyed": (dp_params, dp_x),
+        "keyed_split": (split_params, split_x),
+    }.items():
+        got = run(p, x, rng)
+        out[name] = {
+            "err": max_rel_err(got, sequential_keyed(noisy_layer, p, x, rng, m=6)),
+            "again": bool(jnp.array_equal(got, run(p, x, rng))),
+            "noise": float(jnp.abs(got - sequential(mlp_layer, p, x)).min()),  # all rows
+            "other_rng": float(jnp.abs(got - run(p, x, jax.random.PRNGKey(8))).max()),
+        }
+
+    # Split rows: no collective sums over the stages in the backward (each stage's input
+    # cotangent goes back by ppermute); replicated rows: the input's cotangent is summed.
+    def sums_over_stages(x) -> bool:
+        def loss(p, x):
+            return sum_squares(pipeline_apply(mlp_layer, p, x, mesh=dp_pp, n_microbatches=3))
+
+        text = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(split_params, x))
+        return any("pipeline" in axes for axes in re.findall(r"psum\w*\[axes=\(([^)]*)\)", text))
+
+    out["psum_over_stages"] = {
+        "split": sums_over_stages(split_x),
+        "replicated": sums_over_stages(split_x[:12]),
     }
 
-    # S = 8 > M = 2, and a pytree carry (x, h) like the decoder blocks'.
+    # S = 8 > M = 2, and a pytree carry (x, h) like the decoder blocks'; 4 rows (replicated
+    # over the stages) and 16 (split over them).
     params, x = toy(n_layers=8, batch=4, seed=2)
     xh = (x, jnp.zeros_like(x))
     out["pp8_m2_pair"] = compare(pair_layer, params, xh, Mesh(devices, ("pipeline",)), m=2)
+    params, x = toy(n_layers=8, batch=16, seed=4)
+    xh = (x, 0.5 * x)
+    out["pp8_m2_pair_split"] = compare(pair_layer, params, xh, Mesh(devices, ("pipeline",)), m=2)
 
     # The backward: jax.grad's transposed tick loop sends cotangents stage s + 1 -> s.
     jaxpr = jax.make_jaxpr(
@@ -279,12 +307,14 @@ def test_pipelines_on_8_devices():
     )
     assert run.returncode == 0, run.stderr[-4000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    for case in ("pp4_m6", "pp4_m6_remat", "dp2_pp4_m3", "pp8_m2_pair"):
+    cases = ("pp4_m6", "pp4_m6_remat", "dp2_pp4_m3", "dp2_pp4_m3_split", "pp8_m2_pair")
+    for case in (*cases, "pp8_m2_pair_split"):
         assert got[case]["out"] < 1e-6, (case, got[case])
         assert got[case]["grads"] < 1e-5, (case, got[case])
-    r = got["keyed"]
-    assert r["err"] < 1e-6 and r["again"], r  # the documented keys, deterministic
-    assert r["noise"] > 0 and r["other_rng"] > 1e-3, r
+    for r in (got["keyed"], got["keyed_split"]):
+        assert r["err"] < 1e-6 and r["again"], r  # the documented keys, deterministic
+        assert r["noise"] > 0 and r["other_rng"] > 1e-3, r
+    assert got["psum_over_stages"] == {"split": False, "replicated": True}
     assert got["forward_shift"] and got["backward_shift"]
     assert "6 stacked layers must split evenly into 4 pipeline stages" in got["errors"]["layers"]
     assert (
