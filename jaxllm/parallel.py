@@ -410,6 +410,23 @@ class MeshApply:
         return f"MeshApply({type(self.model).__name__}, {self.what})"
 
 
+def pending_folded(cfg: ModelConfig) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """pipeline_apply's `wire` for the blocks' carry (x, h) (residual stream, pending branch
+    output): send x + h, go on from (x + h, 0). The next layer adds h first thing (add_and_norm,
+    in x's dtype), so the result is the same, while each send is one array of x's dtype
+    instead of two."""
+    pending = jnp.dtype(cfg.compute_dtype)
+
+    def pack(carry: tuple[jax.Array, jax.Array]) -> jax.Array:
+        x, h = carry
+        return x + h.astype(x.dtype)
+
+    def unpack(y: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return y, jnp.zeros_like(y, dtype=pending)  # zeros_like: y's device variance too
+
+    return pack, unpack
+
+
 def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) -> Callable:
     """The apply function the train and eval steps use on `mesh` in place of a state's
     `apply_fn` (a Decoder's `model.apply`): with model.scan_layers and pipeline > 1, a
@@ -440,6 +457,7 @@ def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) 
             n_microbatches=m,
             batch_axes=BATCH_AXES,
             check_vma=not pallas,
+            wire=pending_folded(model.cfg),
         )
         ways = mesh.shape["data"] * fsdp * m
         what = f"pipeline {stages} stages x {m} microbatches"

@@ -94,6 +94,7 @@ def pipeline_apply(
     remat: bool = False,
     rng: jax.Array | None = None,
     check_vma: bool = True,
+    wire: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None,
 ) -> Any:
     """Run L stacked layers as an S-stage GPipe pipeline over mesh axis `axis`.
 
@@ -113,6 +114,11 @@ def pipeline_apply(
         (bubble ticks, whose results are dropped, use microbatch 0's).
     check_vma: jax.shard_map's type check of what varies across devices; layers that call
         Pallas kernels need it off (a pallas_call declares no such types).
+    wire: (pack, unpack), or None: what crosses between devices. Every send carries
+        pack(carry), and the receiver continues with unpack(received); unpack(pack(c)) must
+        act on layer_fn like c (e.g. a residual stream and a pending branch output summed
+        into one array: fewer and smaller sends). pack and unpack keep the row axis. With
+        rows split over the stages (below) the output comes back as unpack(pack(out)).
     Returns the last stage's outputs, same structure and shapes as x, rows in their order:
     equal (up to float rounding) to running the L layers one after another on all of x. Where
     B divides by ways x S, x is read and the output placed with rows split over
@@ -185,6 +191,7 @@ def pipeline_apply(
     per_stage = n_layers // n_stages
     stage_fn = _stage_fn(layer_fn, remat, keyed=rng is not None)
     last = n_stages - 1
+    pack, unpack = wire or (lambda c: c, lambda c: c)
 
     def gather_rows(a: jax.Array) -> jax.Array:
         # (B'/S, ...) this stage's rows -> (B', ...): on stage 0 the shard's rows in order
@@ -204,7 +211,7 @@ def pipeline_apply(
         # params: leaves (L/S, ...) of this stage; x: leaves (B', ...), B' = B / ways, or
         # with `split` (B'/S, ...), this stage's chunk of them
         if split:
-            x = jax.tree.map(gather_rows, x)  # (B', ...)
+            x = unpack(jax.tree.map(gather_rows, pack(x)))  # (B', ...)
         stage = jax.lax.axis_index(axis)
         shard = 0  # this device's index over the batch axes, row-major
         for a in batch_axes:
@@ -237,12 +244,12 @@ def pipeline_apply(
                 else:
                     out = stage_fn(stage_params, inp)
                 if n_stages > 1 and k < n_microbatches + n_stages - 2:  # the last goes nowhere
-                    recv = jax.lax.ppermute(out, axis, shift)  # one collective, all leaves
+                    recv = unpack(jax.lax.ppermute(pack(out), axis, shift))
             outs.append(out)
         # On the last stage, tick S - 1 + i finished microbatch i.
         done = jax.tree.map(lambda *o: jnp.concatenate(o), *outs[last:])  # (B', ...)
         if split:
-            return jax.tree.map(scatter_rows, done)  # (B'/S, ...)
+            return unpack(jax.tree.map(scatter_rows, pack(done)))  # (B'/S, ...)
         return jax.tree.map(lambda o: o[None], done)  # (1, B', ...)
 
     keys = () if rng is None else (rng,)

@@ -89,12 +89,13 @@ def max_rel_err(got, want) -> float:
     return max(jax.tree.leaves(errs))
 
 
-def compare(layer_fn, params, x, mesh, m, **kw) -> dict[str, float]:
-    """Pipeline vs sequential: forward outputs, and grads of sum(out^2) w.r.t. (params, x)."""
+def compare(layer_fn, params, x, mesh, m, post=lambda out: out, **kw) -> dict[str, float]:
+    """Pipeline vs sequential: forward outputs, and grads of sum(out^2) w.r.t. (params, x),
+    out = post(what the side returns)."""
 
     def out_and_grads(f):  # one compiled program per side
         def loss(p, x):
-            out = f(p, x)
+            out = post(f(p, x))
             return sum_squares(out), out
 
         (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(params, x)
@@ -269,6 +270,16 @@ def _check_pipelines() -> None:
     params, x = toy(n_layers=8, batch=16, seed=4)
     xh = (x, 0.5 * x)
     out["pp8_m2_pair_split"] = compare(pair_layer, params, xh, Mesh(devices, ("pipeline",)), m=2)
+    # ... and sending x + h only (pair_layer adds h first thing), as the decoder's carry does:
+    # the pipeline then returns (x + h, 0) for the sequential (x, h).
+    wire = (lambda c: c[0] + c[1], lambda y: (y, jnp.zeros_like(y)))
+    out["pp8_m2_pair_wire"] = compare(
+        pair_layer, params, xh, Mesh(devices, ("pipeline",)), m=2, post=wire[0], wire=wire
+    )
+    sends = str(jax.make_jaxpr(lambda p, x: pipeline_apply(
+        pair_layer, p, x, mesh=Mesh(devices, ("pipeline",)), n_microbatches=2, wire=wire
+    ))(params, xh)).count("ppermute")  # fmt: skip
+    out["wire_sends"] = sends  # one array each (the pair would be two)
 
     # The backward: jax.grad's transposed tick loop sends cotangents stage s + 1 -> s.
     jaxpr = jax.make_jaxpr(
@@ -308,13 +319,14 @@ def test_pipelines_on_8_devices():
     assert run.returncode == 0, run.stderr[-4000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     cases = ("pp4_m6", "pp4_m6_remat", "dp2_pp4_m3", "dp2_pp4_m3_split", "pp8_m2_pair")
-    for case in (*cases, "pp8_m2_pair_split"):
+    for case in (*cases, "pp8_m2_pair_split", "pp8_m2_pair_wire"):
         assert got[case]["out"] < 1e-6, (case, got[case])
         assert got[case]["grads"] < 1e-5, (case, got[case])
     for r in (got["keyed"], got["keyed_split"]):
         assert r["err"] < 1e-6 and r["again"], r  # the documented keys, deterministic
         assert r["noise"] > 0 and r["other_rng"] > 1e-3, r
     assert got["psum_over_stages"] == {"split": False, "replicated": True}
+    assert got["wire_sends"] == 7 + 8 + 7  # gathers, ticks but the last (M + S - 2), scatters
     assert got["forward_shift"] and got["backward_shift"]
     assert "6 stacked layers must split evenly into 4 pipeline stages" in got["errors"]["layers"]
     assert (
