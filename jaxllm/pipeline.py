@@ -23,7 +23,9 @@ over them by shard_map's transpose).
 Training runs it through jaxllm.parallel (config `parallel.pipeline` > 1): `blocks_loss` there
 calls embed, then `pipeline_apply` with the decoder's scan body as `layer_fn` over
 params["blocks"] (stored sharded over `pipeline` on the layer axis), then the final norm and
-the loss. With dropout, `rng` gives every (layer, microbatch) pair its own key.
+the loss; embed, norm and loss each run on 1/S of the rows per stage, and the carry (x, h)
+crosses devices as one array x + h (`wire`). With dropout, `rng` gives every (layer,
+microbatch) pair its own key.
 """
 
 from __future__ import annotations
