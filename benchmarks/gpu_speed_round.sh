@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The GPU measurements issues 11 and 12 still need, in one call of at most ~9 minutes on one H100
-# (or H200): GPT-2 124M and the Llama-style TransformerLM against torch.compile at equal batch,
-# the Mosaic GPU vs Triton kernel table, and the depthwise conv1d at the CS229S shapes. Each step
-# has its own timeout so that one slow step cannot take the others' results with it.
-# Usage: bash benchmarks/gpu_speed_round.sh OUTDIR   (then copy OUTDIR/*.jsonl into benchmarks/logs)
+# The one-GPU measurements issues 11 and 12 still need, in two calls of at most ~8 minutes each
+# on one H100: PART=torch: GPT-2 124M and the Llama-style TransformerLM (124M-class and the
+# TinyStories preset's shape) against torch.compile at equal batch; PART=kernels: the Mosaic
+# GPU vs Triton kernel table and the depthwise conv1d at the CS229S shapes. Each step has its
+# own timeout so that one slow step cannot take the others' results with it.
+# Usage: bash benchmarks/gpu_speed_round.sh OUTDIR torch|kernels
+#        (then copy OUTDIR/*.jsonl into benchmarks/logs)
 set -uo pipefail
 OUT=${1:?out dir}
+PART=${2:?torch or kernels}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 step() {  # step NAME SECONDS CMD...: run, keep its log, print its table rows
@@ -16,12 +19,23 @@ step() {  # step NAME SECONDS CMD...: run, keep its log, print its table rows
   echo "   rc=$?"
   grep -E "^\|" "$OUT/$name.log" | grep -v "^|---" | cut -c1-220 | tail -20
 }
-BENCH="python3 profile.py bench --contexts 1024 --dtypes bfloat16 --modes train_step --torch --no-progress"
+BENCH="python3 profile.py bench --dtypes bfloat16 --modes train_step --torch --no-progress"
 FAST="--kernels pallas --set model.loss_impl=pallas --set model.attention_impl=dot_product_attention"
-for b in 16 64; do
-  step "gpt2_b$b" 150 $BENCH --sizes small --vocab 50257 --batch $b $FAST --jsonl "$OUT/bench.jsonl"
-done
-step "llama_small_b16" 150 $BENCH --arch transformer_lm --sizes small --vocab 50257 --batch 16 $FAST \
-  --jsonl "$OUT/bench.jsonl"
-step mosaic 150 python3 benchmarks/mosaic_gpu_check.py --jsonl "$OUT/mosaic.jsonl"
-step conv1d 230 python3 benchmarks/conv1d_course.py --jsonl "$OUT/conv1d.jsonl"
+TS="--set model.d_model=512 --set model.d_ff=1344 --set model.n_layers=4 --set model.n_heads=16"
+case $PART in
+  torch)
+    for b in 16 64; do
+      step "gpt2_b$b" 150 $BENCH --contexts 1024 --sizes small --vocab 50257 --batch $b $FAST \
+        --jsonl "$OUT/bench.jsonl"
+    done
+    step llama_b16 130 $BENCH --arch transformer_lm --contexts 1024 --sizes small --vocab 50257 \
+      --batch 16 $FAST --jsonl "$OUT/bench.jsonl"
+    step llama_tinystories 100 $BENCH --arch transformer_lm --contexts 256 --sizes small \
+      --vocab 50257 --batch 32 $FAST $TS --jsonl "$OUT/bench.jsonl"
+    ;;
+  kernels)
+    step mosaic 200 python3 benchmarks/mosaic_gpu_check.py --jsonl "$OUT/mosaic.jsonl"
+    step conv1d 230 python3 benchmarks/conv1d_course.py --budget 165 --jsonl "$OUT/conv1d.jsonl"
+    ;;
+  *) echo "PART must be torch or kernels, got $PART" >&2; exit 2 ;;
+esac
