@@ -328,6 +328,11 @@ def _check_pipeline_and_fsdp_layers() -> None:
         step = step.lower(state, sharded[0], rng).compile()
         if name == "data2_fsdp4":
             out["all_gathers"] = _while_collectives(step.as_text(), "all-gather")
+        if "pipeline" in name:  # the result shapes of the step's collectives
+            out[f"{name}_collectives"] = {
+                op: re.findall(rf"= (.*?) {op}(?:-start)?\(", step.as_text())
+                for op in ("all-reduce", "all-to-all", "collective-permute")
+            }
         losses, grads = [], []
         for b in sharded:
             state, m = step(state, b, rng)
@@ -395,6 +400,14 @@ def test_pipeline_and_per_layer_fsdp_match_one_device():
         _assert_trees_close(r["grads"], ref["grads"], 1e-5, name)  # both steps' gradients
         # Adam turns float noise in a gradient near 0 into a full-size step: looser.
         _assert_trees_close(r["params"], ref["params"], 1e-4, name)
+    # Pipelines (16 rows, 9 tokens, d 32): no activation is summed or shuffled over devices;
+    # rows travel point to point, at most one stage's chunk (pipeline4: 4 rows) at a time.
+    for name in ("pipeline4", "data2_pipeline4"):
+        c = out.pop(f"{name}_collectives")
+        assert not c["all-to-all"], (name, c["all-to-all"])
+        assert not any(",9,32]" in r for r in c["all-reduce"]), (name, c["all-reduce"])
+        rows = [int(n) for r in c["collective-permute"] for n in re.findall(r"\[(\d+),9,32\]", r)]
+        assert rows and max(rows) <= 4, (name, c["collective-permute"])
     # The block weights are gathered one layer at a time, inside the scanned loop: forward and
     # again in the backward (the qkv kernel: (32, 96) a layer, (4, 32, 96) stacked).
     looped, elsewhere = out["all_gathers"]
