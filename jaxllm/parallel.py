@@ -385,8 +385,8 @@ class MeshApply:
 
     def __call__(self, variables: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
         if method == "loss" and np.shape(args[0])[0] % self.rows == 0:
-            n_rows, rows = np.shape(args[0])[0], self.split_rows
-            if rows is not None and n_rows % math.prod(rows.mesh.shape[a] for a in ROW_AXES) == 0:
+            rows = self.split_rows  # over every mesh axis (ROW_AXES): one chunk a device
+            if rows is not None and np.shape(args[0])[0] % rows.mesh.size == 0:
                 # tokens and targets split over the stages too: the embedding runs on 1/S of
                 # the rows per stage, as the pipeline reads them (pipeline_apply)
                 tokens, targets = (jax.lax.with_sharding_constraint(a, rows) for a in args[:2])

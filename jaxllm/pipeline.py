@@ -200,13 +200,13 @@ def pipeline_apply(
         parts = [a] + [jax.lax.ppermute(a, axis, [(s, 0)]) for s in range(1, n_stages)]
         return jnp.concatenate(parts)
 
-    def scatter_rows(a: jax.Array) -> jax.Array:
+    def scatter_rows(a: jax.Array, stage: jax.Array) -> jax.Array:
         # (B', ...) on the last stage -> (B'/S, ...) on stage s: its chunk s
         c = a.shape[0] // n_stages
         mine = a[last * c :]
         for s in range(last):
             got = jax.lax.ppermute(a[s * c : (s + 1) * c], axis, [(last, s)])
-            mine = jnp.where(jax.lax.axis_index(axis) == s, got, mine)
+            mine = jnp.where(stage == s, got, mine)
         return mine
 
     def per_device(params: Any, x: Any, *key: jax.Array) -> Any:
@@ -251,7 +251,7 @@ def pipeline_apply(
         # On the last stage, tick S - 1 + i finished microbatch i.
         done = jax.tree.map(lambda *o: jnp.concatenate(o), *outs[last:])  # (B', ...)
         if split:
-            return unpack(jax.tree.map(scatter_rows, pack(done)))  # (B'/S, ...)
+            return unpack(jax.tree.map(lambda a: scatter_rows(a, stage), pack(done)))
         return jax.tree.map(lambda o: o[None], done)  # (1, B', ...)
 
     keys = () if rng is None else (rng,)
