@@ -18,9 +18,13 @@ For every shape x dtype x direction:
     aten.convolution_backward (du, dw, db; what autograd calls). torch takes channels first,
     (B, D, L): its inputs are made in that layout, no transpose is timed. Ours and XLA's are
     (B, L, D).
+  * --mosaic: also the Mosaic GPU lowering (backend="mosaic_gpu", its default tiling), timed and
+    checked against float64 the same way;
   * x XLA = XLA ms / Pallas ms; % copy = minimal bytes / ms / copy bandwidth (measured in the
     same run: torch copy_ of 1 GiB, else jax negate), bytes = read u + write out (forward),
-    read u, g + write du (backward).
+    read u, g + write du (backward); % same-size copy = the time of a negation moving the row's
+    bytes (half read, half written; timed like the kernels) / the kernel's time: the copy bound
+    at this size, launch and tail latency included.
 Timing: profiling.timing.live_chain_seconds (16 calls per executable on rotated inputs, every output
 kept live; 'full' output cannot feed the next call). Backward rows time (u, w, b, g) ->
 (du, dw, db) with jax.vjp inside the timed function, for Pallas and XLA alike; its forward
@@ -80,8 +84,12 @@ class Result:
     default_ms: float | None = None
     xla_ms: float | None = None
     torch_ms: float | None = None
+    mosaic_ms: float | None = None  # --mosaic: backend="mosaic_gpu", its default tiling
+    copy_ms: float | None = None  # a copy of the row's bytes (read half, write half)
     err: dict = dataclasses.field(default_factory=dict)
     ok: bool | None = None
+    mosaic_err: dict = dataclasses.field(default_factory=dict)
+    mosaic_ok: bool | None = None
     sweep: dict = dataclasses.field(default_factory=dict)  # config -> ms, or the error text
     notes: list = dataclasses.field(default_factory=list)
 
@@ -171,6 +179,10 @@ def pallas_impl(cfg: Config | None, interpret: bool | None) -> Callable:
     return lambda u, w, b: depthwise_conv1d(u, w, b, MODE, interpret, config=cfg)
 
 
+def mosaic_impl(u, w, b):
+    return depthwise_conv1d(u, w, b, MODE, backend="mosaic_gpu")
+
+
 def xla_impl(u, w, b):
     return depthwise_conv1d_ref(u, w, b, MODE)
 
@@ -246,10 +258,13 @@ def run_group(shape, dtype_name, n_sweep: int, args, pool, timing) -> list[Resul
         wrap = bwd_fn if backward else fwd_fn
         jobs[direction, "xla"] = (wrap(xla_impl), sets)
         jobs[direction, "default"] = (wrap(pallas_impl(None, interpret)), sets)
+        if args.mosaic:
+            jobs[direction, "mosaic"] = (wrap(mosaic_impl), sets)
         for c in kb.conv_sweep(shape, dtype, backward)[:n_sweep]:
             jobs[direction, cfg_str(c, backward)] = (wrap(pallas_impl(c, interpret)), sets)
     runs = compile_all(jobs, args.calls, pool)
     got = {}  # the default config's outputs on input set 0: out (fwd); du, dw, db (bwd)
+    got_mosaic = {}  # the same for --mosaic
     for res in results:
         backward = res.direction == "bwd"
         sets = arg_sets(shape, dtype, backward, n_sets[res.direction])
@@ -260,7 +275,7 @@ def run_group(shape, dtype_name, n_sweep: int, args, pool, timing) -> list[Resul
                 ms = timed_ms(runs[direction, name], fn, sets, timing)
             except Exception as e:  # reported; a failed sweep tiling keeps its error text
                 text = f"{res.direction} {name}: {short(e)}"
-                if name in ("xla", "default"):
+                if name in ("xla", "default", "mosaic"):
                     res.notes.append(text)
                 else:
                     res.sweep[name] = short(e)
@@ -272,29 +287,52 @@ def run_group(shape, dtype_name, n_sweep: int, args, pool, timing) -> list[Resul
                 res.default_ms = ms
                 first = runs[direction, name](sets)[0]
                 got[direction] = jax.device_get(first if backward else (first,))
+            elif name == "mosaic":
+                res.mosaic_ms = ms
+                first = runs[direction, name](sets)[0]
+                got_mosaic[direction] = jax.device_get(first if backward else (first,))
             else:
                 res.sweep[name] = ms
         if backward and "bwd" in got:
             got["inputs"] = jax.device_get(sets[0])
         del sets
         res.torch_ms = torch_ms(shape, dtype, backward, args, res)
+        res.copy_ms = 1e3 * same_size_copy_seconds(res.bytes, dtype, timing)
     check_errors(results, got, dtype_name, pool)
+    if args.mosaic:
+        got_mosaic["inputs"] = got.get("inputs")
+        check_errors(results, got_mosaic, dtype_name, pool, prefix="mosaic_")
     return results
 
 
-def check_errors(results: list[Result], got: dict, dtype_name: str, pool) -> None:
-    """Fill err / ok of each row from the default config's outputs against float64."""
-    if "inputs" not in got:  # the backward's inputs (u, w, b, g) define both directions
+def same_size_copy_seconds(nbytes: int, dtype, timing: dict) -> float:
+    """Device seconds of the copy bound at this size: a negation reading nbytes / 2 and writing
+    nbytes / 2 (the bytes of the row), chained and rotated like the kernels (launch and tail
+    latency included, as in the kernels' own times)."""
+    n = max(1, nbytes // 2 // jnp.dtype(dtype).itemsize)
+    n_sets = rotation_count(nbytes)
+    xs = [jax.random.normal(jax.random.key(i), (n,), dtype) for i in range(n_sets)]
+    return chained_median_seconds(lambda x: -x, xs, **timing)
+
+
+def check_errors(results: list[Result], got: dict, dtype_name: str, pool, prefix="") -> None:
+    """Fill err / ok (or mosaic_err / mosaic_ok with prefix="mosaic_") of each row from the
+    outputs in `got` against float64."""
+    if got.get("inputs") is None:  # the backward's inputs (u, w, b, g) define both directions
         for res in results:
-            res.notes.append("error check: needs the backward row (--dirs ...,bwd)")
+            res.notes.append(f"{prefix}error check: needs the backward row (--dirs ...,bwd)")
+        return
+    if "bwd" not in got:
+        for res in results:
+            res.notes.append(f"{prefix}error check: the backward failed")
         return
     u, w, b, g = got["inputs"]
     out = got["fwd"][0] if "fwd" in got else np.zeros(g.shape, g.dtype)  # (no forward row)
     err, ok = max_errors((u, w, b, g), (out, *got["bwd"]), dtype_name, pool)
     for res in results:
         names = ("du", "dw", "db") if res.direction == "bwd" else ("out",)
-        res.err = {n: err[n] for n in names}
-        res.ok = all(ok[n] for n in names)
+        setattr(res, prefix + "err", {n: err[n] for n in names})
+        setattr(res, prefix + "ok", all(ok[n] for n in names))
 
 
 def torch_ms(shape, dtype, backward: bool, args, res: Result) -> float | None:
@@ -315,8 +353,10 @@ def torch_ms(shape, dtype, backward: bool, args, res: Result) -> float | None:
 # ----------------------------------------------------------------------------- report
 HEADER = (
     "| shape (B x L x D) | dtype | dir | pallas ms (default) | best ms | best config "
-    "| XLA ms | torch ms | x XLA (default / best) | % copy (default / best) | max err | ok |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| mosaic ms | XLA ms | torch ms | copy ms (same bytes) | x XLA (default / best / mosaic) "
+    "| % copy (default / best / mosaic) | % same-size copy (default / mosaic) | max err "
+    "| mosaic err | ok (triton / mosaic) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -332,20 +372,34 @@ def pct(res: Result, ms, copy_gbps: float) -> float | None:
     return None if ms is None else 100 * res.bytes / (ms * 1e-3) / 1e9 / copy_gbps
 
 
+def pct_same(res: Result, ms) -> float | None:
+    """% of the copy of the same bytes (copy_ms): the copy bound at this size."""
+    return None if ms is None or res.copy_ms is None else 100 * res.copy_ms / ms
+
+
+def err_str(res: Result, err: dict) -> str:
+    if res.direction == "fwd":
+        return fmt(err.get("out"), ".1e")
+    return " / ".join(f"{n} {fmt(err.get(n), '.1e')}" for n in ("du", "dw", "db"))
+
+
+def ok_str(ok: bool | None) -> str:
+    return "-" if ok is None else ("yes" if ok else "NO")
+
+
 def row(res: Result, copy_gbps: float) -> str:
     best_ms, best_cfg = res.best()
-    err = res.err
-    if res.direction == "fwd":
-        err_s = fmt(err.get("out"), ".1e")
-    else:
-        err_s = " / ".join(f"{n} {fmt(err.get(n), '.1e')}" for n in ("du", "dw", "db"))
-    ok = "-" if res.ok is None else ("yes" if res.ok else "NO")
-    x_xla = " / ".join(fmt(ratio(res.xla_ms, ms), ".2f") for ms in (res.default_ms, best_ms))
-    copy = " / ".join(fmt(pct(res, ms, copy_gbps), ".0f") for ms in (res.default_ms, best_ms))
+    times = (res.default_ms, best_ms, res.mosaic_ms)
+    x_xla = " / ".join(fmt(ratio(res.xla_ms, ms), ".2f") for ms in times)
+    copy = " / ".join(fmt(pct(res, ms, copy_gbps), ".0f") for ms in times)
+    same = " / ".join(fmt(pct_same(res, ms), ".0f") for ms in (res.default_ms, res.mosaic_ms))
     return (
         f"| {'x'.join(map(str, res.shape))} | {res.dtype} | {res.direction} "
         f"| {fmt(res.default_ms)} | {fmt(best_ms)} | {best_cfg.split(' = ')[0]} "
-        f"| {fmt(res.xla_ms)} | {fmt(res.torch_ms)} | {x_xla} | {copy} | {err_s} | {ok} |"
+        f"| {fmt(res.mosaic_ms)} | {fmt(res.xla_ms)} | {fmt(res.torch_ms)} | {fmt(res.copy_ms)} "
+        f"| {x_xla} | {copy} | {same} | {err_str(res, res.err)} "
+        f"| {err_str(res, res.mosaic_err) if res.mosaic_ok is not None else '-'} "
+        f"| {ok_str(res.ok)} / {ok_str(res.mosaic_ok)} |"
     )
 
 
@@ -353,26 +407,46 @@ def u_bytes(shape, dtype_name: str) -> int:
     return int(np.prod(shape)) * jnp.dtype(DTYPES[dtype_name]).itemsize
 
 
+def faster_ms(res: Result) -> float | None:
+    """The faster of the two lowerings' default tilings (what a per-shape backend pick gets)."""
+    timed = [ms for ms in (res.default_ms, res.mosaic_ms) if ms is not None]
+    return min(timed) if timed else None
+
+
+PICKS = {  # summary label -> the time of a row it counts
+    "default": lambda r: r.default_ms,
+    "best": lambda r: r.best()[0],
+    "mosaic": lambda r: r.mosaic_ms,
+    "faster of triton default / mosaic": faster_ms,
+}
+
+
 def summary(results: list[Result], copy_gbps: float) -> list[str]:
-    """How many rows meet the targets: >= 1.0x XLA everywhere, >= 85% of copy on large shapes."""
+    """How many rows meet the targets: >= 1.0x XLA everywhere, >= 85% of copy on large shapes
+    (of the run's copy bandwidth, and of a copy of the same bytes)."""
     out = []
-    for label in ("default", "best"):
+    for label, pick in PICKS.items():
         for d in ("fwd", "bwd"):
-            n_xla = n_fast = n_big = n_copy = 0
+            n_xla = n_fast = n_big = n_copy = n_same = 0
             for r in results:
-                ms = r.default_ms if label == "default" else r.best()[0]
+                ms = pick(r)
                 if r.direction != d or ms is None:
                     continue
                 if r.xla_ms is not None:
                     n_xla, n_fast = n_xla + 1, n_fast + (r.xla_ms >= ms)
                 if u_bytes(r.shape, r.dtype) >= LARGE_BYTES:
                     n_big, n_copy = n_big + 1, n_copy + (pct(r, ms, copy_gbps) >= 85)
-            out.append(
-                f"{label} {d}: >= 1.0x XLA in {n_fast}/{n_xla} rows; "
-                f">= 85% of copy in {n_copy}/{n_big} large rows"
-            )
+                    n_same += (pct_same(r, ms) or 0) >= 85
+            if n_xla or n_big:
+                out.append(
+                    f"{label} {d}: >= 1.0x XLA in {n_fast}/{n_xla} rows; >= 85% of copy in "
+                    f"{n_copy}/{n_big} large rows ({n_same}/{n_big} of the same-size copy)"
+                )
     n_ok = sum(bool(r.ok) for r in results)
     out.append(f"errors within tolerance: {n_ok}/{len(results)} rows")
+    if any(r.mosaic_ok is not None for r in results):
+        n_ok = sum(bool(r.mosaic_ok) for r in results)
+        out.append(f"mosaic errors within tolerance: {n_ok}/{len(results)} rows")
     large = sorted({f"{r.shape[1]}x{r.shape[2]} {r.dtype}" for r in results
                     if u_bytes(r.shape, r.dtype) >= LARGE_BYTES})  # fmt: skip
     out.append(f"large rows (u >= {LARGE_BYTES >> 20} MiB): {', '.join(large)}")
@@ -416,6 +490,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-sets", type=int, default=8, help="max rotated input sets")
     p.add_argument("--threads", type=int, default=8, help="parallel compiles / error chunks")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    p.add_argument("--mosaic", action="store_true", help="also time backend='mosaic_gpu' (GPU)")
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, short timing (CPU check)")
     args = p.parse_args()
@@ -432,6 +507,8 @@ def parse_args() -> argparse.Namespace:
     args.channels = [int(x) for x in args.channels.split(",")] if args.channels else list(channels)
     if args.smoke:
         args.calls, args.repeats, args.max_sets = 2, 1, 2
+    if args.mosaic and (args.interpret or jax.default_backend() != "gpu"):
+        p.error("--mosaic needs a GPU (the Mosaic GPU lowering has no interpret mode here)")
     if kb._torch() is None:
         args.no_torch = True
     return args
@@ -469,6 +546,7 @@ def main() -> None:
     results: dict[tuple, list[Result]] = {}
     per_exe = None  # measured seconds per timed executable (its compile share, timing, extras)
     n_dirs = len(args.dirs)
+    n_base = 3 if args.mosaic else 2  # executables per direction besides the sweep
     with cf.ThreadPoolExecutor(args.threads) as pool:
         print("\n" + HEADER, flush=True)
         order = sorted(groups, key=functools.partial(priority, args.lengths, args.channels))
@@ -476,11 +554,11 @@ def main() -> None:
             n_sweep = args.sweep
             if per_exe is not None:  # what is left after the base rows of the remaining groups
                 left = args.budget - (time.perf_counter() - t_start)
-                reserve = 1.2 * per_exe * n_dirs * 2 * (len(groups) - i)
+                reserve = 1.2 * per_exe * n_dirs * n_base * (len(groups) - i)
                 n_sweep = max(0, min(args.sweep, int((left - reserve) / (per_exe * n_dirs))))
             t0 = time.perf_counter()
             results[shape, dtype_name] = run_group(shape, dtype_name, n_sweep, args, pool, timing)
-            spent = (time.perf_counter() - t0) / (n_dirs * (2 + n_sweep))
+            spent = (time.perf_counter() - t0) / (n_dirs * (n_base + n_sweep))
             per_exe = spent if per_exe is None else 0.5 * (per_exe + spent)
             for res in results[shape, dtype_name]:
                 print(row(res, bw), flush=True)
