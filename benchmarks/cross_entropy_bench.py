@@ -8,6 +8,10 @@ Two levels, GPT-2 small's head at batch 16 x 1024 (N = 16384 rows, D = 768, V = 
           (GEMMs included).
 Device-side chained timing (jaxllm.profiling.timing), median of 5; correctness vs the XLA path
 checked first. Bandwidth counts one read of z and one write of dz.
+`--rows N` sets the row count (65536 = GPT-2 at batch 64); `--sweep` times a grid of persistent
+grids (programs per SM x columns per chunk x warps x pipeline stages): the kernel reads each row
+twice, and the second read comes from L2 only while the rows in flight (programs x row bytes)
+fit in it. `--jsonl` appends one record per row.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from jaxllm.xla_flags import apply_default_xla_flags
 apply_default_xla_flags()
 
 import argparse
+import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +37,7 @@ from pallas_kernels.cross_entropy import (
     cross_entropy_from_logits,
     default_config,
 )
+from pallas_kernels.triton_backend import core_count
 
 FULL = (16384, 768, 50257)  # GPT-2 small's head at batch 16 x 1024: N rows, D, V
 SMALL = (64, 16, 1000)  # --small: a CPU smoke run (interpret mode)
@@ -39,7 +46,16 @@ SMALL = (64, 16, 1000)  # --small: a CPU smoke run (interpret mode)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="toy size (CPU smoke run)")
-    N, D, V = SMALL if p.parse_args().small else FULL  # noqa: N806 (the docstring's names)
+    p.add_argument("--rows", type=int, default=None, help=f"rows N (default {FULL[0]})")
+    p.add_argument("--sweep", action="store_true", help="time a grid of persistent configs")
+    p.add_argument("--no-head", action="store_true", help="skip the head (GEMMs) level")
+    p.add_argument("--jsonl", help="append one JSON record per row here")
+    args = p.parse_args()
+    N, D, V = SMALL if args.small else FULL  # noqa: N806 (the docstring's names)
+    if args.rows is not None:
+        if args.rows < 1:
+            p.error(f"--rows must be >= 1, got {args.rows}")
+        N = args.rows  # noqa: N806
     interpret = jax.default_backend() != "gpu"
     VP = V + (-V % VOCAB_ALIGN)
     rng = np.random.default_rng(0)
@@ -64,6 +80,14 @@ def main() -> None:
         Config(1, bc, nw, p)
         for bc, nw, p in ((65536, 16, N), (65536, 32, N), (2048, 4, N), (4096, 8, 1056))
     ]
+    if args.sweep:
+        sms = core_count()
+        configs += [
+            Config(1, bc, nw, per_sm * sms, st)
+            for per_sm, (bc, nw), st in itertools.product(
+                (1, 2, 4), ((2048, 4), (4096, 8), (8192, 8), (8192, 16)), (1, 2)
+            )
+        ]
     for cfg in configs:
         step = lambda z, cfg=cfg: cross_entropy_from_logits(z, t, w, V, True, interpret, cfg)[2]  # noqa: E731
         try:
@@ -78,7 +102,11 @@ def main() -> None:
 
     x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
     wt = jnp.asarray(rng.normal(size=(V, D)) * 0.02, jnp.float32)
-    heads = (("xla", linear_cross_entropy_ref, {}), ("pallas", linear_cross_entropy, {}))
+    heads = (
+        ()
+        if args.no_head
+        else (("xla", linear_cross_entropy_ref, {}), ("pallas", linear_cross_entropy, {}))
+    )
     for name, fn, kw in heads:
 
         def head_step(s, fn=fn, kw=kw):
@@ -95,6 +123,12 @@ def main() -> None:
     for lvl, impl, s, err in rows:
         bw = f"{gb / s:,.0f}" if lvl == "kernel" else "-"
         print(f"| {lvl} | {impl} | {1e3 * s:.3f} | {bw} | {base[lvl] / s:.2f} | {err:.2e} |")
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                rec = dict(level=lvl, impl=impl, ms=1e3 * s, max_err=err, rows=N, vocab=V,
+                           gbps=gb / s if lvl == "kernel" else None, xla_ms=1e3 * base[lvl],
+                           device=jax.devices()[0].device_kind)  # fmt: skip
+                f.write(json.dumps(rec) + "\n")
 
 
 if __name__ == "__main__":
