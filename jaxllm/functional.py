@@ -185,12 +185,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     x (B, T, H, Dh); cos, sin (B or 1, T, Dh/2). Math in float32, returns x's dtype.
     """
     xf = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)  # (B, T, H, Dh/2, 2)
-    c, s = cos[:, :, None, :, None], sin[:, :, None, :, None]  # (B, T, 1, Dh/2, 1)
-    # (x0, x1) -> (x0 c - x1 s, x1 c + x0 s) = x c + (-x1, x0) s. The swapped pair is a reverse
-    # and a sign, not a stack of two halves: XLA keeps the whole rotation one elementwise
-    # fusion instead of a concatenate (GPU trace, benchmarks/RESULTS.md).
-    swapped = jnp.flip(xf, axis=-1) * jnp.array([-1.0, 1.0], jnp.float32)
-    return (xf * c + swapped * s).reshape(x.shape).astype(x.dtype)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]  # broadcast over heads
+    out = jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
 
 
 def layer_norm(
