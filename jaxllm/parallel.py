@@ -61,7 +61,7 @@ from jaxllm.models.decoder import (
     lm_loss,
 )
 from jaxllm.ops import KernelShard
-from jaxllm.pipeline import bubble_fraction, pipeline_apply
+from jaxllm.pipeline import bubble_fraction, pipeline_apply, rows_split
 
 AXES = ParallelConfig.AXES  # ("data", "fsdp", "pipeline"): the config's names and order
 # The devices' layout, outermost first: pipeline stages exchange the least (one activation per
@@ -170,16 +170,32 @@ def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(np.array(devices).reshape(shape), MESH_AXES)
 
 
-def describe(mesh: Mesh, microbatches: int | None = None, scan_layers: bool = False) -> str:
+def describe(
+    mesh: Mesh,
+    microbatches: int | None = None,
+    scan_layers: bool = False,
+    batch_size: int | None = None,
+) -> str:
     """One line for the start of a run, e.g. 'parallel: mesh data=4 fsdp=2 over 8 cpu devices'
     ('... pipeline=4 (4 microbatches, bubble 43%) ...' with pipeline stages). With fsdp > 1 it
     says where the weights are gathered: per layer (model.scan_layers, no pipeline) or once at
-    the start of the step."""
+    the start of the step. With stages and `batch_size` it says how the rows enter the pipeline
+    (pipeline.rows_split): split over the stages, or replicated over them and why."""
     sizes = " ".join(f"{a}={mesh.shape[a]}" for a in AXES if a != "pipeline")
     stages = mesh.shape["pipeline"]
     if stages > 1:
         m = microbatches or stages
-        sizes += f" pipeline={stages} ({m} microbatches, bubble {bubble_fraction(stages, m):.0%})"
+        sizes += f" pipeline={stages} ({m} microbatches, bubble {bubble_fraction(stages, m):.0%}"
+        if batch_size is not None:
+            ways = mesh.shape["data"] * mesh.shape["fsdp"]
+            if rows_split(batch_size, ways, stages):
+                sizes += ", rows split over the stages"
+            else:  # a valid layout, but it moves more: say so rather than take it silently
+                sizes += (
+                    f", rows replicated over the stages: batch {batch_size} is not divisible by "
+                    f"data x fsdp x pipeline = {ways * stages}"
+                )
+        sizes += ")"
     if mesh.shape["fsdp"] > 1:
         per_layer = scan_layers and stages == 1
         sizes += f" (fsdp weights gathered per {'layer' if per_layer else 'step'})"

@@ -84,6 +84,12 @@ def bubble_fraction(n_stages: int, n_microbatches: int) -> float:
 # ----------------------------------------------------------------------------- the engine
 
 
+def rows_split(batch: int, ways: int, n_stages: int) -> bool:
+    """Whether pipeline_apply splits the batch's rows over the stages too (B divisible by
+    ways x S, ways the size of the batch axes) or reads them replicated over the stages."""
+    return batch % (ways * n_stages) == 0
+
+
 def pipeline_apply(
     layer_fn: LayerFn,
     stacked_params: Any,
@@ -183,7 +189,7 @@ def pipeline_apply(
     # stages, the last stage scatters its results back: point-to-point sends of 1/S of the
     # rows each. Replicated over the stages instead, the input's cotangent would be summed over
     # them (an all-reduce of every activation row) and the output moved twice.
-    split = batch % (ways * n_stages) == 0
+    split = rows_split(batch, ways, n_stages)
     rows_spec = P((*batch_axes, axis))
     if split:
         in_spec, out_spec = rows_spec, rows_spec

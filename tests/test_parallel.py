@@ -340,6 +340,11 @@ def _check_pipeline_and_fsdp_layers() -> None:
             grads += [np.asarray(g).tolist() for g in jax.tree.leaves(state.opt_state[0])]
         out[name] = {
             "describe": parallel.describe(mesh, c.parallel.microbatches),
+            # rows split over data x stages at batch 16; at batch 6 (divisible by the 2
+            # microbatches, valid) not over the 4 stages: the replicated layout, said so
+            "describe_rows": [
+                parallel.describe(mesh, m, batch_size=b) for m, b in ((4, 16), (2, 6))
+            ],
             "apply": repr(parallel.mesh_apply(state.apply_fn, mesh)),
             "losses": losses,
             "grads": grads,
@@ -390,6 +395,13 @@ def test_pipeline_and_per_layer_fsdp_match_one_device():
     assert out["pipeline4"]["describe"] == (
         "parallel: mesh data=1 fsdp=1 pipeline=4 (4 microbatches, bubble 43%) over 4 cpu devices"
     )
+    assert out["pipeline4"]["describe_rows"] == [
+        "parallel: mesh data=1 fsdp=1 pipeline=4 (4 microbatches, bubble 43%, rows split over "
+        "the stages) over 4 cpu devices",
+        "parallel: mesh data=1 fsdp=1 pipeline=4 (2 microbatches, bubble 60%, rows replicated "
+        "over the stages: batch 6 is not divisible by data x fsdp x pipeline = 4) over 4 cpu "
+        "devices",
+    ]
     assert out["data2_pipeline4"]["apply"] == "MeshApply(GPT2, pipeline 4 stages x 4 microbatches)"
     assert out["data2_pipeline4"]["qkv_spec"] == str(P("pipeline"))  # layers over stages
     assert out["data2_fsdp4"]["apply"] == "MeshApply(GPT2, fsdp 4, gathered per layer)"
@@ -602,8 +614,8 @@ def test_save_on_8_devices_restore_on_one(tmp_path):
     assert len(out["losses"]) == 4 and all(np.isfinite(out["losses"]))
     start = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert start["parallel"] == (
-        "parallel: mesh data=1 fsdp=2 pipeline=4 (4 microbatches, bubble 43%) "
-        "(fsdp weights gathered per step) over 8 cpu devices"
+        "parallel: mesh data=1 fsdp=2 pipeline=4 (4 microbatches, bubble 43%, rows split over "
+        "the stages) (fsdp weights gathered per step) over 8 cpu devices"
     )
     assert start["state_bytes_per_device"] > 0
 

@@ -196,6 +196,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
         save_config(cfg, run_dir / "config.yaml")
 
     log = MetricsLog(run_dir, enabled=primary)
+    layout = parallel.describe(mesh, microbatches, cfg.model.scan_layers, cfg.train.batch_size)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     log.write(
         {
@@ -203,7 +204,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
             "step": start_step,
             "params": n_params,
             "ops": plan.describe(),
-            "parallel": parallel.describe(mesh, microbatches, cfg.model.scan_layers),
+            "parallel": layout,
             "state_bytes_per_device": parallel.state_bytes_per_device(state),
             **({"processes": group.describe()} if multi else {}),
             "config": cfg.to_dict(),
@@ -225,7 +226,6 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
         echo(group.describe())
     echo(plan.describe())
     state_mib = parallel.state_bytes_per_device(state) / 2**20
-    layout = parallel.describe(mesh, microbatches, cfg.model.scan_layers)
     echo(f"{layout}; params + optimizer state {state_mib:.1f} MiB per device")
     if per_epoch:
         echo(f"{tc.epochs} epochs of {per_epoch} steps = {total} steps")
