@@ -11,6 +11,7 @@ PyTorch: CUDA events via triton.testing.do_bench (median, with an L2 flush betwe
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -65,6 +66,32 @@ def _median_per_call(launch: Callable[[], Any], launches: int, calls: int, repea
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - t0) / (launches * calls))
     return statistics.median(samples)
+
+
+def interleaved_samples(
+    launchers: dict[str, Callable[[], Any]],
+    calls: int,
+    *,
+    launches: int = 4,
+    repeats: int = 11,
+    min_sample_s: float = 5e-3,
+) -> dict[str, list[float]]:
+    """Seconds per device call of each launcher (one launch = `calls` device calls), sampled in
+    turn: `repeats` rounds, each taking one sample of every launcher (A B C A B C ...), so a
+    drift of the GPU's clocks or load hits all of them alike and their ratio stays fair. A sample
+    is `n` launches before one host sync, n >= `launches` grown until a sample lasts
+    `min_sample_s` (launch latency and the clocks' ramp-up out of idle otherwise dominate
+    10-microsecond kernels). Each launcher is warmed up (compiled, loaded) first."""
+    n_launch = {}
+    for name, launch in launchers.items():
+        jax.block_until_ready(launch())
+        per_call = _median_per_call(launch, launches, calls, 1)
+        n_launch[name] = max(launches, math.ceil(min_sample_s / max(per_call * calls, 1e-9)))
+    samples: dict[str, list[float]] = {name: [] for name in launchers}
+    for _ in range(repeats):
+        for name, launch in launchers.items():
+            samples[name].append(_median_per_call(launch, n_launch[name], calls, 1))
+    return samples
 
 
 def live_chain(fn: Callable, n_sets: int, calls: int = 16) -> Callable:
