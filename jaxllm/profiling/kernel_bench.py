@@ -289,7 +289,7 @@ def _norm_torch(shape, dtype, rms: bool):
 # ----------------------------------------------------------------------------- conv1d
 # The CS229S course shapes (project 0, part 3): B = 1, K = 3. The course pads two zeros on each
 # side, which is mode 'full' (L + 2 outputs); that output cannot feed the next call, so 'full' is
-# timed by `timing.live_chain_seconds` (benchmarks/conv1d_course.py). The chained cases below, which
+# timed as a `timing.live_chain` (benchmarks/conv1d_course.py). The chained cases below, which
 # `profile.py kernels` runs, use mode 'same' (L outputs; flops.kernel_cost assumes it) on the
 # same shapes: the same kernels, two output rows fewer.
 
@@ -384,7 +384,7 @@ def conv_cases(shapes=CONV_SHAPES, dtypes=CONV_DTYPES, mode: str = "same") -> It
     """Chained cases (output -> next input), so modes with L outputs: 'same' or 'causal'."""
     if mode == "full":
         raise ValueError("conv_cases chains out -> u, which needs L outputs; time 'full' with "
-                         "live_chain_seconds (benchmarks/conv1d_course.py)")  # fmt: skip
+                         "timing.live_chain (benchmarks/conv1d_course.py)")  # fmt: skip
     for shape, k_size in shapes:
         for dtype in dtypes:
 
