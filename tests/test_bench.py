@@ -411,4 +411,9 @@ def test_torch_reference_computes_the_same_function(arch):
         bench.MODES, compile_mode=None, warmup=1, steps=2, device="cpu",
     )  # fmt: skip
     assert all(len(s) == 2 and min(s) > 0 for s in times.values())
+    grouped = torch_reference.time_modes(  # 2 samples of 3 back-to-back calls each
+        cfg.model, np.asarray(batch["inputs"]), np.asarray(batch["targets"]),
+        ["train_step"], compile_mode=None, warmup=1, steps=2, device="cpu", group=3,
+    )  # fmt: skip
+    assert len(grouped["train_step"]) == 2 and min(grouped["train_step"]) > 0
     jax.clear_caches()

@@ -227,17 +227,22 @@ def load_flax_params(model: Any, params: Any) -> None:
     model.load_state_dict(state, strict=True)
 
 
-def _time(fn: Callable[[], Any], warmup: int, steps: int, sync: Callable[[], None]) -> list[float]:
-    """Seconds of each of `steps` calls after `warmup` untimed ones, each closed by sync()."""
+def _time(
+    fn: Callable[[], Any], warmup: int, steps: int, sync: Callable[[], None], group: int = 1
+) -> list[float]:
+    """`steps` samples of seconds per call after `warmup` untimed calls: each sample runs `group`
+    calls back to back and is closed by sync() (group 1: every call synced; more: launches
+    overlap device work, as in a training loop)."""
     for _ in range(warmup):
         fn()
     sync()
     samples = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        fn()
+        for _ in range(group):
+            fn()
         sync()
-        samples.append(time.perf_counter() - t0)
+        samples.append((time.perf_counter() - t0) / group)
     return samples
 
 
@@ -251,11 +256,13 @@ def time_modes(
     warmup: int,
     steps: int,
     device: str = "cuda",
+    group: int = 1,
 ) -> dict[str, list[float] | None]:
-    """Per-call seconds of each mode (logits, forward, forward_backward, train_step; as in
-    jaxllm.profiling.bench) of the PyTorch model of `cfg`, eager (compile_mode None) or
-    torch.compile'd (`compile_model`'s "regional" or "model"), on inputs, targets (B, T) ints;
-    None for a mode that ran out of memory. The first warm-up calls compile."""
+    """Per-call seconds (`steps` samples of `group` back-to-back calls each, see `_time`) of
+    each mode (logits, forward, forward_backward, train_step; as in jaxllm.profiling.bench) of
+    the PyTorch model of `cfg`, eager (compile_mode None) or torch.compile'd (`compile_model`'s
+    "regional" or "model"), on inputs, targets (B, T) ints; None for a mode that ran out of
+    memory. The first warm-up calls compile."""
     torch = require_torch(cuda=device == "cuda")
     torch.backends.cuda.matmul.allow_tf32 = True  # XLA's default f32 matmul precision on GPU
     torch.backends.cudnn.allow_tf32 = True
@@ -263,7 +270,9 @@ def time_modes(
     if compile_mode:
         torch._dynamo.reset()  # no graphs or recompile budget left over from another config
     try:
-        return _time_model(torch, cfg, inputs, targets, modes, compile_mode, warmup, steps, device)
+        return _time_model(
+            torch, cfg, inputs, targets, modes, compile_mode, warmup, steps, device, group
+        )
     finally:  # the model, its gradients and AdamW state are gone: hand their memory back
         gc.collect()
         if device == "cuda":
@@ -280,6 +289,7 @@ def _time_model(
     warmup: int,
     steps: int,
     device: str,
+    group: int,
 ) -> dict[str, list[float] | None]:
     from jaxllm.profiling.bench import is_oom
 
@@ -332,7 +342,7 @@ def _time_model(
              "forward_backward": forward_backward, "train_step": train_step}  # fmt: skip
     for mode in modes:
         try:
-            out[mode] = _time(calls[mode], warmup, steps, sync)
+            out[mode] = _time(calls[mode], warmup, steps, sync, group)
         except Exception as e:
             if not is_oom(e):
                 raise
