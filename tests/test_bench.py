@@ -398,8 +398,9 @@ def test_torch_reference_computes_the_same_function(arch):
     cfg = bench.build_config("tiny", arch=arch, vocab=64, batch=2)
     batch = random_batch(cfg, 2)
     state = make_state(cfg, batch)
-    logits = state.apply_fn({"params": state.params}, batch["inputs"])
-    loss = loss_and_sums(state.params, state.apply_fn, batch, None)[0]
+    with jax.default_matmul_precision("float32"):  # a GPU would otherwise use TF32 (CPU torch)
+        logits = state.apply_fn({"params": state.params}, batch["inputs"])
+        loss = loss_and_sums(state.params, state.apply_fn, batch, None)[0]
     model = torch_reference.build(cfg.model)
     torch_reference.load_flax_params(model, state.params)
     x, y = (torch.tensor(np.asarray(batch[k]), dtype=torch.long) for k in ("inputs", "targets"))
