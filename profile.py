@@ -112,7 +112,8 @@ def _bench(args: argparse.Namespace) -> int:
                 args.modes or ",".join(bench.DEFAULT_MODES), bench.MODES, "--modes"
             ),
             arch=args.arch, batch=args.batch, vocab=args.vocab, kernels=args.kernels,
-            warmup=args.warmup, steps=args.steps, overrides=tuple(args.set), torch=args.torch,
+            warmup=args.warmup, steps=args.steps, group=args.group, overrides=tuple(args.set),
+            torch=args.torch,
             compile_workers=args.compile_workers, torch_compile=args.torch_compile,
             isolate=args.isolate,
         )  # fmt: skip
@@ -145,7 +146,9 @@ def _add_bench(sub) -> None:
     b.add_argument("--vocab", type=int, default=10_000, help="vocabulary size (CS336: 10000)")
     b.add_argument("--kernels", default="xla", help="xla or pallas (model.kernels)")
     b.add_argument("--warmup", type=int, default=5, help="untimed calls before the timed ones")
-    b.add_argument("--steps", type=int, default=10, help="timed calls, each closed by a sync")
+    b.add_argument("--steps", type=int, default=10, help="timed samples, each closed by a sync")
+    group_help = "calls per timed sample, back to back (1: every call synced, CS336's recipe)"
+    b.add_argument("--group", type=int, default=1, help=group_help)
     workers_help = "threads compiling a size's executables ahead of time (1: one at a time)"
     b.add_argument("--compile-workers", type=int, default=8, help=workers_help)
     set_help = "a config override, e.g. model.attention_impl=dot_product_attention (repeatable)"

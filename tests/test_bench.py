@@ -300,6 +300,7 @@ def test_forward_flops_match_the_training_flops_per_token():
         (["bench", "--isolate", "sometimes"], "allowed: auto, always, never"),
         (["bench", "--sizes", "tiny", "--contexts", "64,256"], "allowed: 1..128"),
         (["bench", "--contexts", "0"], "positive integers"),
+        (["bench", "--group", "0"], "--group and --compile-workers must be >= 1"),
         (["breakdown", "--size", "huge"], "allowed: tiny, small"),
         (["breakdown", "--dtype", "float16"], "allowed: float32, bfloat16"),
         (["breakdown", "--size", "tiny", "--context", "512"], "allowed: 1..128"),
@@ -418,3 +419,20 @@ def test_torch_reference_computes_the_same_function(arch):
     )  # fmt: skip
     assert len(grouped["train_step"]) == 2 and min(grouped["train_step"]) > 0
     jax.clear_caches()
+
+
+def test_group_times_back_to_back_calls(tmp_path, capsys):
+    """--group N: each timed sample is N calls before one sync (seconds per call), recorded."""
+    calls = []
+
+    def make():
+        return lambda: calls.append(1) or jnp.zeros(())
+
+    m = bench.measure(make, warmup=1, steps=2, group=3)
+    assert m.status == "ok" and len(calls) == 1 + 2 * 3
+    out = tmp_path / "bench.jsonl"
+    argv = ["bench", *TINY_SWEEP, "--contexts", "16", "--modes", "forward", *TINY_RUN,
+            "--group", "3", "--isolate", "never", "--jsonl", str(out)]  # fmt: skip
+    assert cli(argv) == 0
+    assert "2 timed samples of 3 back-to-back calls each" in capsys.readouterr().out
+    assert [json.loads(line)["group"] for line in out.read_text().splitlines()] == [3]

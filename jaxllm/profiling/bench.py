@@ -6,10 +6,12 @@ and modes: `logits` (forward to the logits), `forward` (forward + loss), `forwar
 clipping and AdamW: jaxllm.train.state.train_step). Every config gets random token ids and
 fresh float32 parameters (as jaxllm.profiling.harness.make_state), then the course's recipe:
 `warmup` calls untimed, then `steps` calls, each closed by a device sync and timed on its own;
-the table reports the mean and standard deviation over those `steps` calls. Compilation is not
-in any of them: every executable of a size is compiled ahead of time, in parallel threads,
-before the first call is timed (see `measure_cells`; `--compile-workers 1` compiles one at a
-time), so the warm-up covers first-call effects only.
+the table reports the mean and standard deviation over those `steps` calls. `group` > 1 (CLI
+`--group`) makes each of the `steps` samples `group` calls back to back before one sync, as a
+training loop runs (dispatch overlaps device work), for ours and the PyTorch reference alike.
+Compilation is not in any of them: every executable of a size is compiled ahead of time, in
+parallel threads, before the first call is timed (see `measure_cells`; `--compile-workers 1`
+compiles one at a time), so the warm-up covers first-call effects only.
 
 What is resident on the device while a mode is timed (P = parameter count; this is where the
 OOM boundary between the modes comes from):
@@ -145,6 +147,7 @@ class Sweep:
     kernels: str = "xla"
     warmup: int = 5
     steps: int = 10
+    group: int = 1  # calls per timed sample, back to back before one sync (1: every call synced)
     overrides: tuple[str, ...] = ()  # extra config overrides, e.g. "model.attention_impl=..."
     torch: bool = False  # also time the PyTorch reference (eager and torch.compile)
     compile_workers: int = 8  # threads compiling a size's executables before timing
@@ -260,11 +263,11 @@ def check_sweep(sweep: Sweep) -> None:
         allowed = ", ".join(COMPILE_MODES)
         raise BenchArgError(f"--torch-compile: unknown value {sweep.torch_compile!r}; allowed: "
                             f"{allowed} (one of them)")  # fmt: skip
-    if min(sweep.batch, sweep.steps, sweep.compile_workers) < 1 or sweep.warmup < 0:
+    if min(sweep.batch, sweep.steps, sweep.group, sweep.compile_workers) < 1 or sweep.warmup < 0:
         raise BenchArgError(
-            f"--batch, --steps and --compile-workers must be >= 1 and --warmup >= 0, got batch "
-            f"{sweep.batch}, steps {sweep.steps}, compile workers {sweep.compile_workers}, "
-            f"warmup {sweep.warmup}"
+            f"--batch, --steps, --group and --compile-workers must be >= 1 and --warmup >= 0, "
+            f"got batch {sweep.batch}, steps {sweep.steps}, group {sweep.group}, compile workers "
+            f"{sweep.compile_workers}, warmup {sweep.warmup}"
         )
     for size in sweep.sizes:
         cfg = build_config(size, **_config_kwargs(sweep, sweep.dtypes[0]))
@@ -378,11 +381,14 @@ def build_step(
     return lambda: compiled(holder["params"], batch)
 
 
-def measure(make: Callable[[], Callable[[], Any]], warmup: int, steps: int) -> Measured:
-    """Get the call from `make()`, then `warmup` untimed calls and `steps` timed ones, each
-    closed by a device sync (time_calls with one call per sample). Out of memory -> OOM."""
+def measure(
+    make: Callable[[], Callable[[], Any]], warmup: int, steps: int, group: int = 1
+) -> Measured:
+    """Get the call from `make()`, then `warmup` untimed calls and `steps` timed samples of
+    `group` back-to-back calls, each sample closed by a device sync (time_calls); seconds per
+    call. Out of memory -> OOM."""
     try:
-        timing = time_calls(make(), warmup=warmup, steps=1, repeats=steps)
+        timing = time_calls(make(), warmup=warmup, steps=group, repeats=steps)
     except Exception as e:
         if not is_oom(e):
             raise
@@ -498,7 +504,7 @@ def measure_cells(
         if mode == TORCH:
             result = _torch_side(sweep, cfgs[d].model, batches[t], modes)
         else:
-            result = measure(functools.partial(ready, cell), sweep.warmup, sweep.steps)
+            result = measure(functools.partial(ready, cell), sweep.warmup, sweep.steps, sweep.group)
             if mode == "train_step":
                 resident.release()
         if _has_oom(result):
@@ -677,7 +683,7 @@ def _torch_side(
     for impl, compile_mode in (("eager", None), ("compile", sweep.torch_compile)):
         samples = torch_reference.time_modes(
             m, inputs, targets, modes, compile_mode=compile_mode, warmup=sweep.warmup,
-            steps=sweep.steps,
+            steps=sweep.steps, group=sweep.group,
         )  # fmt: skip
         out[impl] = {k: Measured("OOM") if s is None else summarize(s) for k, s in samples.items()}
     return out
@@ -753,6 +759,7 @@ def row_json(row: Row, sweep: Sweep, device: str, isolation: str | None = None) 
         "n_params": row.n_params,
         "warmup": sweep.warmup,
         "steps": sweep.steps,
+        "group": sweep.group,
         "overrides": list(sweep.overrides),
         "device": device,
         "jax": jax.__version__,
@@ -815,7 +822,12 @@ def run(sweep: Sweep, jsonl_path: str | None = None, progress: bool = True) -> l
     print(
         f"bench: arch {sweep.arch}, batch {sweep.batch}, vocab {sweep.vocab}, kernels "
         f"{sweep.kernels}{''.join(f', {o}' for o in sweep.overrides)}; {sweep.warmup} warm-up "
-        f"+ {sweep.steps} timed calls each (mean ± std, every call closed by a device sync)"
+        + (
+            f"+ {sweep.steps} timed calls each (mean ± std, every call closed by a device sync)"
+            if sweep.group == 1
+            else f"+ {sweep.steps} timed samples of {sweep.group} back-to-back calls each (mean "
+            "± std of the seconds per call, a device sync per sample)"
+        )
         + (f"; PyTorch eager and torch.compile ({sweep.torch_compile})" if sweep.torch else "")
         + f"; device {device}, jax {jax.__version__}; isolation (--isolate {sweep.isolate}): "
         + (
