@@ -431,7 +431,7 @@ PICKS = {  # summary label -> the time of a row it counts
 }
 
 
-def name(r: Result) -> str:
+def row_name(r: Result) -> str:
     return f"{r.shape[1]}x{r.shape[2]} {r.dtype} {r.direction}"
 
 
@@ -475,7 +475,7 @@ def summary(results: list[Result], copy_gbps: float) -> list[str]:
                 f"default {d} under 1.0x XLA: {len(slow) - len(beyond)} within the timing noise "
                 f"(gap < both versions' spread), {len(beyond)} beyond it"
                 + "".join(
-                    f"\n  {name(r)} {r.xla_ms / r.default_ms:.3f}x, spread {noise_pct(r):.1f}%"
+                    f"\n  {row_name(r)} {r.xla_ms / r.default_ms:.3f}x, spread {noise_pct(r):.1f}%"
                     for r in beyond
                 )  # fmt: skip
             )
