@@ -3,7 +3,9 @@
 # on one H100: PART=torch: GPT-2 124M and the Llama-style TransformerLM (124M-class and the
 # TinyStories preset's shape) against torch.compile at equal batch; PART=kernels: the Mosaic
 # GPU vs Triton kernel table and the depthwise conv1d at the CS229S shapes. Each step has its
-# own timeout so that one slow step cannot take the others' results with it.
+# own timeout so that one slow step cannot take the others' results with it. The torch part
+# times both sides back to back (--group 10: 10 steps per device sync, as a training loop
+# runs; 5 such samples), the way the 2026-11-25 equal-batch rows in RESULTS.md were taken.
 # Usage: bash benchmarks/gpu_speed_round.sh OUTDIR torch|kernels
 #        (then copy OUTDIR/*.jsonl into benchmarks/logs)
 set -uo pipefail
@@ -19,7 +21,8 @@ step() {  # step NAME SECONDS CMD...: run, keep its log, print its table rows
   echo "   rc=$?"
   grep -E "^\|" "$OUT/$name.log" | grep -v "^|---" | cut -c1-220 | tail -20
 }
-BENCH="python3 profile.py bench --dtypes bfloat16 --modes train_step --torch --no-progress"
+BENCH="python3 profile.py bench --dtypes bfloat16 --modes train_step --torch --no-progress \
+  --steps 5 --group 10"
 FAST="--kernels pallas --set model.loss_impl=pallas --set model.attention_impl=dot_product_attention"
 TS="--set model.d_model=512 --set model.d_ff=1344 --set model.n_layers=4 --set model.n_heads=16"
 case $PART in
