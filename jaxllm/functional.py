@@ -38,7 +38,11 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 
 @jax.custom_vjp
 def _gelu_tanh(x: jax.Array) -> jax.Array:
-    return 0.5 * x * (1.0 + jnp.tanh(_GELU_C * (x + 0.044715 * x**3)))
+    # Spelled exactly as XLA's cuBLASLt GELU-epilogue pattern, x * (0.5 * (1 + tanh(...))) with
+    # x * (x * x): on the GPU the MLP's matmul, bias add and GELU then run as one GEMM
+    # (epilogue BIAS_GELU_AUX, which also writes x for the backward). GPT-2 124M train step,
+    # H100: 35.72 -> 34.99 ms at batch 16, 127.5 -> 125.7 ms at 64 (benchmarks/RESULTS.md).
+    return x * (0.5 * (1.0 + jnp.tanh(_GELU_C * (x + 0.044715 * (x * (x * x))))))
 
 
 def _gelu_tanh_fwd(x: jax.Array):
@@ -48,10 +52,12 @@ def _gelu_tanh_fwd(x: jax.Array):
 
 
 def _gelu_tanh_bwd(x: jax.Array, g: jax.Array):
+    # The barrier keeps XLA's CSE from sharing x * x or tanh with the forward: a shared
+    # subexpression gives the forward's pattern a second user and the GEMM epilogue no longer
+    # matches.
+    x = jax.lax.optimization_barrier(x)
     u = _GELU_C * (x + 0.044715 * x**3)
-    # tanh(u) written as 2 sigmoid(2u) - 1: spelled like the forward, XLA's CSE merges the two
-    # and the forward fusion writes tanh out for the backward after all.
-    t = 2.0 * jax.nn.sigmoid(2.0 * u) - 1.0
+    t = 2.0 * jax.nn.sigmoid(2.0 * u) - 1.0  # tanh(u)
     du = _GELU_C * (1.0 + 3 * 0.044715 * x * x)
     return (g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du),)
 
