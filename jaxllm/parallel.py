@@ -51,6 +51,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import Config, ConfigError, ModelConfig, ParallelConfig
+from jaxllm.functional import IGNORE
 from jaxllm.layers import AttentionInputs, add_and_norm
 from jaxllm.models.decoder import (
     Decoder,
@@ -251,6 +252,36 @@ def create_sharded(create: Callable[[], Any], mesh: Mesh) -> Any:
     (jax's threefry is partitionable)."""
     shardings = state_shardings(jax.eval_shape(create), mesh)
     return jax.jit(create, out_shardings=shardings)()
+
+
+def eval_rows_multiple(mesh: Mesh, microbatches: int | None = None) -> int:
+    """Evaluation batches are padded (pad_rows) to a multiple of this many rows, so that every
+    one runs as the training batches do: rows split over data x fsdp (shard_batch) and, with
+    pipeline stages, into the microbatches and over the stages (MeshApply), rather than
+    replicated or through the plain model (a partial last batch otherwise would)."""
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    stages = mesh.shape["pipeline"]
+    if stages == 1:
+        return ways
+    return math.lcm(ways * (microbatches or stages), mesh.size)
+
+
+def pad_rows(batch: dict[str, Any], multiple: int) -> dict[str, np.ndarray]:
+    """`batch` with rows appended up to a multiple of `multiple`: inputs 0 and targets IGNORE,
+    so they add nothing to eval_step's sums (loss_sum, correct, count)."""
+    fill = {"inputs": 0, "targets": IGNORE}
+    if set(batch) - set(fill):
+        raise ValueError(f"pad_rows pads 'inputs' and 'targets' only, got keys {sorted(batch)}")
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    out = {k: np.asarray(v) for k, v in batch.items()}
+    extra = -out["inputs"].shape[0] % multiple
+    if extra:
+        out = {
+            k: np.concatenate([v, np.full((extra, *v.shape[1:]), fill[k], v.dtype)])
+            for k, v in out.items()
+        }
+    return out
 
 
 def shard_batch(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:

@@ -138,6 +138,18 @@ def test_stacked_block_leaves_shard_layers_over_stages_and_the_rest_over_fsdp():
     assert parallel.leaf_spec(blocks, (64, 16, 8), flat) == P(None, "fsdp", None)
 
 
+def test_eval_rows_multiple_gives_the_training_layout():
+    def multiple(pipeline, data, fsdp, microbatches=None):
+        mesh = AbstractMesh((pipeline, data, fsdp), parallel.MESH_AXES)
+        return parallel.eval_rows_multiple(mesh, microbatches)
+
+    assert multiple(1, 1, 1) == 1
+    assert multiple(1, 4, 2) == 8  # rows over data x fsdp
+    assert multiple(4, 1, 2) == 8  # 4 microbatches (one per stage) of 2 shards, over 4 stages
+    assert multiple(2, 2, 1, microbatches=3) == 12  # 2 shards x 3 microbatches, and 4 devices
+    assert multiple(4, 1, 1, microbatches=8) == 8
+
+
 def test_parallel_config_validation():
     assert _cfg().parallel == ParallelConfig(data=-1, fsdp=1, pipeline=1, microbatches=None)
     with pytest.raises(ConfigError, match=r"parallel.data must be >= 1 or -1 \(fill\), got 0"):
@@ -594,7 +606,7 @@ def test_pallas_kernels_run_per_batch_shard_and_match_one_device():
 
 
 # train.py's loop on pipeline=4 x fsdp=2; 44 test examples: the last evaluation batch (12 rows)
-# does not split into 2 x 4 microbatches and runs the model's own loss instead.
+# is padded to 16 (parallel.eval_rows_multiple = 8) and runs pipelined like the others.
 STAGED = [*PIPE4, "--parallel.data=1", "--parallel.fsdp=2", "--data.associative_recall.num_test=44"]
 
 
@@ -640,7 +652,7 @@ def test_save_on_8_devices_restore_on_one(tmp_path):
     loaded, want = jax.tree.leaves(variables["params"]), jax.tree.leaves(restored.params)
     for a, b in zip(loaded, want, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # The run's last evaluation (pipelined batches + one through the model's own loss) is the
+    # The run's last evaluation (pipelined batches, the partial last one padded) is the
     # one-device evaluation of its checkpoint.
     ev = evaluate(restored, make_source(cfg))
     np.testing.assert_allclose(out["eval_loss"], ev["loss"], rtol=1e-5)

@@ -165,3 +165,32 @@ def test_steps_count_out_of_range_ids_under_jit():
     with pytest.raises(BadTokenIdsError, match=r"step 5.*3 token ids.*\[0, 60\]") as err:
         raise_for_bad_ids(jnp.int32(3), step=5, where="train", vocab_size=61)
     assert isinstance(err.value, ValueError)
+
+
+def test_eval_padding_rows_add_nothing(tmp_path):
+    """evaluate pads each batch with IGNORE rows (to the mesh's row multiple): the sums, so the
+    loss and accuracy, are those of the unpadded batches, a partial last batch included."""
+    from jaxllm.data.sources import make_source
+    from jaxllm.parallel import pad_rows
+    from jaxllm.train.loop import evaluate
+
+    cfg = _tiny_cfg(tmp_path)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=48))
+    source = make_source(cfg)  # 128 test examples: batches of 48, 48, 32
+    sizes = [b["inputs"].shape[0] for b in source.eval_batches()]
+    assert sizes == [48, 48, 32]
+    model = build_model(cfg.model)
+    tx = make_optimizer(cfg.optim, 40)
+    first = next(iter(source.eval_batches()))
+    state = create_state(model, tx, jax.random.PRNGKey(3), jnp.asarray(first["inputs"]))
+    plain = evaluate(state, source)
+    for multiple in (7, 64):
+        padded = evaluate(state, source, rows_multiple=multiple)
+        np.testing.assert_allclose(padded["loss"], plain["loss"], rtol=1e-6)
+        assert padded["accuracy"] == plain["accuracy"]
+    out = pad_rows(first, 7)
+    assert out["inputs"].shape[0] == 49 and (out["targets"][48] == -1).all()
+    np.testing.assert_array_equal(out["inputs"][:48], first["inputs"])
+    assert pad_rows(first, 16)["inputs"].shape[0] == 48  # already a multiple: unchanged
+    with pytest.raises(ValueError, match="'inputs' and 'targets' only"):
+        pad_rows({**first, "mask": first["inputs"]}, 7)

@@ -54,15 +54,23 @@ class TrainResult:
 
 
 def evaluate(
-    state, source: BatchSource, mesh: jax.sharding.Mesh | None = None, step_fn=eval_step
+    state,
+    source: BatchSource,
+    mesh: jax.sharding.Mesh | None = None,
+    step_fn=eval_step,
+    rows_multiple: int = 1,
 ) -> dict[str, float]:
     """Exact mean loss and accuracy over all evaluation batches (split over `mesh` if given;
     with several processes each puts only its rows of every batch on its devices). `step_fn`:
-    eval_step, or its `parallel.jit_eval_step` version for the run's mesh."""
+    eval_step, or its `parallel.jit_eval_step` version for the run's mesh. Each batch is padded
+    with rows that carry no loss to a multiple of `rows_multiple` (parallel.eval_rows_multiple:
+    the run's layout for every batch, a partial last one included)."""
     totals = {"loss_sum": 0.0, "correct": 0, "count": 0}
     step = int(state.step)
     put = distributed.put_batch if jax.process_count() > 1 else parallel.shard_batch
     for batch in source.eval_batches():
+        if rows_multiple > 1:
+            batch = parallel.pad_rows(batch, rows_multiple)
         if mesh is not None:
             batch = put(batch, mesh)
         out = jax.device_get(step_fn(state, batch))
@@ -170,6 +178,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
     microbatches = cfg.parallel.microbatches  # pipeline stages only; None: one per stage
     step_fn = parallel.jit_train_step(train_step, state, mesh, microbatches)
     eval_fn = parallel.jit_eval_step(eval_step, state, mesh, microbatches)
+    eval_rows = parallel.eval_rows_multiple(mesh, microbatches)
     # This process's rows of every train batch (several processes: a disjoint share each).
     rows = distributed.process_rows(mesh, tc.batch_size) if multi else None
     if multi:  # put once on every process's devices, not at every step
@@ -319,7 +328,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
                 bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{rec['lr']:.2e}")
             end_of_epoch = per_epoch is not None and done % per_epoch == 0
             if (tc.eval_every and done % tc.eval_every == 0) or done == total or end_of_epoch:
-                ev = evaluate(state, source, mesh, eval_fn)
+                ev = evaluate(state, source, mesh, eval_fn, eval_rows)
                 rec = {"step": done, "split": "eval", **ev}
                 line = f"step {done}: eval loss {ev['loss']:.4f}  accuracy {ev['accuracy']:.4f}"
                 if per_epoch is not None:
@@ -360,7 +369,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
                 f"{run_dir} already holds the finished run (step {start_step} of {total}); "
                 "evaluating its last checkpoint. Choose another --train.run_dir to train anew."
             )
-            ev = evaluate(state, source, mesh, eval_fn)
+            ev = evaluate(state, source, mesh, eval_fn, eval_rows)
     finally:
         trace.stop()  # a run that ends (or fails) inside the traced range still writes it
         bar.close()
