@@ -7,8 +7,12 @@ pytest puts this directory on sys.path.
 import os
 from pathlib import Path
 
-# Tests run on the CPU; keep XLA from grabbing both cores' worth of threads per process.
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+# Tests run on the CPU; keep XLA from grabbing both cores' worth of threads per process. On a
+# GPU (the kernel tests; the rest where it is run there) reductions must not use atomics: the
+# tests check that a rerun with the same seed is bit-identical.
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_gpu_deterministic_ops=true"
+)
 
 
 import jax  # noqa: E402

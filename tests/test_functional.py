@@ -207,8 +207,9 @@ def test_linear_cross_entropy_smoothing_changes_objective_not_metric():
     w = jnp.asarray(rng.normal(size=(13, 5)), jnp.float32)
     t = jnp.asarray(rng.integers(0, 13, size=8))
     wts = jnp.full((8,), 1 / 8)
-    plain, ce, _ = F.linear_cross_entropy(x, w, t, wts, jnp.float32)
-    smooth, ce_s, _ = F.linear_cross_entropy(x, w, t, wts, jnp.float32, 0.2)
+    with jax.default_matmul_precision("highest"):  # a GPU runs float32 matmuls as TF32 otherwise
+        plain, ce, _ = F.linear_cross_entropy(x, w, t, wts, jnp.float32)
+        smooth, ce_s, _ = F.linear_cross_entropy(x, w, t, wts, jnp.float32, 0.2)
     np.testing.assert_allclose(ce_s, ce)  # the reported cross-entropy is the plain one
     np.testing.assert_allclose(plain, jnp.mean(ce), rtol=1e-6)
     # float64: smoothed objective = mean((1 - eps) nll + eps mean_j(-log p_j)), eps = 0.2

@@ -290,7 +290,9 @@ def test_scan_layers_is_the_same_function_of_the_same_parameters(arch, remat):
         return logits, g
 
     run = jax.jit(run, static_argnums=0)  # one compile per model, not op-by-op dispatch
-    (logits, g), (slogits, sg) = run(model, p), run(smodel, sp)
+    highest = jax.default_matmul_precision("highest")  # a GPU runs float32 as TF32 otherwise
+    with highest:
+        (logits, g), (slogits, sg) = run(model, p), run(smodel, sp)
     np.testing.assert_allclose(slogits, logits, atol=1e-5, rtol=1e-5)
     sg = unstack_blocks(sg)
     assert jax.tree.structure(g) == jax.tree.structure(sg)
@@ -299,8 +301,9 @@ def test_scan_layers_is_the_same_function_of_the_same_parameters(arch, remat):
     cache = init_kv_cache(scfg, 2, 8)
     assert cache["k"].shape == (3, 2, 8, cfg.n_heads, cfg.head_dim)
     decode = jax.jit(functools.partial(smodel.apply, method="decode"))
-    prefill, cache = decode({"params": sp}, tok[:, :5], cache, 0)
-    step, _ = decode({"params": sp}, tok[:, 5:6], cache, 5)
+    with highest:
+        prefill, cache = decode({"params": sp}, tok[:, :5], cache, 0)
+        step, _ = decode({"params": sp}, tok[:, 5:6], cache, 5)
     np.testing.assert_allclose(prefill, logits[:, :5], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(step[:, 0], logits[:, 5], atol=1e-5, rtol=1e-5)
 

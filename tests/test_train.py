@@ -186,7 +186,8 @@ def test_eval_padding_rows_add_nothing(tmp_path):
     plain = evaluate(state, source)
     for multiple in (7, 64):
         padded = evaluate(state, source, rows_multiple=multiple)
-        np.testing.assert_allclose(padded["loss"], plain["loss"], rtol=1e-6)
+        # rtol: other batch shapes, other GEMM tilings on a GPU (2.5e-6 seen on an H100)
+        np.testing.assert_allclose(padded["loss"], plain["loss"], rtol=2e-5)
         assert padded["accuracy"] == plain["accuracy"]
     out = pad_rows(first, 7)
     assert out["inputs"].shape[0] == 49 and (out["targets"][48] == -1).all()
