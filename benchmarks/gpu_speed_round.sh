@@ -28,8 +28,8 @@ TS="--set model.d_model=512 --set model.d_ff=1344 --set model.n_layers=4 --set m
 case $PART in
   torch)
     for b in 16 64; do
-      step "gpt2_b$b" $((b == 16 ? 140 : 200)) $BENCH --contexts 1024 --sizes small --vocab 50257 --batch $b $FAST \
-        --jsonl "$OUT/bench.jsonl"
+      step "gpt2_b$b" $((b == 16 ? 140 : 200)) $BENCH --contexts 1024 --sizes small \
+        --vocab 50257 --batch $b $FAST --jsonl "$OUT/bench.jsonl"
     done
     step llama_b16 130 $BENCH --arch transformer_lm --contexts 1024 --sizes small --vocab 50257 \
       --batch 16 $FAST --jsonl "$OUT/bench.jsonl"

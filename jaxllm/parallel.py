@@ -286,7 +286,8 @@ def pad_rows(batch: dict[str, Any], multiple: int) -> dict[str, np.ndarray]:
 
 def shard_batch(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
     """Put a host batch on the mesh, rows split over data x fsdp. A batch whose rows do not
-    split evenly (the last evaluation batch) is replicated instead: same sums, more work."""
+    split evenly is replicated instead: same sums, more work (the training loop pads its
+    evaluation batches with pad_rows, so they always split)."""
     ways = mesh.shape["data"] * mesh.shape["fsdp"]
 
     def put(x: Any) -> jax.Array:
