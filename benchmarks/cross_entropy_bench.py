@@ -8,10 +8,10 @@ Two levels, GPT-2 small's head at batch 16 x 1024 (N = 16384 rows, D = 768, V = 
           (GEMMs included).
 Device-side chained timing (jaxllm.profiling.timing), median of 5; correctness vs the XLA path
 checked first. Bandwidth counts one read of z and one write of dz.
-`--rows N` sets the row count (65536 = GPT-2 at batch 64); `--sweep` times a grid of persistent
-grids (programs per SM x columns per chunk x warps x pipeline stages): the kernel reads each row
-twice, and the second read comes from L2 only while the rows in flight (programs x row bytes)
-fit in it. `--jsonl` appends one record per row.
+`--rows N` sets the row count (65536 = GPT-2 at batch 64); `--sweep` times a grid of configs
+(columns per chunk x warps x programs x pipeline stages, each with and without L2 eviction
+hints): the kernel reads each row twice, and the second read comes from L2 only while the rows
+in flight (programs resident x row bytes) fit in it. `--jsonl` appends one record per row.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def main() -> None:
         return jax.grad(loss)(z)
 
     ref = jax.jit(xla_step)(z)
+    # fused under jit: at 65536 rows the eager float32 copies of z alone would take 26 GB
+    max_err = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
     rows = []
     t_xla = chained_median_seconds(xla_step, [z], calls=8)
     gb = 2 * N * VP * 2 / 1e9
@@ -81,18 +83,28 @@ def main() -> None:
         for bc, nw, p in ((65536, 16, N), (65536, 32, N), (2048, 4, N), (4096, 8, 1056))
     ]
     if args.sweep:
+        # L2 hints: keep the row for its second sweep, stream dz out. They can only pay when
+        # the rows in flight fit in L2 (50 MB): fewer, wider programs per SM
         sms = core_count()
         configs += [
-            Config(1, bc, nw, per_sm * sms, st)
-            for per_sm, (bc, nw), st in itertools.product(
-                (1, 2, 4), ((2048, 4), (4096, 8), (8192, 8), (8192, 16)), (1, 2)
+            Config(1, bc, nw, programs, stages, hints)
+            for (bc, nw, programs, stages), hints in itertools.product(
+                (
+                    (2048, 4, N, 1),
+                    (4096, 8, N, 1),
+                    (8192, 16, N, 1),
+                    (8192, 32, N, 1),
+                    (4096, 8, 4 * sms, 2),
+                    (8192, 16, 2 * sms, 2),
+                    (8192, 32, sms, 2),
+                ),
+                (False, True),
             )
         ]
     for cfg in configs:
         step = lambda z, cfg=cfg: cross_entropy_from_logits(z, t, w, V, True, interpret, cfg)[2]  # noqa: E731
         try:
-            out = jax.jit(step)(z)
-            err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+            err = float(max_err(jax.jit(step)(z), ref))
             rows.append(
                 ("kernel", str(tuple(cfg)), chained_median_seconds(step, [z], calls=8), err)
             )
