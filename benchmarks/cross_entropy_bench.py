@@ -9,9 +9,9 @@ Two levels, GPT-2 small's head at batch 16 x 1024 (N = 16384 rows, D = 768, V = 
 Device-side chained timing (jaxllm.profiling.timing), median of 5; correctness vs the XLA path
 checked first. Bandwidth counts one read of z and one write of dz.
 `--rows N` sets the row count (65536 = GPT-2 at batch 64); `--sweep` times a grid of configs
-(columns per chunk x warps x programs x pipeline stages, each with and without L2 eviction
-hints): the kernel reads each row twice, and the second read comes from L2 only while the rows
-in flight (programs resident x row bytes) fit in it. `--jsonl` appends one record per row.
+(columns per chunk x warps x programs x pipeline stages): the kernel reads each row twice, and
+the second read comes from L2 only while the rows in flight (programs resident x row bytes)
+fit in it. `--jsonl` appends one record per row.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from jaxllm.xla_flags import apply_default_xla_flags
 apply_default_xla_flags()
 
 import argparse
-import itertools
 import json
 
 import jax
@@ -83,22 +82,19 @@ def main() -> None:
         for bc, nw, p in ((65536, 16, N), (65536, 32, N), (2048, 4, N), (4096, 8, 1056))
     ]
     if args.sweep:
-        # L2 hints: keep the row for its second sweep, stream dz out. They can only pay when
-        # the rows in flight fit in L2 (50 MB): fewer, wider programs per SM
+        # wider programs and persistent grids: fewer rows in flight, so that a row's second
+        # sweep could find it in L2 (50 MB); with L2 eviction hints on the first sweep
+        # (evict_last) and the second (evict_first) none of them gained (benchmarks/RESULTS.md)
         sms = core_count()
         configs += [
-            Config(1, bc, nw, programs, stages, hints)
-            for (bc, nw, programs, stages), hints in itertools.product(
-                (
-                    (2048, 4, N, 1),
-                    (4096, 8, N, 1),
-                    (8192, 16, N, 1),
-                    (8192, 32, N, 1),
-                    (4096, 8, 4 * sms, 2),
-                    (8192, 16, 2 * sms, 2),
-                    (8192, 32, sms, 2),
-                ),
-                (False, True),
+            Config(1, bc, nw, programs, stages)
+            for bc, nw, programs, stages in (
+                (4096, 8, N, 1),
+                (8192, 16, N, 1),
+                (8192, 32, N, 1),
+                (4096, 8, 4 * sms, 2),
+                (8192, 16, 2 * sms, 2),
+                (8192, 32, sms, 2),
             )
         ]
     for cfg in configs:

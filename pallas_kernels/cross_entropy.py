@@ -46,7 +46,6 @@ class Config(NamedTuple):
     num_warps: int
     programs: int  # most programs in the grid; each walks ceil(row blocks / programs) steps
     num_stages: int = 1
-    l2_hints: bool = False  # first sweep evict_last, second sweep and dz store evict_first
 
 
 def default_config() -> Config:
@@ -79,20 +78,16 @@ def _kernel(z_ref, t_ref, w_ref, *out_refs, vocab: int, cfg: Config, steps: int)
         row_ok = row0 + jnp.arange(r, dtype=jnp.int32) < n_rows  # (R,)
         t = pltriton.load(t_ref.at[rows], mask=row_ok, other=0)  # (R,)
 
-        def chunk(j, evict):
+        def chunk(j):
             j = _i32(j)
             cols = j * c + jnp.arange(c, dtype=jnp.int32)  # (C,)
             ok = row_ok[:, None] & (cols < vocab)[None, :]
-            z = pltriton.load(
-                z_ref.at[rows, pl.ds(j * c, c)], mask=ok, other=MASK_VALUE, eviction_policy=evict
-            )
+            z = pltriton.load(z_ref.at[rows, pl.ds(j * c, c)], mask=ok, other=MASK_VALUE)
             return cols, z.astype(jnp.float32)  # (C,), (R, C)
-
-        keep, drop = ("evict_last", "evict_first") if cfg.l2_hints else (None, None)
 
         def stats(j, carry):  # online max, rescaled sum and the target's logit
             m, s, z_t = carry
-            cols, z = chunk(j, keep)
+            cols, z = chunk(j)
             m_new = jnp.maximum(m, jnp.max(z, axis=1))
             s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
             z_t = z_t + jnp.sum(jnp.where(cols[None, :] == t[:, None], z, 0.0), axis=1)
@@ -110,12 +105,12 @@ def _kernel(z_ref, t_ref, w_ref, *out_refs, vocab: int, cfg: Config, steps: int)
 
         @pl.loop(0, pl.cdiv(width, c))  # padded columns too: they get dz = 0
         def grad(j):
-            cols, z = chunk(j, drop)
+            cols, z = chunk(j)
             onehot = (cols[None, :] == t[:, None]).astype(jnp.float32)
             dz = (jnp.exp(z - lse[:, None]) - onehot) * w[:, None]
             ok = row_ok[:, None] & (cols < width)[None, :]
             out = dz_ref.at[rows, pl.ds(_i32(j) * c, c)]
-            pltriton.store(out, dz.astype(dz_ref.dtype), mask=ok, eviction_policy=drop)
+            pltriton.store(out, dz.astype(dz_ref.dtype), mask=ok)
 
 
 def cross_entropy_from_logits(

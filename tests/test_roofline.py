@@ -11,6 +11,7 @@ the norms and softmax (within 1/D, 1%), and counts LayerNorm's mean subtraction 
 equal.
 """
 
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -290,3 +291,29 @@ def test_cli_refuses_bad_input_in_one_line(extra, message):
         load_cli().main(["roofline", *extra])
     text = str(e.value.code)
     assert message in text and "\n" not in text
+
+
+def test_streams_reference_moves_the_rows_traffic_and_stays_bounded():
+    """The kernel table's '% streams' reference: an XLA elementwise step over as many arrays as
+    the kernel reads, replacing as many as it writes, whose values do not drift when chained."""
+    from jaxllm.profiling import kernel_bench
+
+    with pytest.raises(ValueError, match="reads >= writes >= 1"):
+        kernel_bench.streams_seconds((8, 128), jnp.float32, 1, 2)
+    assert kernel_bench.streams_seconds((8, 128), jnp.bfloat16, 2, 1) > 0
+    a, b = jax.random.normal(jax.random.key(0), (2, 8, 128), jnp.float32)
+    state = (a, b)
+    for _ in range(6):
+        state = kernel_bench.streams_step(state, 1)
+        assert float(jnp.max(jnp.abs(state[0]))) <= 2 * float(jnp.max(jnp.abs(a) + jnp.abs(b)))
+        assert state[1] is b
+    assert jnp.allclose(state[0], a, atol=1e-5)  # period 2
+    (neg,) = kernel_bench.streams_step((a,), 1)
+    assert jnp.array_equal(neg, -a)
+    case = next(kernel_bench.layer_norm_cases([(16, 128)], [jnp.float32]))  # forward first
+    assert (case.array_shape, case.streams) == ((16, 128), (1, 1))
+    row = kernel_bench.run_case(dataclasses.replace(case, configs=[]), copy_gbps=1.0, tune=False)
+    assert row.streams_ms > 0
+    line = kernel_bench.format_row(row)
+    assert f"| {100 * row.streams_ms / row.ms:.0f} |" in line
+    assert kernel_bench.HEADER.count("|") // 2 == line.count("|")
