@@ -206,6 +206,25 @@ def _state_and_batches(cfg, mesh, n=3):
     return state, [source.train_batch(i) for i in range(n)]
 
 
+def _eval_on(state, mesh) -> dict:
+    """evaluate() with its default padding over 44 test examples (batches of 16, 16, 12): the
+    rows of every batch its step saw, and whether each batch was split over the devices."""
+    from jaxllm.train.loop import evaluate
+    from jaxllm.train.state import eval_step
+
+    seen = []
+
+    def recording_step(state, batch):
+        x = batch["inputs"]
+        sharding = getattr(x, "sharding", None)  # None: a host array (no mesh)
+        seen.append([int(x.shape[0]), sharding is not None and not sharding.is_fully_replicated])
+        return eval_step(state, batch)
+
+    source = make_source(_cfg("--data.associative_recall.num_test=44"))
+    ev = evaluate(state, source, mesh, recording_step)
+    return {"loss": ev["loss"], "accuracy": ev["accuracy"], "batches": seen}
+
+
 def _check_dp_equivalence() -> None:
     """3 steps on 1 device vs data=8 and data=4 x fsdp=2: losses, grad norms, first-step
     gradients and final params; per-device state bytes (also of fsdp=8, not stepped)."""
@@ -237,6 +256,7 @@ def _check_dp_equivalence() -> None:
             "grads": [np.asarray(g).tolist() for g in jax.tree.leaves(jax.device_get(grads))],
             "params": [np.asarray(p).tolist() for p in jax.tree.leaves(jax.device_get(state))],
             "bytes": parallel.state_bytes_per_device(state),
+            "eval": _eval_on(state, None if name == "single" else mesh),
         }
     fsdp8 = parallel.make_mesh(_cfg("--parallel.data=1", "--parallel.fsdp=8"))
     out["fsdp8_bytes"] = parallel.state_bytes_per_device(
@@ -261,6 +281,12 @@ def test_data_and_fsdp_parallel_match_one_device():
         np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-5, err_msg=name)
         _assert_trees_close(r["grads"], ref["grads"], 1e-5, name)
         _assert_trees_close(r["params"], ref["params"], 1e-5, name)  # params, moments, step
+    # evaluate() on a mesh pads a partial batch (12 rows) to the data x fsdp layout by itself
+    assert ref["eval"]["batches"] == [[16, False], [16, False], [12, False]]
+    for name in ("data8", "data4_fsdp2"):
+        assert out[name]["eval"]["batches"] == [[16, True]] * 3, name
+        np.testing.assert_allclose(out[name]["eval"]["loss"], ref["eval"]["loss"], rtol=1e-5)
+        assert out[name]["eval"]["accuracy"] == ref["eval"]["accuracy"]
     assert out["data8"]["bytes"] == ref["bytes"]  # replicated: every device holds it all
     # Almost every array divides by the fsdp size; the few that do not stay whole.
     assert 1.9 < ref["bytes"] / out["data4_fsdp2"]["bytes"] <= 2

@@ -58,13 +58,16 @@ def evaluate(
     source: BatchSource,
     mesh: jax.sharding.Mesh | None = None,
     step_fn=eval_step,
-    rows_multiple: int = 1,
+    rows_multiple: int | None = None,
 ) -> dict[str, float]:
     """Exact mean loss and accuracy over all evaluation batches (split over `mesh` if given;
     with several processes each puts only its rows of every batch on its devices). `step_fn`:
     eval_step, or its `parallel.jit_eval_step` version for the run's mesh. Each batch is padded
     with rows that carry no loss to a multiple of `rows_multiple` (parallel.eval_rows_multiple:
-    the run's layout for every batch, a partial last one included)."""
+    the run's layout for every batch, a partial last one included); None: the mesh's data x
+    fsdp layout (pass it with the microbatches for a pipelined step_fn), 1 without a mesh."""
+    if rows_multiple is None:
+        rows_multiple = 1 if mesh is None else parallel.eval_rows_multiple(mesh)
     totals = {"loss_sum": 0.0, "correct": 0, "count": 0}
     step = int(state.step)
     put = distributed.put_batch if jax.process_count() > 1 else parallel.shard_batch
