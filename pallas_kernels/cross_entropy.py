@@ -19,7 +19,9 @@ Memory traffic beyond the GEMMs, N rows of Vp columns, s bytes per element of z:
   from L2 when it is still there; the H100 run reaches 1.65 TB/s counting only the two passes)
   primal only (no gradient): read z      = N * Vp * s
 against about five passes in XLA (max, argmax, sum-exp, then softmax - onehot and its pad).
-Backend: Triton lowering (pallas_kernels/triton_backend.py says why).
+Backend: Triton lowering by default; `backend="mosaic_gpu"` runs cross_entropy_mgpu.py's kernel
+(each row read once, through shared memory; vocabulary padded to a multiple of 1024) in the
+same custom VJP (pallas_kernels/triton_backend.py picks and validates the lowering).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .triton_backend import compiler_params, resolve_interpret
+from .triton_backend import check_backend, compiler_params, resolve_interpret
 
 VOCAB_ALIGN = 128  # pad the vocabulary to a multiple of this for the GEMMs
 # finite: exp(MASK_VALUE - m) underflows to 0 without inf - inf = NaN. The same value as
@@ -143,33 +145,47 @@ def cross_entropy_from_logits(
     )(z, targets.astype(jnp.int32), weights.astype(jnp.float32))
 
 
-def _padded_head(x, w, compute_dtype):
-    """x, W in compute dtype, W's rows padded to a multiple of VOCAB_ALIGN; z = x W^T (N, Vp)."""
+def _align(backend: str) -> int:
+    if backend == "mosaic_gpu":
+        from . import cross_entropy_mgpu
+
+        return cross_entropy_mgpu.VOCAB_ALIGN
+    return VOCAB_ALIGN
+
+
+def _padded_head(x, w, compute_dtype, align: int = VOCAB_ALIGN):
+    """x, W in compute dtype, W's rows padded to a multiple of `align`; z = x W^T (N, Vp)."""
     vocab = w.shape[0]
-    pad = -vocab % VOCAB_ALIGN
+    pad = -vocab % align
     xc = x.astype(compute_dtype)
     wc = jnp.pad(w.astype(compute_dtype), ((0, pad), (0, 0)))
     return xc, wc, jnp.dot(xc, wc.T)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _linear_ce(x, w, targets, weights, compute_dtype, interpret, cfg):
-    _, _, z = _padded_head(x, w, compute_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _linear_ce(x, w, targets, weights, compute_dtype, interpret, cfg, backend):
+    _, _, z = _padded_head(x, w, compute_dtype)  # no gradient: the Triton kernel's one sweep
+    cfg = cfg if backend == "triton" else default_config()
     ce, hit = cross_entropy_from_logits(z, targets, weights, w.shape[0], False, interpret, cfg)
     return jnp.sum(weights * ce), ce, hit
 
 
-def _linear_ce_fwd(x, w, targets, weights, compute_dtype, interpret, cfg):
+def _linear_ce_fwd(x, w, targets, weights, compute_dtype, interpret, cfg, backend):
     vocab = w.shape[0]
-    xc, wc, z = _padded_head(x, w, compute_dtype)
-    ce, hit, dz = cross_entropy_from_logits(z, targets, weights, vocab, True, interpret, cfg)
+    xc, wc, z = _padded_head(x, w, compute_dtype, _align(backend))
+    if backend == "mosaic_gpu":
+        from . import cross_entropy_mgpu
+
+        ce, hit, dz = cross_entropy_mgpu.cross_entropy_from_logits(z, targets, weights, vocab, cfg)
+    else:
+        ce, hit, dz = cross_entropy_from_logits(z, targets, weights, vocab, True, interpret, cfg)
     f32 = jnp.float32
     dx = jnp.dot(dz, wc, preferred_element_type=f32).astype(x.dtype)  # (N, D)
     dw = jnp.dot(dz.T, xc, preferred_element_type=f32)[:vocab].astype(w.dtype)  # (V, D)
     return (jnp.sum(weights * ce), ce, hit), (dx, dw)
 
 
-def _linear_ce_bwd(compute_dtype, interpret, cfg, res, cts):
+def _linear_ce_bwd(compute_dtype, interpret, cfg, backend, res, cts):
     dx, dw = res
     g = cts[0]  # cotangent of the loss; ce and hit leave the public function without gradient
     return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None
@@ -200,7 +216,8 @@ def linear_cross_entropy(
     compute_dtype=jnp.bfloat16,
     interpret: bool | None = None,
     *,
-    config: Config | None = None,
+    config=None,
+    backend: str = "triton",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Weighted cross-entropy of the head z = x W^T, without keeping z.
 
@@ -208,12 +225,27 @@ def linear_cross_entropy(
     without a target, 1/count for a mean). Returns (loss = sum_i w_i ce_i, differentiable in x
     and w; ce (N,) float32 per row; hit (N,) bool: the target's logit is the row's max). ce,
     hit and the weights carry no gradient. Targets outside [0, V) cannot be checked under jit:
-    give them weight 0 (their ce is then meaningless).
+    give them weight 0 (their ce is then meaningless). `config`: a Config (Triton) or a
+    cross_entropy_mgpu.Config (`backend="mosaic_gpu"`: bfloat16 compute only).
     """
     _check(x, w, targets, weights)
-    cfg = config or default_config()
+    check_backend(backend, interpret)
+    if backend == "mosaic_gpu":
+        from . import cross_entropy_mgpu
+
+        if config is not None and not isinstance(config, cross_entropy_mgpu.Config):
+            raise ValueError(
+                f"backend='mosaic_gpu' takes a cross_entropy_mgpu.Config, got {config}"
+            )
+        if (dtype := jnp.dtype(compute_dtype)) != jnp.bfloat16:
+            raise ValueError(f"backend='mosaic_gpu' computes in bfloat16, got {dtype}")
+        cfg, interpret = config, False
+    else:
+        if config is not None and not isinstance(config, Config):
+            raise ValueError(f"backend='triton' takes a cross_entropy.Config, got {config}")
+        cfg, interpret = config or default_config(), resolve_interpret(interpret)
     weights = jax.lax.stop_gradient(weights)  # the forward bakes them into dz
     loss, ce, hit = _linear_ce(
-        x, w, targets, weights, jnp.dtype(compute_dtype), resolve_interpret(interpret), cfg
+        x, w, targets, weights, jnp.dtype(compute_dtype), interpret, cfg, backend
     )
     return loss, jax.lax.stop_gradient(ce), hit.astype(bool)

@@ -25,12 +25,15 @@ from pallas_kernels import (
     depthwise_conv1d,
     depthwise_conv1d_ref,
     layer_norm,
+    linear_cross_entropy,
     rms_norm,
 )
 from pallas_kernels import attention_softmax_mgpu as softmax_mgpu
+from pallas_kernels import cross_entropy_mgpu as ce_mgpu
 from pallas_kernels import depthwise_conv1d_mgpu as conv_mgpu
 from pallas_kernels import layer_norm_mgpu as ln_mgpu
 from pallas_kernels.attention_softmax import Layout
+from pallas_kernels.cross_entropy import Config as CEConfig
 from pallas_kernels.triton_backend import BACKENDS, check_backend
 
 try:  # jax's Mosaic GPU interpreter: private, so its absence skips rather than fails
@@ -251,3 +254,72 @@ def test_conv_kernels_interior_tiles_in_interpreter(float64_ref):
     np.testing.assert_allclose(out[:, interior], float64_ref(ref, u)[:, interior], atol=1e-5)
     ref_du = float64_ref(lambda u, g: jax.vjp(ref, u)[1](g)[0], u, g)
     np.testing.assert_allclose(du[:, interior], ref_du[:, interior], atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+
+
+def _ce_args(n_rows=64, vocab=2000, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(n_rows, 32)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(vocab, 32)) * 0.3, jnp.float32)
+    t = jnp.asarray(rng.integers(0, vocab, n_rows), jnp.int32)
+    wt = jnp.asarray(rng.uniform(size=n_rows), jnp.float32)
+    return x, w, t, wt
+
+
+def test_mosaic_cross_entropy_refusals(pretend_gpu):
+    x, w, t, wt = _ce_args()
+    with pytest.raises(ValueError, match="no interpret mode"):
+        linear_cross_entropy(x, w, t, wt, interpret=True, backend="mosaic_gpu")
+    with pytest.raises(ValueError, match="computes in bfloat16, got float32"):
+        linear_cross_entropy(x, w, t, wt, jnp.float32, backend="mosaic_gpu")
+    with pytest.raises(ValueError, match="takes a cross_entropy_mgpu.Config"):
+        linear_cross_entropy(x, w, t, wt, backend="mosaic_gpu", config=CEConfig(1, 512, 4, 8))
+    with pytest.raises(ValueError, match="takes a cross_entropy.Config"):
+        linear_cross_entropy(x, w, t, wt, config=ce_mgpu.Config(1024))
+    z = jnp.zeros((8, 2000), jnp.bfloat16)  # not padded to a multiple of 1024
+    with pytest.raises(ValueError, match="multiples of 1024"):
+        ce_mgpu.cross_entropy_from_logits(z, t[:8], wt[:8], 2000)
+    with pytest.raises(ValueError, match="two rows of 57344 bfloat16 logits do not fit"):
+        ce_mgpu.cross_entropy_from_logits(jnp.zeros((8, 57344), jnp.bfloat16), t[:8], wt[:8], 9)
+
+
+def test_mosaic_cross_entropy_lowers_for_cuda(pretend_gpu):
+    """GPT-2's head at 4 rows: the vocabulary padded to 50 x 1024 for the Mosaic kernel, which
+    runs in the forward (it makes dz there); the backward only scales dx and dW."""
+    x, w, t, wt = _ce_args(n_rows=4, vocab=50257)
+
+    def loss(x, w):
+        return linear_cross_entropy(x, w, t, wt, backend="mosaic_gpu")[0]
+
+    text = _lower_for_cuda(jax.value_and_grad(loss, (0, 1)), x, w)
+    assert "mosaic_gpu" in text and "51200" in text  # padded columns: 50257 -> 51200
+
+
+@needs_interpreter
+def test_cross_entropy_kernel_in_interpreter(float64_ref):
+    """ce, hit and dz of padded bf16 logits against float64, the padding columns masked; 64 rows
+    over 2 programs (no ragged run: the interpreter does not clamp copies), 2 chunks a row."""
+    n_rows, vocab, width = 64, 2000, 2048
+    rng = np.random.default_rng(1)
+    z = jnp.asarray(rng.normal(size=(n_rows, width)) * 3, jnp.bfloat16)
+    t = jnp.asarray(rng.integers(0, vocab, n_rows), jnp.int32)
+    wt = jnp.asarray(rng.uniform(size=n_rows), jnp.float32)
+    ce, hit, dz = ce_mgpu.cross_entropy_from_logits(
+        z, t, wt, vocab, ce_mgpu.Config(chunk=1024), interpret=InterpretGPUParams()
+    )
+
+    def reference(z):
+        zv = z[:, :vocab]
+        lse = jax.nn.logsumexp(zv, axis=1)
+        z_t = jnp.take_along_axis(zv, t[:, None], axis=1)[:, 0]
+        p = jnp.exp(zv - lse[:, None]) - jax.nn.one_hot(t, vocab, dtype=zv.dtype)
+        dz = jnp.pad(p * wt[:, None].astype(zv.dtype), ((0, 0), (0, width - vocab)))
+        return lse - z_t, z_t >= jnp.max(zv, axis=1), dz
+
+    ref_ce, ref_hit, ref_dz = float64_ref(reference, z.astype(jnp.float32))
+    np.testing.assert_allclose(ce, ref_ce, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(hit, bool), np.asarray(ref_hit))
+    assert not np.any(np.asarray(dz[:, vocab:], np.float32))  # padding: no gradient
+    np.testing.assert_allclose(np.asarray(dz, np.float32), ref_dz, atol=4e-3)  # bf16 dz

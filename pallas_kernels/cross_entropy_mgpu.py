@@ -1,0 +1,169 @@
+"""The fused cross-entropy kernel (loss, hit and dz of each row of logits) on Pallas' Mosaic GPU
+lowering, reading each row once.
+
+The Triton kernel (cross_entropy.py) sweeps each row of z twice from global memory, statistics
+then dz, and the second sweep misses L2 at GPT-2's sizes (benchmarks/RESULTS.md). Here a row lives
+in shared memory between its sweeps: each program (one warpgroup, persistent over a contiguous run
+of rows) copies row k + 1 into one of two row buffers with one bulk TMA copy while it computes row
+k in the other: the max, the sum of exponentials and the target's logit (per-lane running
+vectors, reduced across the warpgroup once per row), then dz = w (softmax - onehot) written over
+the row in shared memory and copied back with one bulk copy.
+
+z (N, Vp) with Vp % 1024 == 0 (cross_entropy pads the head to VOCAB_ALIGN here): a chunk of
+1024 columns spreads 8 bf16 (16 bytes) over each of the warpgroup's 128 lanes. Two rows of
+shared memory bound the row: Vp up to about 56k bf16 columns.
+
+Minimal memory traffic, N rows of Vp columns, s bytes per element of z:
+  read z, write dz = 2 * N * Vp * s   (+ 4 N targets, weights, 8 N ce and hit)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from . import rows_mgpu as rows
+
+VOCAB_ALIGN = 1024  # columns: 128 lanes x 8 bf16 (16-byte accesses)
+ROW_ALIGN = 32  # rows per program's run: its targets/weights/ce copies move multiples of 128 B
+
+
+class Config(NamedTuple):
+    chunk: int  # columns per register chunk: a multiple of VOCAB_ALIGN dividing Vp
+    programs_per_sm: int = 1  # two row buffers per program: one program per SM at GPT-2 sizes
+
+
+def default_config(n_cols: int) -> Config:
+    return Config(chunk=rows.pick_chunk(n_cols, rows.pick_vec(n_cols, 2), 2048))
+
+
+def _check(z: jax.Array, cfg: Config) -> None:
+    n_cols = z.shape[1]
+    if z.dtype != jnp.bfloat16:
+        raise ValueError(f"backend='mosaic_gpu' cross-entropy takes bfloat16 logits, got {z.dtype}")
+    if n_cols % VOCAB_ALIGN or n_cols % cfg.chunk or cfg.chunk % VOCAB_ALIGN:
+        raise ValueError(
+            f"backend='mosaic_gpu' needs the padded vocabulary ({n_cols}) and the chunk "
+            f"({cfg.chunk}) to be multiples of {VOCAB_ALIGN}, the chunk dividing the vocabulary"
+        )
+    if 2 * n_cols * 2 + 4 * 1024 > rows.SMEM_BYTES:
+        raise ValueError(
+            f"backend='mosaic_gpu': two rows of {n_cols} bfloat16 logits do not fit in shared "
+            "memory; use backend='triton'"
+        )
+
+
+def _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, *, vocab: int, tiles: rows.Tiles, steps: int):
+    n_rows = t_g.shape[0]
+    nc = tiles.n_chunks
+    first = jax.lax.axis_index("p").astype(jnp.int32) * steps
+    count = jnp.minimum(jnp.int32(steps), jnp.int32(n_rows) - first)
+    # this program's targets and weights (a ragged last run is clamped by the copy engine)
+    rows.copy_in(t_g.at[pl.ds(first, steps)], sm["t"], sm["params_bar"])
+    rows.copy_in(w_g.at[pl.ds(first, steps)], sm["w"], sm["params_bar"])
+
+    def row(g, k):  # row first + k of a (N * nc, chunk) array
+        return g.at[pl.ds((first + k) * nc, nc)]
+
+    def fetch(k, slot):
+        rows.copy_in(row(z_g, k), sm["z"].at[slot], sm["bar"].at[slot])
+
+    fetch(jnp.int32(0), jnp.int32(0))
+    plgpu.barrier_wait(sm["params_bar"])
+
+    def step(k, carry):
+        slot = jax.lax.rem(k, 2)
+
+        @pl.when(k + 1 < count)
+        def _():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # row k - 1 has left that buffer
+            fetch(k + 1, 1 - slot)
+
+        plgpu.barrier_wait(sm["bar"].at[slot])
+        z_s = sm["z"].at[slot]
+        target, weight = sm["t"][k], sm["w"][k]
+
+        def chunk(ci):  # (column ids, logits as float32 with the padding columns at -inf)
+            cols = tiles.col_ids(ci * tiles.chunk)
+            return cols, jnp.where(cols < vocab, tiles.load(z_s, 0, ci), -jnp.inf)
+
+        neg_inf = tiles.col_zeros() - jnp.inf
+        v_max = tiles.chunks(lambda ci, m: jnp.maximum(m, chunk(ci)[1]), neg_inf)
+        m = jnp.max(v_max)
+
+        def sums(ci, acc):
+            cols, z = chunk(ci)
+            return acc[0] + jnp.exp(z - m), acc[1] + jnp.where(cols == target, z, 0.0)
+
+        v_sum, v_zt = tiles.chunks(sums, (tiles.col_zeros(), tiles.col_zeros()))
+        lse = m + jnp.log(jnp.sum(v_sum))
+        z_t = jnp.sum(v_zt)
+        sm["ce"][k] = lse - z_t
+        sm["hit"][k] = (z_t >= m).astype(jnp.int32)
+
+        def write(ci, c):
+            cols, z = chunk(ci)
+            onehot = jnp.where(cols == target, 1.0, 0.0)
+            tiles.store(z_s, 0, ci, (jnp.exp(z - lse) - onehot) * weight)
+            return c
+
+        tiles.chunks(write, None)
+        plgpu.commit_smem()  # the register writes visible to the copy engine
+        plgpu.copy_smem_to_gmem(z_s, row(dz_g, k), commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        return carry
+
+    jax.lax.fori_loop(jnp.int32(0), count, step, None)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(sm["ce"], ce_g.at[pl.ds(first, steps)], commit_group=False)
+    plgpu.copy_smem_to_gmem(sm["hit"], hit_g.at[pl.ds(first, steps)], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+
+def cross_entropy_from_logits(
+    z: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    vocab: int,
+    cfg: Config | None = None,
+    interpret: Any = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(ce (N,) f32, hit (N,) int32, dz like z) of padded bf16 logits z (N, Vp), as the Triton
+    kernel with its gradient. `interpret`: jax's Mosaic GPU interpreter parameters (CPU tests)."""
+    cfg = cfg or default_config(z.shape[1])
+    _check(z, cfg)
+    n_rows, n_cols = z.shape
+    tiles = rows.Tiles(1, cfg.chunk, n_cols // cfg.chunk, rows.pick_vec(cfg.chunk, 2))
+    from .triton_backend import core_count
+
+    programs = max(1, cfg.programs_per_sm * core_count())
+    steps = -(-pl.cdiv(n_rows, programs) // ROW_ALIGN) * ROW_ALIGN
+    programs = pl.cdiv(n_rows, steps)
+    sub = (n_rows * tiles.n_chunks, cfg.chunk)  # a row is nc consecutive sub-rows
+    scratch = dict(
+        z=plgpu.SMEM((2, tiles.n_chunks, cfg.chunk), z.dtype),
+        t=plgpu.SMEM((steps,), jnp.int32),
+        w=plgpu.SMEM((steps,), jnp.float32),
+        ce=plgpu.SMEM((steps,), jnp.float32),
+        hit=plgpu.SMEM((steps,), jnp.int32),
+        bar=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+        params_bar=plgpu.Barrier(num_arrivals=2),
+    )
+    out_type = (
+        jax.ShapeDtypeStruct((n_rows,), jnp.float32),
+        jax.ShapeDtypeStruct((n_rows,), jnp.int32),
+        jax.ShapeDtypeStruct(sub, z.dtype),
+    )
+
+    def kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, **sm):
+        _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, vocab=vocab, tiles=tiles, steps=steps)
+
+    args = (z.reshape(sub), targets.astype(jnp.int32), weights.astype(jnp.float32))
+    ce, hit, dz = rows.launch(kernel, "cross_entropy_fwd_bwd_mgpu", out_type, scratch,
+                              {"p": programs}, 2048, interpret, args)  # fmt: skip
+    return ce, hit, dz.reshape(z.shape)
