@@ -115,10 +115,19 @@ def main() -> None:
 
         vp_m = V + (-V % cross_entropy_mgpu.VOCAB_ALIGN)
         z_m = jnp.pad(z, ((0, 0), (0, vp_m - VP)))
-        mosaic = lambda z: cross_entropy_mgpu.cross_entropy_from_logits(z, t, w, V)[2]  # noqa: E731
-        err = float(max_err(jax.jit(mosaic)(z_m)[:, :VP], ref))
-        rows.append(("kernel", "mosaic_gpu", chained_median_seconds(mosaic, [z_m], calls=8), err))
-        print(rows[-1], flush=True)
+        default = cross_entropy_mgpu.default_config(vp_m)
+        single = dict(programs_per_sm=2, stages=1)  # two programs per SM, one buffer each
+        for cfg in dict.fromkeys(
+            (default, default._replace(**single), default._replace(chunk=1024),
+             default._replace(chunk=1024, **single))
+        ):  # fmt: skip
+            mosaic = lambda z, cfg=cfg: cross_entropy_mgpu.cross_entropy_from_logits(  # noqa: E731
+                z, t, w, V, cfg
+            )[2]
+            err = float(max_err(jax.jit(mosaic)(z_m)[:, :VP], ref))
+            sec = chained_median_seconds(mosaic, [z_m], calls=8)
+            rows.append(("kernel", f"mosaic_gpu {tuple(cfg)}", sec, err))
+            print(rows[-1], flush=True)
 
     x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
     wt = jnp.asarray(rng.normal(size=(V, D)) * 0.02, jnp.float32)

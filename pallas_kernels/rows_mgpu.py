@@ -172,8 +172,9 @@ class Tiles(NamedTuple):
 
 
 def launch(body, name: str, out_type, scratch: dict, grid: dict[str, int], scratch_bytes: int,
-           interpret: Any, args: tuple):  # fmt: skip
-    """Run `body` as a Mosaic GPU kernel named `name` over `grid` (axis name -> size)."""
+           interpret: Any, args: tuple, approx_math: bool = False):  # fmt: skip
+    """Run `body` as a Mosaic GPU kernel named `name` over `grid` (axis name -> size);
+    `approx_math`: the GPU's approximate exp/log/divide."""
     from .triton_backend import mosaic_compiler_params
 
     body.__name__ = name  # the kernel's name in profiles
@@ -183,7 +184,7 @@ def launch(body, name: str, out_type, scratch: dict, grid: dict[str, int], scrat
         scratch_types=scratch,
         grid=tuple(grid.values()),
         grid_names=tuple(grid),
-        compiler_params=mosaic_compiler_params(scratch_bytes),
+        compiler_params=mosaic_compiler_params(scratch_bytes, approx_math),
         interpret=interpret,
     )
     with tracing_for(interpret):

@@ -81,17 +81,19 @@ def compiler_params(num_warps: int, num_stages: int = 1) -> pltriton.CompilerPar
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def mosaic_compiler_params(reduction_scratch_bytes: int = 2048):
+def mosaic_compiler_params(reduction_scratch_bytes: int = 2048, approx_math: bool = False):
     """Mosaic GPU compiler parameters shared by the `*_mgpu.py` kernels.
 
     Lane lowering semantics: the kernels state every register layout themselves (jax 0.11 turned
     on the Warpgroup semantics with automatic layout inference by default; pinning Lane keeps the
     layouts the kernels were written and checked for). `reduction_scratch_bytes`: shared memory
     for cross-warp row reductions (more lets one reduction exchange more rows at once).
+    `approx_math`: the approximate exp/log/divide instructions (the cross-entropy kernel).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import, kept lazy
 
     return plgpu.CompilerParams(
         lowering_semantics=plgpu.LoweringSemantics.Lane,
         reduction_scratch_bytes=reduction_scratch_bytes,
+        approx_math=approx_math,
     )

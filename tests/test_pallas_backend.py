@@ -281,8 +281,11 @@ def test_mosaic_cross_entropy_refusals(pretend_gpu):
     z = jnp.zeros((8, 2000), jnp.bfloat16)  # not padded to a multiple of 1024
     with pytest.raises(ValueError, match="multiples of 1024"):
         ce_mgpu.cross_entropy_from_logits(z, t[:8], wt[:8], 2000)
-    with pytest.raises(ValueError, match="two rows of 57344 bfloat16 logits do not fit"):
+    with pytest.raises(ValueError, match="2 rows of 57344 bfloat16 logits per SM do not fit"):
         ce_mgpu.cross_entropy_from_logits(jnp.zeros((8, 57344), jnp.bfloat16), t[:8], wt[:8], 9)
+    z = jnp.zeros((8, 51200), jnp.bfloat16)  # GPT-2's padded head: 2 per SM only single-buffered
+    with pytest.raises(ValueError, match="4 rows of 51200 bfloat16 logits per SM do not fit"):
+        ce_mgpu.cross_entropy_from_logits(z, t[:8], wt[:8], 9, ce_mgpu.Config(2048, 2, 2))
 
 
 def test_mosaic_cross_entropy_lowers_for_cuda(pretend_gpu):
@@ -306,9 +309,6 @@ def test_cross_entropy_kernel_in_interpreter(float64_ref):
     z = jnp.asarray(rng.normal(size=(n_rows, width)) * 3, jnp.bfloat16)
     t = jnp.asarray(rng.integers(0, vocab, n_rows), jnp.int32)
     wt = jnp.asarray(rng.uniform(size=n_rows), jnp.float32)
-    ce, hit, dz = ce_mgpu.cross_entropy_from_logits(
-        z, t, wt, vocab, ce_mgpu.Config(chunk=1024), interpret=InterpretGPUParams()
-    )
 
     def reference(z):
         zv = z[:, :vocab]
@@ -319,7 +319,12 @@ def test_cross_entropy_kernel_in_interpreter(float64_ref):
         return lse - z_t, z_t >= jnp.max(zv, axis=1), dz
 
     ref_ce, ref_hit, ref_dz = float64_ref(reference, z.astype(jnp.float32))
-    np.testing.assert_allclose(ce, ref_ce, atol=1e-5, rtol=1e-5)
-    np.testing.assert_array_equal(np.asarray(hit, bool), np.asarray(ref_hit))
-    assert not np.any(np.asarray(dz[:, vocab:], np.float32))  # padding: no gradient
-    np.testing.assert_allclose(np.asarray(dz, np.float32), ref_dz, atol=4e-3)  # bf16 dz
+    # double-buffered rows, one program per SM; one buffer, two programs per SM
+    for cfg in (ce_mgpu.Config(1024, 1, 2), ce_mgpu.Config(1024, 2, 1)):
+        ce, hit, dz = ce_mgpu.cross_entropy_from_logits(
+            z, t, wt, vocab, cfg, interpret=InterpretGPUParams()
+        )
+        np.testing.assert_allclose(ce, ref_ce, atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(hit, bool), np.asarray(ref_hit))
+        assert not np.any(np.asarray(dz[:, vocab:], np.float32))  # padding: no gradient
+        np.testing.assert_allclose(np.asarray(dz, np.float32), ref_dz, atol=4e-3)  # bf16 dz
