@@ -20,7 +20,9 @@ Paths:
                                    softmax between two XLA einsums, or cuDNN flash attention
   decode     xla                   attention over a KV cache (generation): always XLA
   loss       xla | pallas          LM head + cross-entropy: logits then softmax_loss, or the
-                                   fused Pallas kernel that never keeps the logits
+             | pallas_mgpu         fused Pallas kernel that never keeps the logits (pallas_mgpu:
+                                   its Mosaic GPU lowering, picked on Hopper GPUs for bfloat16
+                                   by pallas_kernels.triton_backend.loss_backend)
   conv       xla | pallas          depthwise conv1d
 """
 
@@ -42,6 +44,7 @@ from jaxllm.config import ModelConfig
 
 NormPath = Literal["xla", "pallas"]
 AttentionPath = Literal["xla", "pallas", "cudnn"]
+LossPath = Literal["xla", "pallas", "pallas_mgpu"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +93,7 @@ def _per_shard(
 class OpPlan:
     norm: NormPath = "xla"
     attention: AttentionPath = "xla"
-    loss: Literal["xla", "pallas"] = "xla"
+    loss: LossPath = "xla"
     conv: Literal["xla", "pallas"] = "xla"
     interpret: bool = False  # Pallas kernels run in interpret mode (no GPU): slow, for tests
     shard: KernelShard | None = None  # several devices: each Pallas call runs per batch shard
@@ -105,7 +108,8 @@ class OpPlan:
             f"loss={self.loss}",
             f"conv={self.conv}",
         ]
-        pallas = "pallas" in (self.norm, self.attention, self.loss, self.conv)
+        paths = (self.norm, self.attention, self.loss, self.conv)
+        pallas = any(p.startswith("pallas") for p in paths)
         if pallas:
             parts.append("(Pallas interpreted: no GPU)" if self.interpret else "(Pallas compiled)")
         if pallas and self.shard is not None:
@@ -130,10 +134,14 @@ def plan_ops(
                 f"(backend {backend}, {cfg.compute_dtype}): attention runs on {attention}"
             )
     pallas = "pallas" in (cfg.kernels, attention, cfg.loss_impl)
+    loss: LossPath = cfg.loss_impl
+    mosaic = backend == "gpu" and pallas_kernels.loss_backend(cfg.vocab_size, cfg.compute_dtype)
+    if loss == "pallas" and mosaic == "mosaic_gpu":  # the faster lowering where it runs
+        loss = "pallas_mgpu"
     return OpPlan(
         norm=cfg.kernels,  # LayerNorm and RMSNorm both have kernels
         attention=attention,
-        loss=cfg.loss_impl,
+        loss=loss,
         conv=cfg.kernels,
         interpret=backend != "gpu",
         shard=shard if pallas else None,
@@ -265,18 +273,21 @@ def linear_cross_entropy(
     targets: jax.Array,
     weights: jax.Array,
     compute_dtype: jnp.dtype,
-    path: Literal["xla", "pallas"],
+    path: LossPath,
     label_smoothing: float = 0.0,
     shard: KernelShard | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """LM head + cross-entropy: x (N, D), w (V, D), targets, weights (N,) ->
     (sum_i w_i loss_i, ce (N,), hit (N,)); see `F.linear_cross_entropy`."""
-    if path == "pallas":
+    if path in ("pallas", "pallas_mgpu"):
         if label_smoothing:  # ModelConfig refuses this pairing; a direct caller gets it here
             raise ValueError("label smoothing needs the xla loss path: the fused kernel has none")
+        backend = "mosaic_gpu" if path == "pallas_mgpu" else "triton"
 
         def kernel(x: jax.Array, w: jax.Array, t: jax.Array, wt: jax.Array) -> Any:
-            loss, ce, hit = pallas_kernels.linear_cross_entropy(x, w, t, wt, compute_dtype)
+            loss, ce, hit = pallas_kernels.linear_cross_entropy(
+                x, w, t, wt, compute_dtype, backend=backend
+            )
             return loss[None], ce, hit  # (1,): one partial sum per shard, added up below
 
         args = (x, w, targets, weights)

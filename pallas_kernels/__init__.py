@@ -17,6 +17,7 @@ from .reference import (
     linear_cross_entropy_ref,
     rms_norm_ref,
 )
+from .triton_backend import loss_backend
 
 __all__ = [
     "add_layer_norm",
@@ -31,6 +32,7 @@ __all__ = [
     "layer_norm_ref",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
+    "loss_backend",
     "rms_norm",
     "rms_norm_ref",
 ]

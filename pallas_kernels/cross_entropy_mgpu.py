@@ -4,14 +4,18 @@ lowering, reading each row once.
 The Triton kernel (cross_entropy.py) sweeps each row of z twice from global memory, statistics
 then dz, and the second sweep misses L2 at GPT-2's sizes (benchmarks/RESULTS.md). Here a row lives
 in shared memory between its sweeps: each program (one warpgroup, persistent over a contiguous run
-of rows) copies row k + 1 into one of two row buffers with one bulk TMA copy while it computes row
-k in the other: the max, the sum of exponentials and the target's logit (per-lane running
-vectors, reduced across the warpgroup once per row), then dz = w (softmax - onehot) written over
-the row in shared memory and copied back with one bulk copy.
+of rows) copies a row in with one bulk TMA copy, computes the max, the sum of exponentials and the
+target's logit (per-lane running vectors, reduced across the warpgroup once per row), then
+dz = w (softmax - onehot) written over the row in shared memory, copied back with one bulk copy.
+By default two programs share an SM with one row buffer each, so one computes while the other's
+copies run (`stages=2` double-buffers within one program instead: slower, see default_config).
+Exponentials and the log use the GPU's approximate instructions.
 
 z (N, Vp) with Vp % 1024 == 0 (cross_entropy pads the head to VOCAB_ALIGN here): a chunk of
 1024 columns spreads 8 bf16 (16 bytes) over each of the warpgroup's 128 lanes. Two rows of
-shared memory bound the row: Vp up to about 56k bf16 columns.
+shared memory per SM bound the row: Vp up to about 56k bf16 columns (113k with one). dz is a new
+array (Mosaic GPU kernels take no input/output aliasing): the forward holds z and dz together,
+where the Triton kernel writes dz over z.
 
 Minimal memory traffic, N rows of Vp columns, s bytes per element of z:
   read z, write dz = 2 * N * Vp * s   (+ 4 N targets, weights, 8 N ce and hit)
@@ -38,8 +42,25 @@ class Config(NamedTuple):
     stages: int = 2  # row buffers per program: 2 copies row k + 1 in while row k is computed
 
 
+def _smem_bytes(cfg: Config, n_cols: int) -> int:
+    """Shared memory per SM: each program's row buffers and its 4 KB of per-row vectors."""
+    return cfg.programs_per_sm * (cfg.stages * n_cols * 2 + 4 * 1024)
+
+
 def default_config(n_cols: int) -> Config:
-    return Config(chunk=rows.pick_chunk(n_cols, rows.pick_vec(n_cols, 2), 2048))
+    """Two programs per SM with one row buffer each where two rows fit (GPT-2's 51200 columns:
+    5.02 ms at 65536 rows on the H100, against 6.06 ms for one double-buffered program per SM:
+    a single warpgroup cannot hide its own latencies), else one program per SM."""
+    chunk = rows.pick_chunk(n_cols, rows.pick_vec(n_cols, 2), 2048)
+    two = Config(chunk, programs_per_sm=2, stages=1)
+    return two if _smem_bytes(two, n_cols) <= rows.SMEM_BYTES else Config(chunk, 1, 1)
+
+
+def fits(n_vocab: int) -> bool:
+    """Whether rows of `n_vocab` logits (padded to VOCAB_ALIGN) fit two programs per SM: the
+    measured configuration (one program alone per SM leaves its copies unhidden)."""
+    n_cols = -(-n_vocab // VOCAB_ALIGN) * VOCAB_ALIGN
+    return _smem_bytes(Config(VOCAB_ALIGN, 2, 1), n_cols) <= rows.SMEM_BYTES
 
 
 def _check(z: jax.Array, cfg: Config) -> None:
@@ -53,10 +74,11 @@ def _check(z: jax.Array, cfg: Config) -> None:
         )
     if cfg.stages not in (1, 2) or cfg.programs_per_sm < 1:
         raise ValueError(f"invalid Mosaic GPU cross-entropy config {cfg}")
-    if cfg.programs_per_sm * (cfg.stages * n_cols * 2 + 4 * 1024) > rows.SMEM_BYTES:
+    if _smem_bytes(cfg, n_cols) > rows.SMEM_BYTES:
         raise ValueError(
-            f"backend='mosaic_gpu': {cfg.programs_per_sm * cfg.stages} rows of {n_cols} bfloat16 "
-            "logits per SM do not fit in shared memory; use backend='triton' or fewer"
+            f"backend='mosaic_gpu': rows of {n_cols} bfloat16 logits, "
+            f"{cfg.programs_per_sm * cfg.stages} per SM, do not fit in shared memory; use "
+            "backend='triton' or fewer rows per SM"
         )
 
 

@@ -13,7 +13,9 @@ the choice and its rules live in one module:
   layouts. They assume aligned shapes (each says which, and refuses others with a ValueError) and
   compile only on a GPU: no interpret mode, and no silent fallback to Triton.
   benchmarks/mosaic_gpu_check.py measures both side by side; the default changes only where
-  Mosaic GPU measures at least as fast.
+  Mosaic GPU measures at least as fast. So far that is the fused cross-entropy (`loss_backend`:
+  its Mosaic kernel keeps each row of logits in shared memory between its two sweeps); the norm,
+  softmax and conv kernels stay on Triton, which measured faster.
 
 jax 0.11 deprecates the Triton lowering and warns at every lowering (`DeprecationWarning: The
 Pallas Triton backend is deprecated and will be removed in a future JAX version.`). We silence
@@ -51,6 +53,25 @@ def check_backend(backend: str, interpret: bool | None) -> str:
                 f"is {jax.default_backend()!r}; use backend='triton' (interpreted off GPU)"
             )
     return backend
+
+
+def mosaic_gpu_capable() -> bool:
+    """The default device is an NVIDIA GPU of compute capability 9.0+ (Hopper): Mosaic GPU's
+    kernels (TMA, warpgroups) compile for it."""
+    if jax.default_backend() != "gpu":
+        return False
+    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    return float(capability) >= 9.0
+
+
+def loss_backend(n_vocab: int, compute_dtype) -> str:
+    """The fused loss kernel's lowering on this machine: "mosaic_gpu" on a Hopper-class GPU for
+    bfloat16 logits whose padded rows fit its shared memory (each row read once: 1.58x the Triton
+    kernel at GPT-2's batch 64 on the H100, benchmarks/RESULTS.md), "triton" otherwise."""
+    from . import cross_entropy_mgpu
+
+    ok = jax.numpy.dtype(compute_dtype) == jax.numpy.bfloat16 and cross_entropy_mgpu.fits(n_vocab)
+    return "mosaic_gpu" if ok and mosaic_gpu_capable() else "triton"
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

@@ -56,3 +56,42 @@ def test_cudnn_attention_with_dropout_is_refused():
         tiny_config(attention_impl="dot_product_attention", dropout=0.1)
     with pytest.raises(ConfigError, match="dot_product_attention has no attention dropout"):
         load_config("configs/gpt2_124m.yaml", ["--model.dropout=0.1"])
+
+
+def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch):
+    """pallas_kernels.loss_backend picks the Mosaic GPU cross-entropy kernel on a Hopper-class GPU
+    for bfloat16 logits whose rows fit its shared memory; the plan names the path it took."""
+    import pallas_kernels.triton_backend as tb
+
+    cfg = load_config("configs/gpt2_124m.yaml").model
+    assert plan_ops(cfg, backend="gpu").loss == "pallas"  # this CPU is no Hopper GPU
+    monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
+    plan = plan_ops(cfg, backend="gpu")
+    assert plan.loss == "pallas_mgpu" and "loss=pallas_mgpu" in plan.describe()
+    assert "(Pallas compiled)" in plan.describe()
+    assert plan_ops(cfg, backend="cpu").loss == "pallas"  # interpreted: Triton
+    f32 = dataclasses.replace(cfg, compute_dtype="float32")
+    assert plan_ops(f32, backend="gpu").loss == "pallas"  # the Mosaic kernel takes bf16 only
+    wide = dataclasses.replace(cfg, vocab_size=60_000)  # two padded rows per SM do not fit
+    assert plan_ops(wide, backend="gpu").loss == "pallas"
+    assert plan_ops(dataclasses.replace(cfg, loss_impl="xla"), backend="gpu").loss == "xla"
+
+
+def test_mosaic_loss_path_lowers_for_cuda(monkeypatch):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxllm import ops
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3000, 16)), jnp.float32)
+    t, wt = jnp.arange(8), jnp.full((8,), 1 / 8)
+
+    def loss(x, w):
+        return ops.linear_cross_entropy(x, w, t, wt, jnp.bfloat16, "pallas_mgpu")[0]
+
+    low = jax.jit(jax.grad(loss, (0, 1))).trace(x, w).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in low.as_text() and "3072" in low.as_text()  # padded to 3 x 1024

@@ -281,10 +281,14 @@ def test_mosaic_cross_entropy_refusals(pretend_gpu):
     z = jnp.zeros((8, 2000), jnp.bfloat16)  # not padded to a multiple of 1024
     with pytest.raises(ValueError, match="multiples of 1024"):
         ce_mgpu.cross_entropy_from_logits(z, t[:8], wt[:8], 2000)
-    with pytest.raises(ValueError, match="2 rows of 57344 bfloat16 logits per SM do not fit"):
-        ce_mgpu.cross_entropy_from_logits(jnp.zeros((8, 57344), jnp.bfloat16), t[:8], wt[:8], 9)
+    z = jnp.zeros((8, 115712), jnp.bfloat16)  # not even one row fits
+    with pytest.raises(ValueError, match="rows of 115712 bfloat16 logits, 1 per SM, do not fit"):
+        ce_mgpu.cross_entropy_from_logits(z, t[:8], wt[:8], 9)
+    assert ce_mgpu.default_config(57344) == ce_mgpu.Config(2048, 1, 1)  # one row per SM fits
+    assert ce_mgpu.default_config(51200) == ce_mgpu.Config(2048, 2, 1)  # GPT-2: two
+    assert ce_mgpu.fits(50257) and not ce_mgpu.fits(57344)
     z = jnp.zeros((8, 51200), jnp.bfloat16)  # GPT-2's padded head: 2 per SM only single-buffered
-    with pytest.raises(ValueError, match="4 rows of 51200 bfloat16 logits per SM do not fit"):
+    with pytest.raises(ValueError, match="rows of 51200 bfloat16 logits, 4 per SM, do not fit"):
         ce_mgpu.cross_entropy_from_logits(z, t[:8], wt[:8], 9, ce_mgpu.Config(2048, 2, 2))
 
 
