@@ -116,6 +116,9 @@ class ModelConfig(Section):
     # Training loss: "xla" = logits, then softmax_loss; "pallas" = the fused LM head +
     # cross-entropy kernel (pallas_kernels.linear_cross_entropy), which never keeps the logits.
     loss_impl: Literal["xla", "pallas"] = "xla"
+    # The fused loss kernel's lowering: "auto" = Mosaic GPU on a Hopper-class GPU for bfloat16
+    # logits whose rows fit (faster; it holds dz beside the logits: more memory), else Triton.
+    loss_backend: Literal["auto", "triton", "mosaic_gpu"] = "auto"
     # Activation rematerialisation: "block" wraps every decoder block in jax.checkpoint (saving
     # nothing inside it), so the backward pass recomputes each block's forward from its input:
     # activation memory drops from O(layers x block internals) to O(layers x D) per token, for
@@ -153,6 +156,16 @@ class ModelConfig(Section):
                 raise ConfigError(
                     "transformer_lm needs an even head dim (d_model / n_heads) for RoPE"
                 )
+        if self.loss_backend != "auto" and self.loss_impl != "pallas":
+            raise ConfigError(
+                f"model.loss_backend={self.loss_backend} picks the fused loss kernel's lowering: "
+                "it needs model.loss_impl=pallas"
+            )
+        if self.loss_backend == "mosaic_gpu" and self.compute_dtype != "bfloat16":
+            raise ConfigError(
+                "model.loss_backend=mosaic_gpu computes in bfloat16: set "
+                f"model.compute_dtype=bfloat16 (got {self.compute_dtype}) or loss_backend=triton"
+            )
         if self.label_smoothing and self.loss_impl == "pallas":
             raise ConfigError(
                 "model.label_smoothing needs model.loss_impl=xla: the fused Pallas loss has no "

@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from jaxllm import functional as F
-from jaxllm.config import ModelConfig
+from jaxllm.config import ConfigError, ModelConfig
 
 NormPath = Literal["xla", "pallas"]
 AttentionPath = Literal["xla", "pallas", "cudnn"]
@@ -135,9 +135,16 @@ def plan_ops(
             )
     pallas = "pallas" in (cfg.kernels, attention, cfg.loss_impl)
     loss: LossPath = cfg.loss_impl
-    mosaic = backend == "gpu" and pallas_kernels.loss_backend(cfg.vocab_size, cfg.compute_dtype)
-    if loss == "pallas" and mosaic == "mosaic_gpu":  # the faster lowering where it runs
-        loss = "pallas_mgpu"
+    if loss == "pallas" and cfg.loss_backend != "triton":
+        auto = backend == "gpu" and pallas_kernels.loss_backend(cfg.vocab_size, cfg.compute_dtype)
+        if auto == "mosaic_gpu":  # the faster lowering, where it runs
+            loss = "pallas_mgpu"
+        elif cfg.loss_backend == "mosaic_gpu":
+            raise ConfigError(
+                "model.loss_backend=mosaic_gpu needs a Hopper-class GPU and rows of "
+                f"{cfg.vocab_size} logits that fit two per SM in shared memory (backend "
+                f"{backend}); use model.loss_backend=auto or triton"
+            )
     return OpPlan(
         norm=cfg.kernels,  # LayerNorm and RMSNorm both have kernels
         attention=attention,

@@ -75,6 +75,23 @@ def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch)
     wide = dataclasses.replace(cfg, vocab_size=60_000)  # two padded rows per SM do not fit
     assert plan_ops(wide, backend="gpu").loss == "pallas"
     assert plan_ops(dataclasses.replace(cfg, loss_impl="xla"), backend="gpu").loss == "xla"
+    # the user's override: Triton always; Mosaic GPU where it can run, else an error
+    assert plan_ops(dataclasses.replace(cfg, loss_backend="triton"), backend="gpu").loss == "pallas"
+    forced = dataclasses.replace(cfg, loss_backend="mosaic_gpu")
+    assert plan_ops(forced, backend="gpu").loss == "pallas_mgpu"
+    with pytest.raises(ConfigError, match="loss_backend=mosaic_gpu needs a Hopper-class GPU"):
+        plan_ops(forced, backend="cpu")
+    with pytest.raises(ConfigError, match="rows of 60000 logits that fit two per SM"):
+        plan_ops(dataclasses.replace(forced, vocab_size=60_000), backend="gpu")
+
+
+def test_loss_backend_needs_the_fused_loss_and_bf16_for_mosaic():
+    with pytest.raises(ConfigError, match="backend=triton picks .* needs model.loss_impl=pallas"):
+        tiny_config(loss_backend="triton")
+    with pytest.raises(ConfigError, match="loss_backend=mosaic_gpu computes in bfloat16"):
+        tiny_config(loss_impl="pallas", loss_backend="mosaic_gpu")
+    cfg = tiny_config(loss_impl="pallas", loss_backend="mosaic_gpu", compute_dtype="bfloat16")
+    assert cfg.loss_backend == "mosaic_gpu"
 
 
 def test_mosaic_loss_path_lowers_for_cuda(monkeypatch):
