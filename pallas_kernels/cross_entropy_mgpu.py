@@ -34,6 +34,7 @@ from . import rows_mgpu as rows
 
 VOCAB_ALIGN = 1024  # columns: 128 lanes x 8 bf16 (16-byte accesses)
 ROW_ALIGN = 32  # rows per program's run: its targets/weights/ce copies move multiples of 128 B
+MAX_RUN = 256  # rows per program at most: its 4 vectors of per-row values take <= 4 KB
 
 
 class Config(NamedTuple):
@@ -176,7 +177,8 @@ def cross_entropy_from_logits(
     from .triton_backend import core_count
 
     programs = max(1, cfg.programs_per_sm * core_count())
-    steps = -(-pl.cdiv(n_rows, programs) // ROW_ALIGN) * ROW_ALIGN
+    # runs of whole 32-row multiples, at most MAX_RUN (more rows: more programs than SMs hold)
+    steps = min(MAX_RUN, -(-pl.cdiv(n_rows, programs) // ROW_ALIGN) * ROW_ALIGN)
     programs = pl.cdiv(n_rows, steps)
     sub = (n_rows * tiles.n_chunks, cfg.chunk)  # a row is nc consecutive sub-rows
     scratch = dict(
