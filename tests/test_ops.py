@@ -112,3 +112,27 @@ def test_mosaic_loss_path_lowers_for_cuda(monkeypatch):
 
     low = jax.jit(jax.grad(loss, (0, 1))).trace(x, w).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in low.as_text() and "3072" in low.as_text()  # padded to 3 x 1024
+
+
+def test_model_loss_reaches_the_mosaic_kernel_when_planned(monkeypatch):
+    """The plumbing model -> lm_loss -> ops -> pallas_kernels with loss=pallas_mgpu, traced and
+    lowered for CUDA (what a Hopper GPU would compile; this CPU cannot run the kernel)."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels.triton_backend as tb
+    from jaxllm.models import build_model
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
+    cfg = tiny_config(loss_impl="pallas", compute_dtype="bfloat16", vocab_size=3000)
+    model = build_model(cfg)
+    assert model.plan.loss == "pallas_mgpu"
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), tokens)  # no loss in init: no kernel runs
+
+    def loss(p):
+        return model.apply(p, tokens, tokens, method="loss")[0]
+
+    text = jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
+    assert "cross_entropy_fwd_bwd_mgpu" in text and "3072" in text  # padded to 3 x 1024
