@@ -136,8 +136,8 @@ def plan_ops(
     pallas = "pallas" in (cfg.kernels, attention, cfg.loss_impl)
     loss: LossPath = cfg.loss_impl
     if loss == "pallas" and cfg.loss_backend != "triton":
-        auto = backend == "gpu" and pallas_kernels.loss_backend(cfg.vocab_size, cfg.compute_dtype)
-        if auto == "mosaic_gpu":  # the faster lowering, where it runs
+        picked = pallas_kernels.loss_backend(cfg.vocab_size, cfg.compute_dtype)
+        if backend == "gpu" and picked == "mosaic_gpu":  # the faster lowering, where it runs
             loss = "pallas_mgpu"
         elif cfg.loss_backend == "mosaic_gpu":
             raise ConfigError(

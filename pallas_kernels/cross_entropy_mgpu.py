@@ -85,10 +85,8 @@ def _check(z: jax.Array, cfg: Config) -> None:
 
 def _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, *, vocab: int, tiles: rows.Tiles, steps: int,
             stages: int):  # fmt: skip
-    n_rows = t_g.shape[0]
     nc = tiles.n_chunks
-    first = jax.lax.axis_index("p").astype(jnp.int32) * steps
-    count = jnp.minimum(jnp.int32(steps), jnp.int32(n_rows) - first)
+    first, count = rows.my_blocks(steps, t_g.shape[0])  # this program's run of rows
     # this program's targets and weights (a ragged last run is clamped by the copy engine)
     rows.copy_in(t_g.at[pl.ds(first, steps)], sm["t"], sm["params_bar"])
     rows.copy_in(w_g.at[pl.ds(first, steps)], sm["w"], sm["params_bar"])

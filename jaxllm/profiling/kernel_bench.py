@@ -19,6 +19,7 @@ under 85% of the 1 GiB copy, this says whether its traffic at that size could do
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -125,6 +126,7 @@ def streams_step(arrays: tuple[jax.Array, ...], writes: int) -> tuple[jax.Array,
     return tuple(rest - a for a in arrays[:writes]) + tuple(arrays[writes:])
 
 
+@functools.cache  # LayerNorm and RMSNorm rows share shapes: time each reference once a run
 def streams_seconds(shape: tuple[int, ...], dtype, reads: int, writes: int) -> float:
     """Median seconds of XLA's elementwise kernel reading `reads` arrays of (shape, dtype) and
     writing `writes`, no reductions: what any kernel with that traffic could reach here."""
