@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The one-GPU measurements issues 11 and 12 still need, in two calls of at most ~8 minutes each
 # on one H100: PART=torch: GPT-2 124M and the Llama-style TransformerLM (124M-class and the
-# TinyStories preset's shape) against torch.compile at equal batch; PART=kernels: the Mosaic
-# GPU vs Triton kernel table and the depthwise conv1d at the CS229S shapes. Each step has its
+# TinyStories preset's shape) against torch.compile at equal batch; PART=gpt2_50304: GPT-2 at
+# batch 16 and 64 with the vocabulary padded to 50304 on both sides (nanoGPT's trick);
+# PART=kernels: the Mosaic GPU vs Triton kernel table and the depthwise conv1d at the CS229S
+# shapes; PART=verify: the Pallas kernel tests compiled on the GPU (incl. the Mosaic GPU
+# cross-entropy at ragged row runs) and the cross-entropy bench's check at 1000 rows. Each step has its
 # own timeout so that one slow step cannot take the others' results with it. The torch part
 # times both sides back to back (--group 10: 10 steps per device sync, as a training loop
 # runs; 5 such samples), the way the 2026-11-25 equal-batch rows in RESULTS.md were taken.
-# Usage: bash benchmarks/gpu_speed_round.sh OUTDIR torch|kernels
+# Usage: bash benchmarks/gpu_speed_round.sh OUTDIR torch|gpt2_50304|kernels|verify
 #        (then copy OUTDIR/*.jsonl into benchmarks/logs)
 set -uo pipefail
 OUT=${1:?out dir}
-PART=${2:?torch or kernels}
+PART=${2:?torch, gpt2_50304, kernels or verify}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 step() {  # step NAME SECONDS CMD...: run, keep its log, print its table rows
@@ -36,9 +39,24 @@ case $PART in
     step llama_tinystories 100 $BENCH --arch transformer_lm --contexts 256 --sizes small \
       --vocab 50257 --batch 32 $FAST $TS --jsonl "$OUT/bench.jsonl"
     ;;
+  gpt2_50304)
+    for b in 16 64; do
+      step "gpt2_v50304_b$b" $((b == 16 ? 140 : 200)) $BENCH --contexts 1024 --sizes small \
+        --vocab 50304 --batch $b $FAST --jsonl "$OUT/bench.jsonl"
+    done
+    ;;
+  verify)
+    echo "== pallas tests"
+    timeout 330 python3 -m pytest -q -n 0 -p no:benchmark -p no:randomly tests/test_pallas_*.py \
+      >"$OUT/pallas_tests.log" 2>&1
+    echo "   rc=$?"
+    tail -3 "$OUT/pallas_tests.log"
+    step ce_ragged 90 python3 benchmarks/cross_entropy_bench.py --rows 1000 --mosaic --no-head \
+      --jsonl "$OUT/ce_ragged.jsonl"
+    ;;
   kernels)
     step mosaic 200 python3 benchmarks/mosaic_gpu_check.py --jsonl "$OUT/mosaic.jsonl"
     step conv1d 230 python3 benchmarks/conv1d_course.py --budget 165 --jsonl "$OUT/conv1d.jsonl"
     ;;
-  *) echo "PART must be torch or kernels, got $PART" >&2; exit 2 ;;
+  *) echo "PART must be torch, gpt2_50304, kernels or verify, got $PART" >&2; exit 2 ;;
 esac

@@ -85,6 +85,7 @@ def test_bench_tiny_table_json_lines_and_an_oom_cell(tmp_path, capsys, monkeypat
     assert cli(argv) == 0
     text = capsys.readouterr().out
     assert "| size | context | dtype | mode | mean ms | std ms | tokens/s | TFLOP/s |" in text
+    assert "float32: ops: norm=xla attention=xla decode=xla loss=xla" in text  # the paths taken
     rows = table_rows(text)
     modes = ["forward", "forward_backward", "train_step"]
     assert [(r[1], r[3]) for r in rows] == [(t, m) for t in ("16", "32") for m in modes]
@@ -97,6 +98,7 @@ def test_bench_tiny_table_json_lines_and_an_oom_cell(tmp_path, capsys, monkeypat
 
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 6
+    assert all(r["ops"].startswith("ops: norm=xla attention=xla") for r in lines)
     ooms = [r for r in lines if r["status"] == "OOM"]
     assert [r["name"] for r in ooms] == [f"bench tiny T16 f32 {m}" for m in modes[1:]]
     assert all(r["seconds"] is None and r["flops"] > 0 and r["bytes"] > 0 for r in ooms)

@@ -88,6 +88,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxllm import ops
 from jaxllm.config import Config, ConfigError, ModelConfig, load_config
 from jaxllm.models import build_model
 from jaxllm.profiling.harness import random_batch, time_calls
@@ -731,6 +732,12 @@ def format_row(row: Row, torch: bool = False) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def ops_line(sweep: Sweep, size: str, dtype: str) -> str:
+    """The op paths the model of `size` at `dtype` takes on this machine, as a training run's
+    `ops:` line says them (e.g. which lowering the fused loss took)."""
+    return ops.plan_ops(build_config(size, **_config_kwargs(sweep, dtype)).model).describe()
+
+
 def row_json(row: Row, sweep: Sweep, device: str, isolation: str | None = None) -> dict[str, Any]:
     """The JSON line of a row: the roofline plot's keys (name, flops, bytes, seconds: None if
     OOM) plus everything that identifies and describes the measurement (`isolation`: "process
@@ -756,6 +763,7 @@ def row_json(row: Row, sweep: Sweep, device: str, isolation: str | None = None) 
         "dtype": row.dtype,
         "mode": row.mode,
         "kernels": row.kernels,
+        "ops": ops_line(sweep, row.size, row.dtype),
         "n_params": row.n_params,
         "warmup": sweep.warmup,
         "steps": sweep.steps,
@@ -838,6 +846,8 @@ def run(sweep: Sweep, jsonl_path: str | None = None, progress: bool = True) -> l
         ),
         flush=True,
     )
+    for dtype in sweep.dtypes:  # the op paths are those of every size: they depend on the dtype
+        print(f"{dtype}: {ops_line(sweep, sweep.sizes[0], dtype)}", flush=True)
     print(header(sweep.torch), flush=True)
     rows: list[Row] = []
     total = len(sweep.sizes) * len(sweep.contexts) * len(sweep.dtypes)
