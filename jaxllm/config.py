@@ -110,6 +110,11 @@ class ModelConfig(Section):
     short_conv: bool = False
     short_conv_size: int = spec(3, ge=2, le=7)  # the Pallas conv kernel takes K <= 7
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # matmul dtype; params stay f32
+    # The residual stream x (B, T, D) between blocks, and so its gradient: "float32" as under
+    # torch autocast (every residual add and norm input exact to float32), or "bfloat16" (needs
+    # compute_dtype bfloat16) as MaxText keeps activations: each add + norm moves a third less,
+    # each residual add rounds to 8 bits of mantissa. Norm statistics stay float32 either way.
+    residual_dtype: Literal["float32", "bfloat16"] = "float32"
     # Which implementation runs is decided in jaxllm/ops.py (`plan_ops`), which says it out loud:
     kernels: Literal["xla", "pallas"] = "xla"  # norms + attention softmax via pallas_kernels
     attention_impl: Literal["xla", "dot_product_attention"] = "xla"  # the latter: cuDNN on GPU
@@ -156,6 +161,11 @@ class ModelConfig(Section):
                 raise ConfigError(
                     "transformer_lm needs an even head dim (d_model / n_heads) for RoPE"
                 )
+        if self.residual_dtype == "bfloat16" and self.compute_dtype != "bfloat16":
+            raise ConfigError(
+                "model.residual_dtype=bfloat16 needs model.compute_dtype=bfloat16 (got "
+                f"{self.compute_dtype}): a float32 model keeps a float32 residual stream"
+            )
         if self.loss_backend != "auto" and self.loss_impl != "pallas":
             raise ConfigError(
                 f"model.loss_backend={self.loss_backend} picks the fused loss kernel's lowering: "

@@ -350,7 +350,7 @@ def blocks_loss(
 
     with nn.override_named_call(False):  # the scopes of Decoder.loss, nothing between them
         with jax.named_scope("embed"):
-            x = bound.embed(tokens, default_positions(tokens), deterministic)
+            x = bound.stream(tokens, default_positions(tokens), deterministic)
         h = jnp.zeros(x.shape, jnp.dtype(cfg.compute_dtype))  # nothing pending yet
         with jax.named_scope("blocks"):
             x, h = run_blocks(layer_fn, params["blocks"], (x, h), rng=blocks_rng)

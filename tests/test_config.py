@@ -68,6 +68,8 @@ def test_unknown_key_in_yaml(tmp_path):
             r"num_pairs must be in \[1, vocab_size/2 = 16\]",
         ),
         ("--model.context_length=9", "2 \\* num_pairs \\+ 1 = 17"),
+        ("--model.residual_dtype=bfloat16", "residual_dtype=bfloat16 needs model.compute_dtype"),
+        ("--model.residual_dtype=float16", r"must be one of \['float32', 'bfloat16'\]"),
     ],
 )
 def test_bad_values_name_the_key_and_range(override, message):

@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -319,3 +320,37 @@ def test_scan_layers_inits_every_layer_differently_and_drops_out_per_layer():
     a, b, c = (run(jax.random.PRNGKey(s), True) for s in (0, 0, 1))
     assert np.allclose(a, b) and not np.allclose(a, c)
     assert not np.allclose(a, run(jax.random.PRNGKey(0), False))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bfloat16_residual_stream(arch):
+    """model.residual_dtype=bfloat16: every block hands on a bf16 stream (x and its pending
+    branch h), and the loss and gradients stay close to the float32 stream's (same params)."""
+    cfg = dataclasses.replace(ARCHS[arch], compute_dtype="bfloat16")
+    f32_stream, params = init(cfg)
+    bf16_stream = build_model(dataclasses.replace(cfg, residual_dtype="bfloat16"))
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 16), 0, 61)
+    targets = jnp.roll(tokens, -1, axis=1)
+
+    streams = []
+
+    def record(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if context.method_name == "__call__" and context.module.name.startswith("h"):
+            streams.append((out[0].dtype, out[1].dtype))  # a block's (x, h, cache)
+        return out
+
+    def loss(model):
+        f = lambda p: model.apply(p, tokens, targets, method="loss")[0]  # noqa: E731
+        with nn.intercept_methods(record):
+            return jax.jit(jax.value_and_grad(f))(params)  # traced here: records once
+
+    (l_ref, g_ref), n_ref = loss(f32_stream), len(streams)
+    assert streams and set(streams) == {(jnp.dtype("float32"), jnp.dtype("bfloat16"))}
+    streams.clear()
+    l_bf, g_bf = loss(bf16_stream)
+    assert len(streams) == n_ref and set(streams) == {(jnp.dtype("bfloat16"),) * 2}
+    np.testing.assert_allclose(float(l_bf), float(l_ref), rtol=2e-2)
+    ga, gb = jax.tree_util.tree_leaves(g_ref), jax.tree_util.tree_leaves(g_bf)
+    num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(ga, gb, strict=True))
+    assert (num / sum(float(jnp.sum(a**2)) for a in ga)) ** 0.5 < 5e-2

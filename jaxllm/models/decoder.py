@@ -78,8 +78,12 @@ class Decoder(nn.Module):
     # ------------------------------------------------------------ what an architecture writes
 
     def embed(self, tokens: jax.Array, positions: jax.Array, deterministic: bool) -> jax.Array:
-        """tokens (B, T) int, positions (B, T) -> residual stream x (B, T, D) float32."""
+        """tokens (B, T) int, positions (B, T) -> embeddings (B, T, D) float32 (`stream` casts)."""
         raise NotImplementedError
+
+    def stream(self, tokens: jax.Array, positions: jax.Array, deterministic: bool) -> jax.Array:
+        """The residual stream entering the first block: `embed`, in model.residual_dtype."""
+        return self.embed(tokens, positions, deterministic).astype(self.cfg.residual_dtype)
 
     def build_stack(
         self,
@@ -124,7 +128,7 @@ class Decoder(nn.Module):
     ) -> tuple[jax.Array, list[KVCache] | KVCache | None]:
         """tokens (B, T) -> final normed hidden states (B, T, D) in compute dtype, new caches."""
         with jax.named_scope("embed"):
-            x = self.embed(tokens, inputs.positions, inputs.deterministic)  # (B, T, D)
+            x = self.stream(tokens, inputs.positions, inputs.deterministic)  # (B, T, D)
         if self.cfg.scan_layers:  # one scanned body; nothing pending before the first block
             h = jnp.zeros(x.shape, jnp.dtype(self.cfg.compute_dtype))  # x + 0 == x exactly
             with jax.named_scope("blocks"):

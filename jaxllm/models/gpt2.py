@@ -67,5 +67,5 @@ class GPT2(Decoder):
         self.build_stack(self.wte, Block, norm, head_init=init)
 
     def embed(self, tokens: jax.Array, positions: jax.Array, deterministic: bool) -> jax.Array:
-        x = self.wte(tokens) + self.wpe(positions)  # (B, T, D) float32 residual stream
+        x = self.wte(tokens) + self.wpe(positions)  # (B, T, D) float32
         return self.drop(x, deterministic)
