@@ -120,17 +120,15 @@ def main() -> None:
         # last run, which relies on the copy engine's clamping
         ce_t, hit_t, _ = cross_entropy_from_logits(z, t, w, V, True, interpret, default_config())
         ce_m, hit_m, _ = cross_entropy_mgpu.cross_entropy_from_logits(z_m, t, w, V)
-        print(
-            f"mosaic_gpu vs triton: max |ce diff| {float(jnp.max(jnp.abs(ce_m - ce_t))):.2e}, "
-            f"hit differs in {int(jnp.sum(hit_m != hit_t))} of {N} rows",
-            flush=True,
-        )
-        default = cross_entropy_mgpu.default_config(vp_m)
-        single = dict(programs_per_sm=2, stages=1)  # two programs per SM, one buffer each
-        for cfg in dict.fromkeys(
-            (default, default._replace(**single), default._replace(chunk=1024),
-             default._replace(chunk=1024, **single))
-        ):  # fmt: skip
+        ce_diff, hit_diff = float(jnp.max(jnp.abs(ce_m - ce_t))), int(jnp.sum(hit_m != hit_t))
+        print(f"mosaic_gpu vs triton: max |ce diff| {ce_diff:.2e}, hit differs in {hit_diff} of "
+              f"{N} rows", flush=True)  # fmt: skip
+        if not ce_diff <= 1e-2 or hit_diff > 2 + N // 1000:  # the same bf16 logits: ties only
+            raise SystemExit(f"mosaic_gpu disagrees with triton: ce {ce_diff}, hit {hit_diff}")
+        Mc = cross_entropy_mgpu.Config  # noqa: N806
+        # the default (chunks of 2048, two programs per SM, one row buffer each), then one
+        # double-buffered program per SM (what default_config's docstring compares), chunks of 1024
+        for cfg in (Mc(2048, 2, 1), Mc(2048, 1, 2), Mc(1024, 2, 1), Mc(1024, 1, 2)):
             mosaic = lambda z, cfg=cfg: cross_entropy_mgpu.cross_entropy_from_logits(  # noqa: E731
                 z, t, w, V, cfg
             )[2]

@@ -4,8 +4,9 @@
 the backend into an `OpPlan`: one named path per op family. Layers receive their path from the
 plan and call the functions below; nothing else in the library imports `pallas_kernels` (the
 kernel benchmark in `jaxllm.profiling.kernel_bench`, whose subject is the kernels themselves,
-is the one exception). A switch that cannot apply is a `ConfigError` at config time (cuDNN
-attention with dropout) or a path the plan names (cuDNN needs a GPU and bf16: elsewhere
+is the one exception). A switch that cannot apply is a `ConfigError`, when the config is loaded
+(cuDNN attention with dropout) or when the plan is made for the machine (model.loss_backend=
+mosaic_gpu off Hopper), or a path the plan names (cuDNN needs a GPU and bf16: elsewhere
 attention runs on XLA, and `OpPlan.describe()` says so); nothing falls back silently.
 
 On a mesh of several devices (jaxllm.parallel) the plan also carries a `KernelShard`: every
@@ -21,8 +22,10 @@ Paths:
   decode     xla                   attention over a KV cache (generation): always XLA
   loss       xla | pallas          LM head + cross-entropy: logits then softmax_loss, or the
              | pallas_mgpu         fused Pallas kernel that never keeps the logits (pallas_mgpu:
-                                   its Mosaic GPU lowering, picked on Hopper GPUs for bfloat16
-                                   by pallas_kernels.triton_backend.loss_backend)
+                                   its Mosaic GPU lowering for the training step, picked on
+                                   Hopper GPUs for bfloat16 where the rows fit, see
+                                   pallas_kernels.mosaic_loss_refusal; a loss without gradient,
+                                   as in evaluation, runs the Triton forward kernel either way)
   conv       xla | pallas          depthwise conv1d
 """
 
@@ -135,15 +138,18 @@ def plan_ops(
             )
     pallas = "pallas" in (cfg.kernels, attention, cfg.loss_impl)
     loss: LossPath = cfg.loss_impl
-    if loss == "pallas" and cfg.loss_backend != "triton":
-        picked = pallas_kernels.loss_backend(cfg.vocab_size, cfg.compute_dtype)
-        if backend == "gpu" and picked == "mosaic_gpu":  # the faster lowering, where it runs
+    if loss == "pallas" and cfg.loss_backend != "triton":  # Mosaic GPU: faster, where it runs
+        refusal = (
+            pallas_kernels.mosaic_loss_refusal(cfg.vocab_size, cfg.compute_dtype)
+            if backend == "gpu"
+            else f"a GPU (backend here: {backend})"
+        )
+        if refusal is None:
             loss = "pallas_mgpu"
         elif cfg.loss_backend == "mosaic_gpu":
             raise ConfigError(
-                "model.loss_backend=mosaic_gpu needs a Hopper-class GPU and rows of "
-                f"{cfg.vocab_size} logits that fit two per SM in shared memory (backend "
-                f"{backend}); use model.loss_backend=auto or triton"
+                f"model.loss_backend=mosaic_gpu needs {refusal}; use model.loss_backend=auto or "
+                "triton"
             )
     return OpPlan(
         norm=cfg.kernels,  # LayerNorm and RMSNorm both have kernels

@@ -17,7 +17,7 @@ from .reference import (
     linear_cross_entropy_ref,
     rms_norm_ref,
 )
-from .triton_backend import loss_backend
+from .triton_backend import loss_backend, mosaic_loss_refusal
 
 __all__ = [
     "add_layer_norm",
@@ -33,6 +33,7 @@ __all__ = [
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
     "loss_backend",
+    "mosaic_loss_refusal",
     "rms_norm",
     "rms_norm_ref",
 ]

@@ -226,7 +226,10 @@ def linear_cross_entropy(
     and w; ce (N,) float32 per row; hit (N,) bool: the target's logit is the row's max). ce,
     hit and the weights carry no gradient. Targets outside [0, V) cannot be checked under jit:
     give them weight 0 (their ce is then meaningless). `config`: a Config (Triton) or a
-    cross_entropy_mgpu.Config (`backend="mosaic_gpu"`: bfloat16 compute only).
+    cross_entropy_mgpu.Config (`backend="mosaic_gpu"`: bfloat16 compute only). `backend` picks
+    the kernel of the forward-and-gradient pass (training); a call that takes no gradient
+    (evaluation) runs the Triton forward kernel on either backend: it reads each row of logits
+    once and writes nothing, the least traffic there is (the Mosaic kernel also writes dz).
     """
     _check(x, w, targets, weights)
     check_backend(backend, interpret)

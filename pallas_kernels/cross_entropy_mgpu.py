@@ -13,9 +13,13 @@ Exponentials and the log use the GPU's approximate instructions.
 
 z (N, Vp) with Vp % 1024 == 0 (cross_entropy pads the head to VOCAB_ALIGN here): a chunk of
 1024 columns spreads 8 bf16 (16 bytes) over each of the warpgroup's 128 lanes. Two rows of
-shared memory per SM bound the row: Vp up to about 56k bf16 columns (113k with one). dz is a new
-array (Mosaic GPU kernels take no input/output aliasing): the forward holds z and dz together,
-where the Triton kernel writes dz over z.
+shared memory per SM bound the row: Vp up to MAX_COLS_TWO_PER_SM bf16 columns (one row per SM:
+MAX_COLS). dz is a new array (Mosaic GPU kernels take no input/output aliasing): the forward holds
+z and dz together, where the Triton kernel writes dz over z. The per-row targets and weights are
+padded to whole runs of rows (ce and hit come back that long, then sliced), so no copy runs past
+an array: a bulk copy moves multiples of 16 bytes, which a clamped run of 4-byte values is not.
+Padding columns are masked with MASK_VALUE (finite, as in the Triton kernel): a row whose target
+lies in the padding has a huge but finite ce, so its weight 0 gives 0, not 0 * inf = NaN.
 
 Minimal memory traffic, N rows of Vp columns, s bytes per element of z:
   read z, write dz = 2 * N * Vp * s   (+ 4 N targets, weights, 8 N ce and hit)
@@ -31,21 +35,42 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import rows_mgpu as rows
+from .cross_entropy import MASK_VALUE
 
 VOCAB_ALIGN = 1024  # columns: 128 lanes x 8 bf16 (16-byte accesses)
 ROW_ALIGN = 32  # rows per program's run: its targets/weights/ce copies move multiples of 128 B
 MAX_RUN = 256  # rows per program at most: its 4 vectors of per-row values take <= 4 KB
+SCRATCH_BYTES = 2048  # the compiler's scratch for cross-lane reductions, per program
 
 
 class Config(NamedTuple):
     chunk: int  # columns per register chunk: a multiple of VOCAB_ALIGN dividing Vp
-    programs_per_sm: int = 1
-    stages: int = 2  # row buffers per program: 2 copies row k + 1 in while row k is computed
+    programs_per_sm: int = 2  # CUDA blocks resident per SM (default_config: why 2)
+    stages: int = 1  # row buffers per program: 2 copies row k + 1 in while row k is computed
 
 
 def _smem_bytes(cfg: Config, n_cols: int) -> int:
-    """Shared memory per SM: each program's row buffers and its 4 KB of per-row vectors."""
-    return cfg.programs_per_sm * (cfg.stages * n_cols * 2 + 4 * 1024)
+    """Shared memory one program takes: its row buffers, its 4 KB of per-row vectors, the
+    reduction scratch and the 1 KB the driver reserves per block."""
+    return cfg.stages * n_cols * 2 + 4 * 1024 + SCRATCH_BYTES + rows.BLOCK_RESERVED_BYTES
+
+
+def _fit(cfg: Config, n_cols: int) -> bool:
+    """One program within a block's limit, and programs_per_sm of them within the SM's."""
+    each = _smem_bytes(cfg, n_cols)
+    return each <= rows.SMEM_BYTES and cfg.programs_per_sm * each <= rows.SM_SMEM_BYTES
+
+
+def _max_cols(cfg: Config) -> int:
+    """The widest padded row (a multiple of VOCAB_ALIGN) `cfg`'s programs fit."""
+    n = 0
+    while _fit(cfg, n + VOCAB_ALIGN):
+        n += VOCAB_ALIGN
+    return n
+
+
+MAX_COLS_TWO_PER_SM = _max_cols(Config(VOCAB_ALIGN, 2, 1))  # 54272 on an H100
+MAX_COLS = _max_cols(Config(VOCAB_ALIGN, 1, 1))  # 112640
 
 
 def default_config(n_cols: int) -> Config:
@@ -54,14 +79,14 @@ def default_config(n_cols: int) -> Config:
     a single warpgroup cannot hide its own latencies), else one program per SM."""
     chunk = rows.pick_chunk(n_cols, rows.pick_vec(n_cols, 2), 2048)
     two = Config(chunk, programs_per_sm=2, stages=1)
-    return two if _smem_bytes(two, n_cols) <= rows.SMEM_BYTES else Config(chunk, 1, 1)
+    return two if _fit(two, n_cols) else Config(chunk, programs_per_sm=1, stages=1)
 
 
 def fits(n_vocab: int) -> bool:
-    """Whether rows of `n_vocab` logits (padded to VOCAB_ALIGN) fit two programs per SM: the
-    measured configuration (one program alone per SM leaves its copies unhidden)."""
-    n_cols = -(-n_vocab // VOCAB_ALIGN) * VOCAB_ALIGN
-    return _smem_bytes(Config(VOCAB_ALIGN, 2, 1), n_cols) <= rows.SMEM_BYTES
+    """Whether rows of `n_vocab` logits (padded to VOCAB_ALIGN) fit two programs per SM, the
+    measured configuration (one program alone per SM leaves its copies unhidden): n_vocab up to
+    MAX_COLS_TWO_PER_SM."""
+    return default_config(-(-n_vocab // VOCAB_ALIGN) * VOCAB_ALIGN).programs_per_sm == 2
 
 
 def _check(z: jax.Array, cfg: Config) -> None:
@@ -74,20 +99,23 @@ def _check(z: jax.Array, cfg: Config) -> None:
             f"({cfg.chunk}) to be multiples of {VOCAB_ALIGN}, the chunk dividing the vocabulary"
         )
     if cfg.stages not in (1, 2) or cfg.programs_per_sm < 1:
-        raise ValueError(f"invalid Mosaic GPU cross-entropy config {cfg}")
-    if _smem_bytes(cfg, n_cols) > rows.SMEM_BYTES:
+        raise ValueError(
+            f"Mosaic GPU cross-entropy config {cfg}: stages must be 1 or 2 and programs_per_sm >= 1"
+        )
+    if not _fit(cfg, n_cols):
         raise ValueError(
             f"backend='mosaic_gpu': rows of {n_cols} bfloat16 logits, "
-            f"{cfg.programs_per_sm * cfg.stages} per SM, do not fit in shared memory; use "
-            "backend='triton' or fewer rows per SM"
+            f"{cfg.programs_per_sm * cfg.stages} per SM, do not fit in shared memory (padded "
+            f"rows up to {MAX_COLS_TWO_PER_SM} columns fit 2 per SM, up to {MAX_COLS} 1 per SM); "
+            "use backend='triton' or fewer rows per SM"
         )
 
 
-def _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, *, vocab: int, tiles: rows.Tiles, steps: int,
-            stages: int):  # fmt: skip
+def _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, *, vocab: int, n_rows: int, tiles: rows.Tiles,
+            steps: int, stages: int):  # fmt: skip
     nc = tiles.n_chunks
-    first, count = rows.my_blocks(steps, t_g.shape[0])  # this program's run of rows
-    # this program's targets and weights (a ragged last run is clamped by the copy engine)
+    first, count = rows.my_blocks(steps, n_rows)  # this program's run of rows
+    # this program's targets and weights (padded to whole runs: the copy stays in bounds)
     rows.copy_in(t_g.at[pl.ds(first, steps)], sm["t"], sm["params_bar"])
     rows.copy_in(w_g.at[pl.ds(first, steps)], sm["w"], sm["params_bar"])
 
@@ -113,9 +141,9 @@ def _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, *, vocab: int, tiles: rows.Til
         z_s = sm["z"].at[slot]
         target, weight = sm["t"][k], sm["w"][k]
 
-        def chunk(ci):  # (column ids, logits as float32 with the padding columns at -inf)
+        def chunk(ci):  # (column ids, logits as float32 with the padding columns masked)
             cols = tiles.col_ids(ci * tiles.chunk)
-            return cols, jnp.where(cols < vocab, tiles.load(z_s, 0, ci), -jnp.inf)
+            return cols, jnp.where(cols < vocab, tiles.load(z_s, 0, ci), MASK_VALUE)
 
         neg_inf = tiles.col_zeros() - jnp.inf
         v_max = tiles.chunks(lambda ci, m: jnp.maximum(m, chunk(ci)[1]), neg_inf)
@@ -178,6 +206,7 @@ def cross_entropy_from_logits(
     # runs of whole 32-row multiples, at most MAX_RUN (more rows: more programs than SMs hold)
     steps = min(MAX_RUN, -(-pl.cdiv(n_rows, programs) // ROW_ALIGN) * ROW_ALIGN)
     programs = pl.cdiv(n_rows, steps)
+    padded = programs * steps  # per-row arrays in whole runs
     sub = (n_rows * tiles.n_chunks, cfg.chunk)  # a row is nc consecutive sub-rows
     scratch = dict(
         z=plgpu.SMEM((cfg.stages, tiles.n_chunks, cfg.chunk), z.dtype),
@@ -189,16 +218,19 @@ def cross_entropy_from_logits(
         params_bar=plgpu.Barrier(num_arrivals=2),
     )
     out_type = (
-        jax.ShapeDtypeStruct((n_rows,), jnp.float32),
-        jax.ShapeDtypeStruct((n_rows,), jnp.int32),
+        jax.ShapeDtypeStruct((padded,), jnp.float32),
+        jax.ShapeDtypeStruct((padded,), jnp.int32),
         jax.ShapeDtypeStruct(sub, z.dtype),
     )
 
     def kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, **sm):
-        _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, vocab=vocab, tiles=tiles, steps=steps,
-                stages=cfg.stages)  # fmt: skip
+        _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, vocab=vocab, n_rows=n_rows, tiles=tiles,
+                steps=steps, stages=cfg.stages)  # fmt: skip
 
-    args = (z.reshape(sub), targets.astype(jnp.int32), weights.astype(jnp.float32))
+    pad = (0, padded - n_rows)
+    args = (z.reshape(sub), jnp.pad(targets.astype(jnp.int32), pad),
+            jnp.pad(weights.astype(jnp.float32), pad))  # fmt: skip
     ce, hit, dz = rows.launch(kernel, "cross_entropy_fwd_bwd_mgpu", out_type, scratch,
-                              {"p": programs}, 2048, interpret, args, approx_math=True)  # fmt: skip
-    return ce, hit, dz.reshape(z.shape)
+                              {"p": programs}, SCRATCH_BYTES, interpret, args,
+                              approx_math=True)  # fmt: skip
+    return ce[:n_rows], hit[:n_rows], dz.reshape(z.shape)

@@ -1,5 +1,5 @@
 """Building blocks shared by the Mosaic GPU kernels (layer_norm_mgpu, attention_softmax_mgpu,
-depthwise_conv1d_mgpu).
+depthwise_conv1d_mgpu, cross_entropy_mgpu).
 
 A row kernel sees a 2-D array of rows (N, W), W a multiple of 128, stored as sub-rows of one
 column chunk ((N * W / chunk, chunk), a free reshape), so that every tile a thread group reads is
@@ -30,6 +30,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SMEM_BYTES = 227 * 1024  # H100 shared memory per block (opt-in maximum)
+SM_SMEM_BYTES = 228 * 1024  # ... per SM, shared by its resident blocks
+BLOCK_RESERVED_BYTES = 1024  # ... of which the driver reserves this much per resident block
 LANES = 128  # threads of one warpgroup: the width one layout tile spreads a row over
 
 
@@ -220,8 +222,10 @@ def check_width(name: str, width: int, what: str) -> None:
 
 def copy_in(src, dst, barrier) -> None:
     """GMEM -> SMEM copy of a contiguous region as one bulk copy (not a tensor TMA copy, which
-    moves at most 256 elements per dimension): `OOBFillMode.UNDEFINED` selects it, and lets the
-    copy engine clamp a region that runs past the end of the array (those rows stay stale)."""
+    moves at most 256 elements per dimension): `OOBFillMode.UNDEFINED` selects it, and lets
+    Mosaic clamp a region that runs past the end of the array to the part inside (those rows
+    stay stale). A bulk copy moves a multiple of 16 bytes: a region whose clamped part might not
+    be (a run of 4-byte values) must be padded by the caller instead."""
     plgpu.copy_gmem_to_smem(src, dst, barrier, oob_mode=plgpu.OOBFillMode.UNDEFINED)
 
 

@@ -13,9 +13,11 @@ the choice and its rules live in one module:
   layouts. They assume aligned shapes (each says which, and refuses others with a ValueError) and
   compile only on a GPU: no interpret mode, and no silent fallback to Triton.
   benchmarks/mosaic_gpu_check.py measures both side by side; the default changes only where
-  Mosaic GPU measures at least as fast. So far that is the fused cross-entropy (`loss_backend`:
-  its Mosaic kernel keeps each row of logits in shared memory between its two sweeps); the norm,
-  softmax and conv kernels stay on Triton, which measured faster.
+  Mosaic GPU measures at least as fast. So far that is the fused cross-entropy's training pass
+  (`loss_backend`: its Mosaic kernel keeps each row of logits in shared memory between its two
+  sweeps; a forward without gradient stays on the Triton kernel, which reads each row once and
+  writes nothing, as `linear_cross_entropy` says); the norm, softmax and conv kernels stay on
+  Triton, which measured faster.
 
 jax 0.11 deprecates the Triton lowering and warns at every lowering (`DeprecationWarning: The
 Pallas Triton backend is deprecated and will be removed in a future JAX version.`). We silence
@@ -56,22 +58,36 @@ def check_backend(backend: str, interpret: bool | None) -> str:
 
 
 def mosaic_gpu_capable() -> bool:
-    """The default device is an NVIDIA GPU of compute capability 9.0+ (Hopper): Mosaic GPU's
-    kernels (TMA, warpgroups) compile for it."""
+    """The default device is an NVIDIA GPU of compute capability 9.x or 10.x (Hopper, datacenter
+    Blackwell): the Mosaic GPU kernels (TMA, warpgroups, ~228 KB of shared memory per SM)
+    compile for it. Consumer Blackwell (12.x) has about half that shared memory."""
     if jax.default_backend() != "gpu":
         return False
     capability = getattr(jax.devices()[0], "compute_capability", "0")
-    return float(capability) >= 9.0
+    return int(float(capability)) in (9, 10)
+
+
+def mosaic_loss_refusal(n_vocab: int, compute_dtype) -> str | None:
+    """Why the fused loss's Mosaic GPU kernel cannot run here, as "needs ..." would end (None:
+    it can): a Hopper-class GPU, bfloat16 logits, padded rows that fit two per SM."""
+    from . import cross_entropy_mgpu
+
+    if not mosaic_gpu_capable():
+        found = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "none"
+        return f"a GPU of compute capability 9.x or 10.x (Hopper-class; found: {found})"
+    if (dtype := jax.numpy.dtype(compute_dtype)) != jax.numpy.bfloat16:
+        return f"bfloat16 logits (got {dtype})"
+    if not cross_entropy_mgpu.fits(n_vocab):
+        limit = cross_entropy_mgpu.MAX_COLS_TWO_PER_SM
+        return f"a vocabulary of at most {limit} (two padded rows per SM; got {n_vocab})"
+    return None
 
 
 def loss_backend(n_vocab: int, compute_dtype) -> str:
-    """The fused loss kernel's lowering on this machine: "mosaic_gpu" on a Hopper-class GPU for
-    bfloat16 logits whose padded rows fit its shared memory (each row read once: 1.58x the Triton
-    kernel at GPT-2's batch 64 on the H100, benchmarks/RESULTS.md), "triton" otherwise."""
-    from . import cross_entropy_mgpu
-
-    ok = jax.numpy.dtype(compute_dtype) == jax.numpy.bfloat16 and cross_entropy_mgpu.fits(n_vocab)
-    return "mosaic_gpu" if ok and mosaic_gpu_capable() else "triton"
+    """The fused loss kernel's lowering on this machine: "mosaic_gpu" where it can run (see
+    mosaic_loss_refusal; each row read once: 1.58x the Triton kernel at GPT-2's batch 64 on the
+    H100, benchmarks/RESULTS.md), "triton" otherwise."""
+    return "triton" if mosaic_loss_refusal(n_vocab, compute_dtype) else "mosaic_gpu"
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

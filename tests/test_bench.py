@@ -303,6 +303,22 @@ def test_forward_flops_match_the_training_flops_per_token():
         (["bench", "--sizes", "tiny", "--contexts", "64,256"], "allowed: 1..128"),
         (["bench", "--contexts", "0"], "positive integers"),
         (["bench", "--group", "0"], "--group and --compile-workers must be >= 1"),
+        (
+            [
+                "bench",
+                "--sizes",
+                "tiny",
+                "--contexts",
+                "16",
+                "--dtypes",
+                "bfloat16",
+                "--set",
+                "model.loss_impl=pallas",
+                "--set",
+                "model.loss_backend=mosaic_gpu",
+            ],
+            "loss_backend=mosaic_gpu needs a GPU",
+        ),  # fmt: skip
         (["breakdown", "--size", "huge"], "allowed: tiny, small"),
         (["breakdown", "--dtype", "float16"], "allowed: float32, bfloat16"),
         (["breakdown", "--size", "tiny", "--context", "512"], "allowed: 1..128"),

@@ -322,11 +322,11 @@ def test_scan_layers_inits_every_layer_differently_and_drops_out_per_layer():
     assert not np.allclose(a, run(jax.random.PRNGKey(0), False))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_bfloat16_residual_stream(arch):
+def test_bfloat16_residual_stream():
     """model.residual_dtype=bfloat16: every block hands on a bf16 stream (x and its pending
-    branch h), and the loss and gradients stay close to the float32 stream's (same params)."""
-    cfg = dataclasses.replace(ARCHS[arch], compute_dtype="bfloat16")
+    branch h), and the loss and gradients stay close to the float32 stream's (same params).
+    GPT-2 only: the cast is the Decoder's (`stream`), shared by every architecture."""
+    cfg = dataclasses.replace(ARCHS["gpt2"], compute_dtype="bfloat16")
     f32_stream, params = init(cfg)
     bf16_stream = build_model(dataclasses.replace(cfg, residual_dtype="bfloat16"))
     tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 16), 0, 61)

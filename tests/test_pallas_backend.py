@@ -306,29 +306,40 @@ def test_mosaic_cross_entropy_lowers_for_cuda(pretend_gpu):
 
 @needs_interpreter
 def test_cross_entropy_kernel_in_interpreter(float64_ref):
-    """ce, hit and dz of padded bf16 logits against float64, the padding columns masked; 64 rows
-    over 2 programs (no ragged run: the interpreter does not clamp copies), 2 chunks a row."""
-    n_rows, vocab, width = 64, 2000, 2048
+    """ce, hit and dz of padded bf16 logits against float64, the padding columns masked; 70 rows
+    over 3 programs, the last with a ragged run of 6 rows (the per-row arrays are padded to whole
+    runs, so no copy leaves its array), 2 chunks a row. Half the targets are their row's max (hit
+    must say so); one row's target lies in the padding columns with weight 0, as a caller masks
+    a row: finite ce, no gradient."""
+    n_rows, vocab, width = 70, 2000, 2048
     rng = np.random.default_rng(1)
     z = jnp.asarray(rng.normal(size=(n_rows, width)) * 3, jnp.bfloat16)
-    t = jnp.asarray(rng.integers(0, vocab, n_rows), jnp.int32)
-    wt = jnp.asarray(rng.uniform(size=n_rows), jnp.float32)
+    zv = np.asarray(z[:, :vocab], np.float32)
+    t = np.where(rng.random(n_rows) < 0.5, zv.argmax(1), rng.integers(0, vocab, n_rows))
+    wt = rng.uniform(size=n_rows)
+    t[5], wt[5] = vocab + 7, 0.0  # a masked row whose target is a padding column
+    t, wt = jnp.asarray(t, jnp.int32), jnp.asarray(wt, jnp.float32)
+    ok = np.arange(n_rows) != 5
 
     def reference(z):
         zv = z[:, :vocab]
         lse = jax.nn.logsumexp(zv, axis=1)
-        z_t = jnp.take_along_axis(zv, t[:, None], axis=1)[:, 0]
+        tv = jnp.minimum(t, vocab - 1)  # row 5 is compared for finiteness only
+        z_t = jnp.take_along_axis(zv, tv[:, None], axis=1)[:, 0]
         p = jnp.exp(zv - lse[:, None]) - jax.nn.one_hot(t, vocab, dtype=zv.dtype)
         dz = jnp.pad(p * wt[:, None].astype(zv.dtype), ((0, 0), (0, width - vocab)))
         return lse - z_t, z_t >= jnp.max(zv, axis=1), dz
 
     ref_ce, ref_hit, ref_dz = float64_ref(reference, z.astype(jnp.float32))
+    assert 20 < ref_hit[ok].sum() < n_rows - 20  # hits and misses both checked
     # double-buffered rows, one program per SM; one buffer, two programs per SM
     for cfg in (ce_mgpu.Config(1024, 1, 2), ce_mgpu.Config(1024, 2, 1)):
         ce, hit, dz = ce_mgpu.cross_entropy_from_logits(
             z, t, wt, vocab, cfg, interpret=InterpretGPUParams()
         )
-        np.testing.assert_allclose(ce, ref_ce, atol=1e-5, rtol=1e-5)
-        np.testing.assert_array_equal(np.asarray(hit, bool), np.asarray(ref_hit))
+        assert ce.shape == hit.shape == (n_rows,) and dz.shape == z.shape
+        np.testing.assert_allclose(np.asarray(ce)[ok], ref_ce[ok], atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(hit, bool)[ok], np.asarray(ref_hit)[ok])
+        assert np.isfinite(ce[5]) and ce[5] > 1e29 and not hit[5]  # finite: 0 x ce stays 0
         assert not np.any(np.asarray(dz[:, vocab:], np.float32))  # padding: no gradient
         np.testing.assert_allclose(np.asarray(dz, np.float32), ref_dz, atol=4e-3)  # bf16 dz

@@ -138,6 +138,8 @@ def test_mosaic_kernel_with_ragged_row_runs_matches_triton(float64_ref, n, v):
     (the Mosaic kernel's exp/log are the GPU's approximate ones; the two heads' GEMMs differ in
     width, so a tie may round apart) and ce against float64."""
     x, w, t, weights = make(n, 64, v, seed=5)
+    argmax = jnp.argmax(x @ w.T, axis=1).astype(jnp.int32)  # half the rows hit: hit is checked
+    t = jnp.where(jnp.arange(n) % 2 == 0, argmax, t)
 
     def run(backend):
         def loss(x, w):
@@ -153,7 +155,8 @@ def test_mosaic_kernel_with_ragged_row_runs_matches_triton(float64_ref, n, v):
     t_loss, t_ce, t_hit, t_grads = run("triton")
     np.testing.assert_allclose(float(m_loss), float(t_loss), rtol=1e-3)
     np.testing.assert_allclose(np.asarray(m_ce), np.asarray(t_ce), rtol=1e-3, atol=1e-3)
-    assert np.mean(np.asarray(m_hit) == np.asarray(t_hit)) > 0.999  # ties may round apart
+    assert np.asarray(t_hit).sum() > n // 3  # the argmax rows (bar bf16 rounding) are hits
+    assert np.sum(np.asarray(m_hit) != np.asarray(t_hit)) <= 2 + n // 1000  # ties round apart
     for g, r in zip(m_grads, t_grads, strict=True):
         r = np.asarray(r, np.float64)
         np.testing.assert_allclose(np.asarray(g, np.float64), r, atol=1e-2 * np.abs(r).max())

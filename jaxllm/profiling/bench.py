@@ -847,7 +847,11 @@ def run(sweep: Sweep, jsonl_path: str | None = None, progress: bool = True) -> l
         flush=True,
     )
     for dtype in sweep.dtypes:  # the op paths are those of every size: they depend on the dtype
-        print(f"{dtype}: {ops_line(sweep, sweep.sizes[0], dtype)}", flush=True)
+        try:  # made for this machine (after use_children started the backend without prealloc)
+            line = ops_line(sweep, sweep.sizes[0], dtype)
+        except ConfigError as e:  # e.g. --set model.loss_backend=mosaic_gpu off Hopper
+            raise BenchArgError(f"--dtypes {dtype}: {e}") from None
+        print(f"{dtype}: {line}", flush=True)
     print(header(sweep.torch), flush=True)
     rows: list[Row] = []
     total = len(sweep.sizes) * len(sweep.contexts) * len(sweep.dtypes)

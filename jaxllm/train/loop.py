@@ -64,8 +64,9 @@ def evaluate(
     with several processes each puts only its rows of every batch on its devices). `step_fn`:
     eval_step, or its `parallel.jit_eval_step` version for the run's mesh. Each batch is padded
     with rows that carry no loss to a multiple of `rows_multiple` (parallel.eval_rows_multiple:
-    the run's layout for every batch, a partial last one included); None: the mesh's data x
-    fsdp layout (pass it with the microbatches for a pipelined step_fn), 1 without a mesh."""
+    the run's layout for every batch, a partial last one included); None: the mesh's layout
+    with one microbatch per pipeline stage (parallel.eval_rows_multiple(mesh); pass the value
+    for the run's microbatches with a pipelined step_fn), 1 without a mesh."""
     if rows_multiple is None:
         rows_multiple = 1 if mesh is None else parallel.eval_rows_multiple(mesh)
     totals = {"loss_sum": 0.0, "correct": 0, "count": 0}
