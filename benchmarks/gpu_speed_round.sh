@@ -5,15 +5,17 @@
 # batch 16 and 64 with the vocabulary padded to 50304 on both sides (nanoGPT's trick);
 # PART=kernels: the Mosaic GPU vs Triton kernel table and the depthwise conv1d at the CS229S
 # shapes; PART=verify: the Pallas kernel tests compiled on the GPU (incl. the Mosaic GPU
-# cross-entropy at ragged row runs) and the cross-entropy bench's check at 1000 rows. Each step has its
+# cross-entropy at ragged row runs) and the cross-entropy bench's check at 1000 rows;
+# PART=residual: model.residual_dtype float32 vs bfloat16, GPT-2 at batch 16 and 64 (vocabulary
+# 50304), both in this call, and the loss-curve pin of every fast path against all-XLA float32. Each step has its
 # own timeout so that one slow step cannot take the others' results with it. The torch part
 # times both sides back to back (--group 10: 10 steps per device sync, as a training loop
 # runs; 5 such samples), the way the 2026-11-25 equal-batch rows in RESULTS.md were taken.
-# Usage: bash benchmarks/gpu_speed_round.sh OUTDIR torch|gpt2_50304|kernels|verify
+# Usage: bash benchmarks/gpu_speed_round.sh OUTDIR torch|gpt2_50304|kernels|verify|residual
 #        (then copy OUTDIR/*.jsonl into benchmarks/logs)
 set -uo pipefail
 OUT=${1:?out dir}
-PART=${2:?torch, gpt2_50304, kernels or verify}
+PART=${2:?torch, gpt2_50304, kernels, verify or residual}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 step() {  # step NAME SECONDS CMD...: run, keep its log, print its table rows
@@ -54,9 +56,18 @@ case $PART in
     step ce_ragged 90 python3 benchmarks/cross_entropy_bench.py --rows 1000 --mosaic --no-head \
       --jsonl "$OUT/ce_ragged.jsonl"
     ;;
+  residual)
+    step pin 240 python3 benchmarks/loss_curve_pin.py --jsonl "$OUT/pin.jsonl"
+    for b in 16 64; do
+      for r in float32 bfloat16; do
+        step "gpt2_b${b}_residual_$r" 90 ${BENCH/ --torch/} --contexts 1024 --sizes small \
+          --vocab 50304 --batch $b $FAST --set model.residual_dtype=$r --jsonl "$OUT/bench.jsonl"
+      done
+    done
+    ;;
   kernels)
     step mosaic 200 python3 benchmarks/mosaic_gpu_check.py --jsonl "$OUT/mosaic.jsonl"
     step conv1d 230 python3 benchmarks/conv1d_course.py --budget 165 --jsonl "$OUT/conv1d.jsonl"
     ;;
-  *) echo "PART must be torch, gpt2_50304, kernels or verify, got $PART" >&2; exit 2 ;;
+  *) echo "PART must be torch, gpt2_50304, kernels, verify or residual, got $PART" >&2; exit 2 ;;
 esac

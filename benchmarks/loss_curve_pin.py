@@ -1,0 +1,123 @@
+"""Pin a fast path's loss curve to the all-XLA float32 model: same init, same batches.
+
+    PYTHONPATH=$PWD python3 benchmarks/loss_curve_pin.py --jsonl $OUT/pin.jsonl          # GPU
+    ... --variant "bf16 residual=model.residual_dtype=bfloat16"  # add a variant (repeatable)
+    ... --set model.n_layers=1 --set model.d_model=32 --steps 3 --batch 2 --context 16  # CPU
+
+Every variant trains the preset's model (default GPT-2 124M, `configs/gpt2_124m.yaml`, with its
+fast paths) for --steps steps from the same initial parameters on the same batches of a
+learnable synthetic stream (next token = 7 x previous + 13 mod 1000, 20% of the tokens random
+over the whole vocabulary), and prints the loss at a few steps and its largest distance from the
+reference run (all-XLA ops in float32), as RESULTS.md's correctness pins report it. Variants:
+"shipped" (the preset as is), "bf16 residual" (model.residual_dtype=bfloat16), "all-XLA bf16"
+(kernels, loss and attention on XLA), the reference; --variant adds "NAME=KEY=VALUE[,KEY=VALUE]".
+"""
+
+from __future__ import annotations
+
+from jaxllm.xla_flags import apply_default_xla_flags
+
+apply_default_xla_flags()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxllm.config import ConfigError, load_config  # noqa: E402
+from jaxllm.profiling.harness import make_state  # noqa: E402
+from jaxllm.train.state import train_step  # noqa: E402
+
+ALL_XLA = ["model.kernels=xla", "model.loss_impl=xla", "model.attention_impl=xla"]
+VARIANTS = {
+    "shipped": [],
+    "bf16 residual": ["model.residual_dtype=bfloat16"],
+    "all-XLA bf16": ALL_XLA,
+}
+REFERENCE = ("all-XLA f32", [*ALL_XLA, "model.compute_dtype=float32"])
+
+
+def synthetic_batches(steps: int, batch: int, context: int, vocab: int, seed: int = 0):
+    """`steps` batches {inputs, targets} (batch, context) int32 of the learnable stream."""
+    rng = np.random.default_rng(seed)
+    start = min(1000, vocab)
+    for _ in range(steps):
+        ids = np.empty((batch, context + 1), np.int64)
+        ids[:, 0] = rng.integers(0, start, batch)
+        for t in range(context):
+            ids[:, t + 1] = (7 * ids[:, t] + 13) % start
+        noise = rng.random(ids.shape) < 0.2
+        ids[noise] = rng.integers(0, vocab, noise.sum())
+        yield {"inputs": ids[:, :-1].astype(np.int32), "targets": ids[:, 1:].astype(np.int32)}
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """'NAME=KEY=VALUE,KEY=VALUE' -> (NAME, ['KEY=VALUE', ...])."""
+    name, sep, overrides = text.partition("=")
+    items = [o.strip() for o in overrides.split(",") if o.strip()]
+    if not sep or not name.strip() or not items or any("=" not in o for o in items):
+        raise argparse.ArgumentTypeError(
+            f"--variant takes NAME=KEY=VALUE[,KEY=VALUE...], got {text!r}"
+        )
+    return name.strip(), items
+
+
+def run(args: argparse.Namespace) -> dict[str, list[float]]:
+    variants = {**VARIANTS, **dict(args.variant), REFERENCE[0]: REFERENCE[1]}
+    base = [f"--train.batch_size={args.batch}", f"--train.steps={args.steps}",
+            f"--optim.warmup_steps={max(1, args.steps // 8)}"]  # fmt: skip
+    if args.context is not None:
+        base.append(f"--model.context_length={args.context}")
+    base += [f"--{o}" for o in args.set]
+    curves: dict[str, list[float]] = {}
+    for name, overrides in variants.items():
+        try:
+            cfg = load_config(args.config, [*base, *(f"--{o}" for o in overrides)])
+        except ConfigError as e:
+            raise SystemExit(f"variant {name!r}: {e}") from None
+        t = cfg.model.context_length
+        data = list(synthetic_batches(args.steps, args.batch, t, cfg.model.vocab_size))
+        state = make_state(cfg, data[0], seed=0)  # the same initial parameters for every variant
+        key = jax.random.PRNGKey(1)
+        losses = []
+        for batch in data:
+            state, metrics = train_step(state, batch, key)
+            losses.append(float(metrics["loss"]))
+        curves[name] = losses
+        record = {"variant": name, "overrides": overrides, "losses": losses,
+                  "device": jax.devices()[0].device_kind}  # fmt: skip
+        print(json.dumps(record), flush=True)
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                f.write(json.dumps(record) + "\n")
+    ref = np.asarray(curves[REFERENCE[0]])
+    at = sorted({0, len(ref) // 4, len(ref) // 2, len(ref) - 1})
+    print("| variant | " + " | ".join(f"step {i + 1}" for i in at) + " | max abs diff vs "
+          f"{REFERENCE[0]} |")  # fmt: skip
+    print("|---|" + "--:|" * (len(at) + 1))
+    for name, c in curves.items():
+        diff = np.max(np.abs(np.asarray(c) - ref))
+        print(f"| {name} | " + " | ".join(f"{c[i]:.4f}" for i in at) + f" | {diff:.4f} |")
+    return curves
+
+
+def main(argv: list[str] | None = None) -> dict[str, list[float]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/gpt2_124m.yaml", help="the preset (YAML)")
+    p.add_argument("--steps", type=int, default=40, help="training steps per variant")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--context", type=int, default=None, help="tokens per sequence (preset's)")
+    p.add_argument("--variant", type=parse_variant, action="append", default=[],
+                   help="NAME=KEY=VALUE[,KEY=VALUE]: one more variant")  # fmt: skip
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for every variant (e.g. a smaller model)")  # fmt: skip
+    p.add_argument("--jsonl", help="append one JSON record per variant here")
+    args = p.parse_args(argv)
+    if min(args.steps, args.batch) < 1 or (args.context is not None and args.context < 1):
+        p.error("--steps, --batch and --context must be >= 1")
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()
