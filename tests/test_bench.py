@@ -439,6 +439,31 @@ def test_torch_reference_computes_the_same_function(arch):
     jax.clear_caches()
 
 
+def test_torch_reference_keeps_a_bf16_residual_stream_when_asked():
+    """model.residual_dtype=bfloat16 in the PyTorch reference: every block returns a bf16
+    stream under autocast, and the loss stays that of our model with the same setting."""
+    torch = pytest.importorskip("torch")
+    from jaxllm.profiling import torch_reference
+    from jaxllm.profiling.harness import make_state, random_batch
+    from jaxllm.train.state import loss_and_sums
+
+    cfg = bench.build_config("tiny", vocab=64, batch=2, dtype="bfloat16",
+                             overrides=["model.residual_dtype=bfloat16"])  # fmt: skip
+    batch = random_batch(cfg, 2)
+    state = make_state(cfg, batch)
+    loss = loss_and_sums(state.params, state.apply_fn, batch, None)[0]
+    model = torch_reference.build(cfg.model)
+    torch_reference.load_flax_params(model, state.params)
+    dtypes = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda mod, args, out: dtypes.append(out.dtype))
+    x, y = (torch.tensor(np.asarray(batch[k]), dtype=torch.long) for k in ("inputs", "targets"))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(x, y).item()
+    assert dtypes == [torch.bfloat16] * cfg.model.n_layers
+    assert got == pytest.approx(float(loss), rel=2e-2)
+
+
 def test_group_times_back_to_back_calls(tmp_path, capsys):
     """--group N: each timed sample is N calls before one sync (seconds per call), recorded."""
     calls = []

@@ -7,7 +7,9 @@ Same architecture as `jaxllm.models`, module for module, parameter for parameter
 Attention is `F.scaled_dot_product_attention(is_causal=True)` (flash / memory-efficient kernels
 where they apply), the loss a float32 cross-entropy over the logits. `compute_dtype` bfloat16
 runs under `torch.autocast` with float32 parameters, as ours keeps float32 parameters and casts
-the matmul operands; float32 allows TF32 matmuls, as XLA does by default on the GPU. The train
+the matmul operands; float32 allows TF32 matmuls, as XLA does by default on the GPU.
+`residual_dtype` bfloat16 casts the embeddings to bf16, so that every residual add (bf16 stream
++ bf16 branch under autocast) stays bf16 as in ours; the norms still compute in float32. The train
 step is fused AdamW (weight decay on >= 2-D parameters) after global-norm clipping at 1.0, as
 `jaxllm.train.optim` does. `load_flax_params` copies our parameters in, so a test can check
 that both compute the same function.
@@ -156,6 +158,8 @@ def _modules() -> SimpleNamespace:
             else:
                 angles = pos.float()[:, None] * self.inv_freq  # (T, Dh/2)
                 cos, sin = angles.cos(), angles.sin()
+            if self.cfg.residual_dtype == "bfloat16":  # the stream, and so every add, in bf16
+                x = x.to(torch.bfloat16)
             for block in self.blocks:
                 x = block(x, cos, sin)
             return self.output(x, targets)
