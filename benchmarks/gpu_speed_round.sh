@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-GPU measurements issues 11 and 12 still need, in two calls of at most ~8 minutes each
+# The one-GPU measurements issues 11 and 12 still need, in calls of at most ~8 minutes each
 # on one H100: PART=torch: GPT-2 124M and the Llama-style TransformerLM (124M-class and the
 # TinyStories preset's shape) against torch.compile at equal batch; PART=gpt2_50304: GPT-2 at
 # batch 16 and 64 with the vocabulary padded to 50304 on both sides (nanoGPT's trick);
@@ -7,15 +7,17 @@
 # shapes; PART=verify: the Pallas kernel tests compiled on the GPU (incl. the Mosaic GPU
 # cross-entropy at ragged row runs) and the cross-entropy bench's check at 1000 rows;
 # PART=residual: model.residual_dtype float32 vs bfloat16, GPT-2 at batch 16 and 64 (vocabulary
-# 50304), both in this call, and the loss-curve pin of every fast path against all-XLA float32. Each step has its
+# 50304), both in this call, and the loss-curve pin of every fast path against all-XLA float32;
+# PART=torch_residual: GPT-2 at batch 16 and 64 (vocabulary 50304) against torch.compile, both
+# sides with the bf16 residual stream. Each step has its
 # own timeout so that one slow step cannot take the others' results with it. The torch part
 # times both sides back to back (--group 10: 10 steps per device sync, as a training loop
 # runs; 5 such samples), the way the 2026-11-25 equal-batch rows in RESULTS.md were taken.
-# Usage: bash benchmarks/gpu_speed_round.sh OUTDIR torch|gpt2_50304|kernels|verify|residual
+# Usage: bash benchmarks/gpu_speed_round.sh OUTDIR PART (one of those above)
 #        (then copy OUTDIR/*.jsonl into benchmarks/logs)
 set -uo pipefail
 OUT=${1:?out dir}
-PART=${2:?torch, gpt2_50304, kernels, verify or residual}
+PART=${2:?torch, gpt2_50304, kernels, verify, residual or torch_residual}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 step() {  # step NAME SECONDS CMD...: run, keep its log, print its table rows
@@ -65,9 +67,16 @@ case $PART in
       done
     done
     ;;
+  torch_residual)
+    for b in 16 64; do
+      step "gpt2_b${b}_residual_bf16_torch" $((b == 16 ? 140 : 200)) $BENCH --contexts 1024 \
+        --sizes small --vocab 50304 --batch $b $FAST --set model.residual_dtype=bfloat16 \
+        --jsonl "$OUT/bench.jsonl"
+    done
+    ;;
   kernels)
     step mosaic 200 python3 benchmarks/mosaic_gpu_check.py --jsonl "$OUT/mosaic.jsonl"
     step conv1d 230 python3 benchmarks/conv1d_course.py --budget 165 --jsonl "$OUT/conv1d.jsonl"
     ;;
-  *) echo "PART must be torch, gpt2_50304, kernels, verify or residual, got $PART" >&2; exit 2 ;;
+  *) echo "unknown PART $PART (see the comment at the top)" >&2; exit 2 ;;
 esac
