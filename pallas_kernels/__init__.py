@@ -17,7 +17,7 @@ from .reference import (
     linear_cross_entropy_ref,
     rms_norm_ref,
 )
-from .triton_backend import loss_backend, mosaic_loss_refusal
+from .triton_backend import mosaic_loss_refusal
 
 __all__ = [
     "add_layer_norm",
@@ -32,7 +32,6 @@ __all__ = [
     "layer_norm_ref",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
-    "loss_backend",
     "mosaic_loss_refusal",
     "rms_norm",
     "rms_norm_ref",

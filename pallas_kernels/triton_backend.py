@@ -13,11 +13,12 @@ the choice and its rules live in one module:
   layouts. They assume aligned shapes (each says which, and refuses others with a ValueError) and
   compile only on a GPU: no interpret mode, and no silent fallback to Triton.
   benchmarks/mosaic_gpu_check.py measures both side by side; the default changes only where
-  Mosaic GPU measures at least as fast. So far that is the fused cross-entropy's training pass
-  (`loss_backend`: its Mosaic kernel keeps each row of logits in shared memory between its two
-  sweeps; a forward without gradient stays on the Triton kernel, which reads each row once and
-  writes nothing, as `linear_cross_entropy` says); the norm, softmax and conv kernels stay on
-  Triton, which measured faster.
+  Mosaic GPU measures at least as fast. So far that is the fused cross-entropy's training pass:
+  its Mosaic kernel keeps each row of logits in shared memory between its two sweeps, 1.58x the
+  Triton kernel at GPT-2's batch 64 on the H100 (benchmarks/RESULTS.md); `mosaic_loss_refusal`
+  says where it cannot run, and jaxllm.ops asks it. A forward without gradient stays on the
+  Triton kernel, which reads each row once and writes nothing (`linear_cross_entropy` says so).
+  The norm, softmax and conv kernels stay on Triton, which measured faster.
 
 jax 0.11 deprecates the Triton lowering and warns at every lowering (`DeprecationWarning: The
 Pallas Triton backend is deprecated and will be removed in a future JAX version.`). We silence
@@ -81,13 +82,6 @@ def mosaic_loss_refusal(n_vocab: int, compute_dtype) -> str | None:
         limit = cross_entropy_mgpu.MAX_COLS_TWO_PER_SM
         return f"a vocabulary of at most {limit} (two padded rows per SM; got {n_vocab})"
     return None
-
-
-def loss_backend(n_vocab: int, compute_dtype) -> str:
-    """The fused loss kernel's lowering on this machine: "mosaic_gpu" where it can run (see
-    mosaic_loss_refusal; each row read once: 1.58x the Triton kernel at GPT-2's batch 64 on the
-    H100, benchmarks/RESULTS.md), "triton" otherwise."""
-    return "triton" if mosaic_loss_refusal(n_vocab, compute_dtype) else "mosaic_gpu"
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
