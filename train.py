@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     except (
         ConfigError,
         FileNotFoundError,
+        FileExistsError,  # checkpoints in the run dir and --train.resume=false
         ValueError,
         RunDirLockedError,
         CheckpointSaveError,

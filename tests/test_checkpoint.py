@@ -29,6 +29,7 @@ from jaxllm.train.checkpoint import (
     CheckpointSaveError,
 )
 from jaxllm.train.loop import train
+from jaxllm.train.metrics_log import MetricsLog, truncate_logs
 from jaxllm.train.optim import make_optimizer
 from jaxllm.train.run_lock import RunDirLock
 from jaxllm.train.state import create_state
@@ -75,6 +76,40 @@ def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path):
     assert res.returncode == 0, res.stderr
     assert train_curve(run_dir) == train_curve(ref_dir)  # bit-exact on CPU
     assert (run_dir / "best").is_dir()
+    events = [json.loads(x)["event"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if "event" in json.loads(x)]  # fmt: skip
+    assert events == ["start", "resume"]
+    # TensorBoard: the killed attempt's scalars past the checkpoint are gone, not doubled
+    curves = []
+    for d in (run_dir, ref_dir):
+        acc = EventAccumulator(str(d / "tensorboard"))
+        acc.Reload()
+        curves.append([(e.step, e.value) for e in acc.Scalars("train/loss")])
+    assert curves[0] == curves[1]
+
+
+def test_truncate_logs_keeps_what_precedes_the_restart(tmp_path):
+    """A fresh start (step 0) keeps nothing of an attempt that saved no checkpoint; a resume
+    from step 10 keeps the records and scalars up to 10, in both logs."""
+    log = MetricsLog(tmp_path)
+    log.write({"event": "start", "step": 0})
+    for step in (5, 10, 15):
+        log.write({"step": step, "loss": 1.0 / step}, prefix="train")
+    log.close()
+
+    def scalars():
+        acc = EventAccumulator(str(tmp_path / "tensorboard"))
+        acc.Reload()
+        return [e.step for e in acc.Scalars("train/loss")] if acc.Tags()["scalars"] else []
+
+    def steps():
+        lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(x)["step"] for x in lines]
+
+    truncate_logs(tmp_path, 10)
+    assert steps() == [0, 5, 10] and scalars() == [5, 10]
+    truncate_logs(tmp_path, 0)
+    assert steps() == [] and scalars() == []
 
 
 def test_restore_into_other_model_names_parameter(tmp_path):

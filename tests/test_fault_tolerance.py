@@ -129,6 +129,14 @@ def test_resuming_a_changed_model_is_one_line(tmp_path):
               f"--train.run_dir={tmp_path}")  # fmt: skip
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "model.d_model: 64 -> 32" in out.stderr
+    out = cli("train.py", *TINY, "--train.steps=20", "--train.resume=false",
+              f"--train.run_dir={tmp_path}")  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "already holds checkpoints" in out.stderr
+    (tmp_path / "config.yaml").write_text("model:\n  old_field: 1\n")  # another version's
+    out = cli("train.py", *TINY, "--train.steps=20", f"--train.run_dir={tmp_path}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "config.yaml (the run's saved config): unknown key(s) ['old_field']" in out.stderr
 
 
 def test_generate_cli_errors_are_one_line(tmp_path):

@@ -26,7 +26,7 @@ from jaxllm.data.sources import BatchSource, make_source
 from jaxllm.models import build_model
 from jaxllm.profiling.trace import StepRangeTrace
 from jaxllm.train.checkpoint import Checkpointer
-from jaxllm.train.metrics_log import MetricsLog, truncate_metrics
+from jaxllm.train.metrics_log import MetricsLog, truncate_logs
 from jaxllm.train.optim import lr_schedule, make_optimizer
 from jaxllm.train.run_lock import RunDirLock
 from jaxllm.train.state import create_state, eval_step, raise_for_bad_ids, train_step
@@ -198,14 +198,17 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
             )
         saved = run_dir / "config.yaml"
         if saved.is_file():
-            old = load_config(saved)
+            try:
+                old = load_config(saved)
+            except ConfigError as e:  # e.g. written by another version: name the file
+                raise ConfigError(f"{saved} (the run's saved config): {e}") from None
             check_resume(old, cfg, total_steps(old, source), total)
         state, meta = ckpt.restore(state)
         start_step, best_eval = int(state.step), meta.get("best_score", math.inf)
         if primary:
-            truncate_metrics(run_dir / "metrics.jsonl", start_step)
             print(f"resuming from step {start_step} ({run_dir / 'checkpoints'})", file=sys.stderr)
     if primary:
+        truncate_logs(run_dir, start_step)  # what an earlier attempt logged past this point
         save_config(cfg, run_dir / "config.yaml")
 
     log = MetricsLog(run_dir, enabled=primary)
