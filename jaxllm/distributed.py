@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import numpy as np
@@ -119,7 +119,7 @@ def resolve(cfg: ParallelConfig, environ: Mapping[str, str] | None = None) -> Pa
             f"together (all three, or none for one process): got {have}; missing {need}"
         )
     try:
-        out = ParallelConfig(**{**{a: getattr(cfg, a) for a in cfg.AXES}, **values})
+        out = replace(cfg, **values)  # the mesh fields (microbatches too) kept
     except ConfigError as e:
         env = [ENV[n] for n in given if origin[n] == "environment"]
         raise ConfigError(f"{e}" + (f" (read from {', '.join(env)})" if env else "")) from None
@@ -208,13 +208,15 @@ def sync(name: str) -> None:
 
 def process_rows(mesh: Mesh, n_rows: int) -> slice:
     """The rows [start, stop) of a global batch of `n_rows` that this process's devices hold
-    when the batch is split over data x fsdp (all of them on one process). The processes'
-    slices are disjoint and cover the batch, so no example is read twice per step."""
+    when the batch is split over data x fsdp (all of them on one process). The slices cover the
+    batch and overlap only where processes hold other pipeline stages of the same rows (the
+    batch is replicated over `pipeline`), so no example is used twice per step."""
     ways = mesh.shape["data"] * mesh.shape["fsdp"]
     if n_rows % ways:
         raise ValueError(f"{n_rows} rows do not split over data x fsdp = {ways} devices")
     index = NamedSharding(mesh, parallel.BATCH).addressable_devices_indices_map((n_rows,))
-    spans = sorted((s[0].indices(n_rows)[:2]) for s in index.values())
+    # a process's devices of several stages hold the same rows once per stage: count them once
+    spans = sorted({s[0].indices(n_rows)[:2] for s in index.values()})
     start, stop = spans[0][0], spans[-1][1]
     if sum(b - a for a, b in spans) != stop - start or len({a for a, _ in spans}) != len(spans):
         raise ValueError(

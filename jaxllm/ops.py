@@ -77,12 +77,16 @@ def _per_shard(
     """kernel(*args), under `shard` run by each device on its rows: the args flagged `batched`
     (leading dim = rows) are split over shard.axes, the others passed whole; outputs flagged in
     `out_batched` (same structure as kernel's output) come back row-split, the others must be
-    the same on every device. Rows that do not split evenly (a last evaluation batch) run whole
-    on every device, as a replicated array would anyway."""
+    the same on every device. Rows that do not split over all of shard.axes split over the
+    longest leading run of them they do (data x fsdp when a pipeline mesh's rows stay replicated
+    over the stages), else run whole on every device (a last evaluation batch)."""
     if shard is None:
         return kernel(*args)
     rows = next(a.shape[0] for a, b in zip(args, batched, strict=True) if b)
-    split = P(shard.axes) if rows % shard.ways == 0 else P()
+    axes = shard.axes
+    while axes and rows % math.prod(shard.mesh.shape[a] for a in axes):
+        axes = axes[:-1]
+    split = P(axes) if axes else P()
     in_specs = tuple(split if b else P() for b in batched)
     out_specs = jax.tree.map(lambda b: split if b else P(), out_batched)
     # check_vma off: a pallas_call has no rule for jax's varying-across-devices types.

@@ -66,6 +66,8 @@ def test_process_group_config_validation():
 def test_resolve_fills_from_the_environment_and_refuses_partial_groups():
     none = ParallelConfig()
     assert distributed.resolve(none, {}) == none
+    staged = ParallelConfig(pipeline=2, microbatches=8)  # the mesh fields pass through whole
+    assert distributed.resolve(staged, {}) == staged
     env = {"JAX_COORDINATOR_ADDRESS": "h:99", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"}
     got = distributed.resolve(none, env)
     assert (got.coordinator_address, got.num_processes, got.process_id) == ("h:99", 4, 2)

@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey
 
-from jaxllm import parallel
+from jaxllm import distributed, parallel
 from jaxllm.config import ConfigError, ParallelConfig, config_changes, load_config
 from jaxllm.data.sources import make_source
 from jaxllm.models import build_model
@@ -168,8 +168,17 @@ def test_parallel_config_validation():
         _cfg("--parallel.data=3", "--parallel.fsdp=2")
     # The layout does not change what a run computes: resuming on other devices is allowed.
     assert config_changes(_cfg(), _cfg("--parallel.data=8")) == []
-    staged = _cfg("--parallel.data=2", "--parallel.pipeline=4", "--parallel.microbatches=2")
-    assert config_changes(_cfg(), staged) == []
+    staged_args = ("--parallel.data=2", "--parallel.pipeline=4", "--parallel.microbatches=2")
+    assert config_changes(_cfg(), _cfg(*staged_args)) == []
+    # ... except the dropout masks: with dropout on, fsdp / pipeline / microbatches pick others
+    drop = ("--model.dropout=0.1",)
+    assert config_changes(_cfg(*drop), _cfg(*drop, "--parallel.data=8")) == []
+    assert config_changes(_cfg(*drop), _cfg(*drop, "--parallel.data=4", "--parallel.fsdp=2")) == [
+        "parallel.fsdp: 1 -> 2 (other dropout masks, with model.dropout > 0)"
+    ]
+    assert [c.split(":")[0] for c in config_changes(_cfg(*drop), _cfg(*drop, *staged_args))] == [
+        "parallel.microbatches", "parallel.pipeline"
+    ]  # fmt: skip
 
 
 def test_param_spec_shards_largest_divisible_axis():
@@ -609,6 +618,27 @@ def _check_pallas_on_mesh() -> None:
     for name, sh in [("conv_single", None), ("conv_sharded", shard)]:
         grad = jax.jit(jax.grad(conv_loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
         out[name] = [np.asarray(x).tolist() for x in jax.tree.leaves(grad(u, w, b, sh))]
+
+    # data 4 x pipeline 2: 4 rows do not split over 8 devices, so a kernel call splits them over
+    # data (4 ways) and is replicated over the stages, not run whole on every device
+    staged = Mesh(np.array(jax.devices()).reshape(4, 1, 2), parallel.ROW_AXES)
+    seen = []
+
+    def kernel(x):
+        seen.append(x.shape)
+        return jnp.sin(x)
+
+    def split_loss(x):
+        return jnp.sum(ops._per_shard(ops.KernelShard(staged, parallel.ROW_AXES), kernel, (x,),
+                                      (True,), True))  # fmt: skip
+
+    x = jnp.arange(12.0).reshape(4, 3)
+    grad = jax.grad(split_loss)(x)  # through the shard_map's transpose over the stages
+    err = float(jnp.max(jnp.abs(grad - jnp.cos(x))))
+    out["prefix_split"] = {"rows_seen": [s[0] for s in seen], "grad_err": err}
+    # this process holds both stages of every row: its rows are the whole batch, once
+    rows = distributed.process_rows(staged, 16)
+    out["process_rows"] = [rows.start, rows.stop]
     print(json.dumps(out))
 
 
@@ -621,6 +651,9 @@ def test_pallas_kernels_run_per_batch_shard_and_match_one_device():
     assert out.pop("single_shard_maps") == 0
     assert out.pop("data8_shard_maps") >= 5
     _assert_trees_close(out.pop("conv_sharded"), out.pop("conv_single"), 1e-6, "conv")
+    split = out.pop("prefix_split")
+    assert set(split["rows_seen"]) == {1} and split["grad_err"] < 1e-6, split  # 4 rows / data 4
+    assert out.pop("process_rows") == [0, 16]
     for name, r in out.items():
         # Rows over every axis (pipeline has size 1 without stages: no collective over it).
         assert r["ops"].endswith("(Pallas per shard over data x fsdp x pipeline = 8)"), r["ops"]
