@@ -197,6 +197,8 @@ def describe(
                     f"data x fsdp x pipeline = {ways * stages}"
                 )
         sizes += ")"
+    elif microbatches is not None:  # set, but there is nothing to pipeline: say so
+        sizes += f" (parallel.microbatches={microbatches} unused: no pipeline stages)"
     if mesh.shape["fsdp"] > 1:
         per_layer = scan_layers and stages == 1
         sizes += f" (fsdp weights gathered per {'layer' if per_layer else 'step'})"

@@ -195,6 +195,10 @@ def test_one_device_mesh_and_refusals():
     mesh = parallel.make_mesh(_cfg(), jax.devices()[:1])
     assert dict(mesh.shape) == {"pipeline": 1, "data": 1, "fsdp": 1}
     assert parallel.describe(mesh) == "parallel: mesh data=1 fsdp=1 over 1 cpu device"
+    assert parallel.describe(mesh, 4) == (
+        "parallel: mesh data=1 fsdp=1 (parallel.microbatches=4 unused: no pipeline stages) over "
+        "1 cpu device"
+    )
     with pytest.raises(ConfigError, match=r"needs 2 devices, but there are 1"):
         parallel.make_mesh(_cfg("--parallel.data=2"), jax.devices()[:1])
     model = build_model(_cfg("--model.kernels=pallas").model)
