@@ -432,3 +432,12 @@ def test_ids_beyond_the_model_vocab_are_refused_on_open(tmp_path, monkeypatch):
         root / "configs/tinystories.yaml", [*paths, "--data.tokens.val_path=good.bin"]
     )
     assert isinstance(sources.make_source(cfg), sources.TokenSource)
+    # A file shorter than one window is refused when opened, naming it (not at the first eval).
+    (short_meta,) = _prepare(_tinystories_v2(tmp_path / "short.txt", DOCS[:1]), tmp_path / "s.bin")
+    n = short_meta["num_tokens"]
+    assert n < meta["num_tokens"]
+    short = [*paths, "--data.tokens.val_path=s.bin", f"--model.context_length={n}"]
+    cfg = load_config(root / "configs/tinystories.yaml", short)
+    message = rf"val_path .*s.bin holds {n} tokens: a window needs model.context_length \+ 1"
+    with pytest.raises(ValueError, match=message):
+        sources.make_source(cfg)

@@ -300,8 +300,17 @@ def make_source(cfg: Config) -> BatchSource:
         train, test = ar.make_splits(cfg.data.associative_recall)
         return RecallSource(train, test, cfg.train.batch_size, cfg.train.seed)
     tc, vocab = cfg.data.tokens, cfg.model.vocab_size  # ids >= vocab: refused on open
-    train = load_tokens(resolve_data_path(tc.train_path), vocab_size=vocab)
-    val = load_tokens(resolve_data_path(tc.val_path), vocab_size=vocab)
+    files = {}
+    for key in ("train_path", "val_path"):
+        path = resolve_data_path(getattr(tc, key))
+        files[key] = load_tokens(path, vocab_size=vocab)
+        need = cfg.model.context_length + 1  # one window; checked now, not at the first eval
+        if files[key].shape[0] < need:
+            raise ValueError(
+                f"data.tokens.{key} {path} holds {files[key].shape[0]} tokens: a window needs "
+                f"model.context_length + 1 = {need} (use a longer file or a shorter context)"
+            )
+    train, val = files["train_path"], files["val_path"]
     return TokenSource(
         train,
         val,

@@ -334,6 +334,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
                 last_step, last_time = done, now
                 bar.set_postfix(loss=f"{m['loss']:.4f}", lr=f"{rec['lr']:.2e}")
             end_of_epoch = per_epoch is not None and done % per_epoch == 0
+            paused = time.perf_counter()  # eval and saving stay out of tokens/s
             if (tc.eval_every and done % tc.eval_every == 0) or done == total or end_of_epoch:
                 ev = evaluate(state, source, mesh, eval_fn, eval_rows)
                 rec = {"step": done, "split": "eval", **ev}
@@ -366,10 +367,10 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
                     or (tc.checkpoint_every and done % tc.checkpoint_every == 0)
                 ):
                     save(done, best=improved)
-                last_time = time.perf_counter()  # keep eval and saving out of tokens/s
             elif tc.checkpoint_every and done % tc.checkpoint_every == 0:
                 save(done)
-                last_time = time.perf_counter()
+            # the interval's tokens stay counted: move its start past the pause instead
+            last_time += time.perf_counter() - paused
             bar.update(1)
         if start_step >= total:  # a finished run: report its final evaluation again
             echo(
