@@ -129,6 +129,13 @@ def test_source_masks_the_source_side_and_reuses_the_tokenizer(corpus):
     # the same epoch gives the same batches; the next epoch others
     again = make_source(cfg)
     assert (again.train_batch(5)["inputs"] == source.train_batch(5)["inputs"]).all()
+    # a run dir's tokenizer trained from other settings or data is refused, not reused
+    with pytest.raises(ValueError, match=r"tokenizer.json was trained from other .*vocab_size "
+                       r"512 -> 400"):  # fmt: skip
+        make_source(toy_config(run, "--data.translation.vocab_size=400"))
+    write_split(corpus / "data" / "toy", "other", synthetic(3000, 7))
+    with pytest.raises(ValueError, match=r"texts_sha256 "):
+        make_source(toy_config(run, "--data.translation.train=[toy/other]"))
 
 
 def test_padding_never_exceeds_the_context(corpus):

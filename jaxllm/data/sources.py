@@ -13,6 +13,8 @@ any number of processes. The loop passes `rows` only when there are several proc
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from jaxllm.atomic_file import write_text_atomic
 from jaxllm.config import Config, TranslationConfig
 from jaxllm.data import associative_recall as ar
 from jaxllm.data import translation as mt
@@ -220,9 +223,21 @@ def translation_tokenizer(cfg: Config, train_pairs: list[mt.Pair]) -> mt.Transla
     return tok or _run_dir_tokenizer(cfg, [])
 
 
+def _tokenizer_origin(cfg: Config, texts: list[str]) -> dict[str, Any]:
+    """What a run dir's tokenizer was trained from: its settings and a hash of its texts."""
+    tc = cfg.data.translation
+    digest = hashlib.sha256("\n".join(texts).encode("utf-8")).hexdigest()
+    return {"vocab_size": tc.vocab_size, "texts": len(texts), "texts_sha256": digest}
+
+
 def _run_dir_tokenizer(cfg: Config, train_pairs: list[mt.Pair]) -> mt.TranslationTokenizer:
+    """The run dir's tokenizer, refused where it was trained from other settings or texts
+    than `train_pairs` (none: evaluation, nothing to compare); else one trained and saved,
+    with what it was trained from beside it (tokenizer.origin.json)."""
     tc = cfg.data.translation
     path = Path(cfg.train.run_dir) / "tokenizer.json"
+    origin_path = path.with_name("tokenizer.origin.json")
+    texts = [s for pair in train_pairs for s in pair]
     if path.is_file():
         tok = mt.TranslationTokenizer.load(path)
         if (tok.src_lang, tok.tgt_lang) != (tc.src_lang, tc.tgt_lang):
@@ -230,13 +245,22 @@ def _run_dir_tokenizer(cfg: Config, train_pairs: list[mt.Pair]) -> mt.Translatio
                 f"{path} is a {tok.src_lang}->{tok.tgt_lang} tokenizer; the config asks for "
                 f"{tc.src_lang}->{tc.tgt_lang}"
             )
+        if texts and origin_path.is_file():  # older run dirs have no record: nothing to check
+            was, now = json.loads(origin_path.read_text()), _tokenizer_origin(cfg, texts)
+            diff = [f"{k} {was.get(k)} -> {v}" for k, v in now.items() if was.get(k) != v]
+            if diff:
+                raise ValueError(
+                    f"{path} was trained from other settings or data ({'; '.join(diff)}): "
+                    "its ids would not match this run's. Choose another --train.run_dir, or "
+                    "delete the tokenizer (and any checkpoints that use its ids) to train anew"
+                )
         return tok
-    if not train_pairs:
+    if not texts:
         raise FileNotFoundError(f"{path} not found: the run dir has no translation tokenizer")
-    texts = [s for pair in train_pairs for s in pair]
     tok = mt.TranslationTokenizer.train(texts, tc.vocab_size, tc.src_lang, tc.tgt_lang)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(path)
+    write_text_atomic(origin_path, json.dumps(_tokenizer_origin(cfg, texts), indent=2))
+    tok.save(path)  # after its record: a tokenizer file never lacks one
     return tok
 
 
