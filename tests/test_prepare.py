@@ -230,6 +230,10 @@ def test_stale_or_mismatched_files_are_refused(tmp_path):
         f.write(b"\0\0")  # a token file that grew after its sidecar was written
     with pytest.raises(token_file.StaleTokensError, match="stale"):
         token_file.load_tokens(out)
+    for text, problem in (('{"format": "jaxllm', "is not valid JSON"), ("[1, 2]", "holds a list")):
+        sidecar.write_text(text)  # cut by a crash, or not ours: named, not a traceback
+        with pytest.raises(token_file.StaleTokensError, match=rf"train.bin.json {problem}"):
+            token_file.load_tokens(out)
     sidecar.unlink()
     with pytest.raises(token_file.StaleTokensError, match="no sidecar"):
         token_file.load_tokens(out)
@@ -261,6 +265,12 @@ def test_empty_and_missing_inputs(tmp_path):
         _prepare(tmp_path / "nope.txt", tmp_path / "c.bin")
     with pytest.raises(ValueError, match="doc_split"):
         _prepare(good, tmp_path / "d.bin", doc_split="paragraph")
+    before = good.read_bytes()
+    for kw in ({}, {"val_out_path": good, "val_fraction": 0.5}):  # either output on an input
+        out = good if not kw else tmp_path / "e.bin"
+        with pytest.raises(ValueError, match=r"an output is also an input: .*good.txt"):
+            _prepare(good, out, **kw)
+    assert good.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.txt", "empty.txt", "good.txt"]
 
 

@@ -199,6 +199,10 @@ def prepare_text_files(
             raise FileNotFoundError(f"input text file not found: {path}")
         if path.stat().st_size == 0:
             raise ValueError(f"input text file is empty: {path}")
+    outputs = [Path(out_path)] + ([Path(v)] if (v := kwargs.get("val_out_path")) else [])
+    clash = {p.resolve() for p in paths} & {o.resolve() for o in outputs}
+    if clash:  # the rename at the end would replace the user's text with tokens
+        raise ValueError(f"an output is also an input: {sorted(map(str, clash))}")
     sources: list[dict] = []
     meta = {"doc_split": doc_split, "separator": separator, "sources": sources}
     documents = iter_file_documents(paths, doc_split, separator, sources, read_chars)

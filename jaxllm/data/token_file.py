@@ -108,7 +108,17 @@ def load_tokens(
     sidecar = sidecar_path(path)
     if not sidecar.is_file():
         raise StaleTokensError(f"{path} has no sidecar {sidecar}; re-run jaxllm.data.prepare")
-    meta = json.loads(sidecar.read_text())
+    try:
+        meta = json.loads(sidecar.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StaleTokensError(
+            f"{sidecar} is not valid JSON ({e}); re-run jaxllm.data.prepare"
+        ) from None
+    if not isinstance(meta, dict):
+        raise StaleTokensError(
+            f"{sidecar} holds a {type(meta).__name__}, not a sidecar object; re-run "
+            "jaxllm.data.prepare"
+        )
     expected = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
