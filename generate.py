@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from jaxllm.config import ConfigError
-from jaxllm.data.tokenizer import load_gpt2_tokenizer
+from jaxllm.data.tokenizer import EOT_ID, load_gpt2_tokenizer
 from jaxllm.generate import Sampling, generate_text
 from jaxllm.models import build_model
 from jaxllm.train.checkpoint import load_run
@@ -40,8 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:
-        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         cfg, params, step = load_run(args.run_dir, args.checkpoint)
+        if cfg.data.kind != "tokens":  # its ids are not GPT-2 BPE ids
+            translate = cfg.data.kind == "translation"
+            raise ValueError(
+                f"{args.run_dir} was trained on data.kind={cfg.data.kind}, not GPT-2-tokenized "
+                "text (data.kind=tokens): generate.py cannot encode prompts for it"
+                + (" (translation: python -m jaxllm.translate)" if translate else "")
+            )
+        # <|endoftext|> ends a sample whatever the vocabulary's padding (e.g. 50304)
+        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            eos_id=EOT_ID)  # fmt: skip
         budget = cfg.model.context_length
         tokenizer = load_gpt2_tokenizer(args.bpe_dir or cfg.data.tokens.bpe_dir)
         longest = max(len(tokenizer.encode(t)) for t in args.prompt)

@@ -133,6 +133,9 @@ def test_resuming_a_changed_model_is_one_line(tmp_path):
               f"--train.run_dir={tmp_path}")  # fmt: skip
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "already holds checkpoints" in out.stderr
+    out = cli("generate.py", "--run-dir", str(tmp_path), "--prompt", "x")  # not a text model
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "trained on data.kind=associative_recall, not GPT-2-tokenized text" in out.stderr
     (tmp_path / "config.yaml").write_text("model:\n  old_field: 1\n")  # another version's
     out = cli("train.py", *TINY, "--train.steps=20", f"--train.run_dir={tmp_path}")
     assert out.returncode == 2 and "Traceback" not in out.stderr
