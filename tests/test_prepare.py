@@ -95,6 +95,16 @@ def test_document_splits(tmp_path, read_chars, doc_split, text, docs):
     assert _decode(data) == _joined(docs)
 
 
+def test_a_file_without_its_separator_is_one_document_with_a_warning(tmp_path, monkeypatch):
+    from jaxllm.data import documents
+
+    monkeypatch.setattr(documents, "LONG_DOCUMENT", 40)
+    src = _write(tmp_path / "in.txt", "word " * 30)  # 150 characters, no <|endoftext|>
+    with pytest.warns(UserWarning, match=r"in.txt: no '<\|endoftext\|>' in \d+ characters"):
+        docs = list(documents.iter_file_documents([src], "separator", EOT_TEXT, [], 16))
+    assert docs == [("word " * 30).strip()]
+
+
 @needs_bpe
 def test_custom_separator_and_crlf(tmp_path):
     src = _write(tmp_path / "in.txt", "one\r\ntwo\r\n===\r\nthree\r\n===")

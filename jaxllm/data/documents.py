@@ -23,6 +23,7 @@ _WHITESPACE_SPLITS = {
 }
 _ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a bad byte
 READ_CHARS = 1 << 22  # characters per read: documents may straddle reads
+LONG_DOCUMENT = 1 << 26  # characters: a "document" this long means the split rule is wrong
 
 
 def sha256_file(path: Path) -> str:
@@ -46,16 +47,29 @@ def iter_file_documents(
         info = {"path": str(path.resolve()), "sha256": sha256_file(path)}
         info |= {"bytes": path.stat().st_size, "documents": 0, "invalid_utf8_bytes": 0}
         with path.open(encoding="utf-8", errors="surrogateescape") as f:
-            pending = ""
+            pending, warned = "", False
             for block in iter(lambda f=f: f.read(read_chars), ""):
                 try:
                     block.encode()  # fast check: only the lone surrogates of bad bytes fail
                 except UnicodeEncodeError:
                     block, bad = _ESCAPED_BYTE.subn("\ufffd", block)
                     info["invalid_utf8_bytes"] += bad
+                seen = len(pending)
                 pending += block
                 if doc_split == "separator":
-                    *docs, pending = pending.split(separator)
+                    # only the new text can hold a new separator (one may straddle the reads):
+                    # a file without any is scanned once, not once per read
+                    if separator in pending[max(0, seen - len(separator) + 1) :]:
+                        *docs, pending = pending.split(separator)
+                    else:
+                        docs = []
+                    if len(pending) > LONG_DOCUMENT and not warned:
+                        warned = True
+                        warnings.warn(
+                            f"{path}: no {separator!r} in {len(pending):,} characters: they all "
+                            "become one document (is --doc-split right for this file?)",
+                            stacklevel=2,
+                        )
                 elif doc_split in _WHITESPACE_SPLITS:
                     # Separators are all whitespace: cutting after the last non-space character
                     # keeps a separator that straddles two reads in one piece.
