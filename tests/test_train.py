@@ -92,6 +92,24 @@ def test_train_step_deterministic(tmp_path):
     jax.tree_util.tree_map(np.testing.assert_array_equal, p1, p2)
 
 
+def test_each_step_draws_its_own_dropout_masks(tmp_path):
+    """train_step folds the step into the run's key: the same parameters, batch and key give
+    another loss at another step (other masks) and the same loss at the same step."""
+    cfg = _tiny_cfg(tmp_path)
+    model = build_model(dataclasses.replace(cfg.model, dropout=0.5))
+    batch = {"inputs": jnp.ones((4, 17), jnp.int32), "targets": jnp.full((4, 17), 20, jnp.int32)}
+    state = create_state(
+        model, make_optimizer(cfg.optim, 10), jax.random.PRNGKey(0), batch["inputs"]
+    )
+    key = jax.random.PRNGKey(1)
+
+    def loss_at(step):  # on a copy: train_step donates its state
+        fresh = jax.tree_util.tree_map(jnp.copy, state).replace(step=jnp.asarray(step))
+        return float(train_step(fresh, batch, key)[1]["loss"])
+
+    assert loss_at(3) == loss_at(3) != loss_at(4)
+
+
 def test_ar_training_smoke(tmp_path):
     """The loss falls, the log has the promised fields, and a rerun is bit-identical."""
     cfg = _tiny_cfg(tmp_path / "a")
