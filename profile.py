@@ -20,6 +20,7 @@ import importlib.util
 import os
 import sys
 import sysconfig
+from pathlib import Path
 
 if __name__ == "profile":
     # Imported as `profile`, not run: the repo root is on sys.path (cwd, for `python -m cProfile`
@@ -60,6 +61,9 @@ def _roofline(args: argparse.Namespace) -> int:
 
     names = ("op", "arch", "batch", "length", "width", "heads", "d_ff", "dtype", "device",
              "kernel", "conv_padding", "peak_tflops", "peak_gbps", "png", "measured")  # fmt: skip
+    if args.png and not Path(args.png).parent.is_dir():  # before the report, not after it
+        folder = Path(args.png).parent
+        raise SystemExit(f"profile.py roofline: --png {args.png}: no directory {folder}")
     try:
         print(roofline.report(**{name: getattr(args, name) for name in names}))
     except ValueError as e:  # bad input: one line naming it and what is allowed
@@ -322,7 +326,7 @@ def _add_nsys(sub) -> None:
     n = sub.add_parser(
         "nsys", help="Nsight Systems: `trace --nvtx` under nsys profile, then nsys stats"
     )
-    n.add_argument("--out", required=True, help="output dir: report.nsys-rep, step.hlo.txt")
+    n.add_argument("--out", required=True, help="output dir: report.nsys-rep, phases.hlo.txt")
     n.add_argument("--nsys-bin", default="nsys", help="the nsys executable (name or path)")
     _add_trace_args(n)
     n.set_defaults(func=_nsys)
@@ -341,7 +345,10 @@ def _memory(args: argparse.Namespace) -> int:
     try:
         contexts = bench.parse_ints(args.contexts, "--contexts")
         remats = bench.parse_choices(args.remat, memory.REMATS, "--remat")
-        (dtype,) = bench.parse_choices(args.dtype, bench.DTYPES, "--dtype")
+        dtypes = bench.parse_choices(args.dtype, bench.DTYPES, "--dtype")
+        if len(dtypes) != 1:
+            raise bench.BenchArgError(f"--dtype takes one value, got {args.dtype!r}")
+        (dtype,) = dtypes
         if args.isolate not in ("auto", "always", "never"):
             raise bench.BenchArgError(f"--isolate: {args.isolate!r}; allowed: auto, always, never")
         if min(args.batch, args.time_steps, args.jobs) < 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -20,3 +21,19 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def save_figure_atomic(fig: Any, path: str | os.PathLike, **savefig_kwargs: Any) -> Path:
+    """Save a matplotlib figure to `path` in one rename, in the format of its suffix (the temp
+    name keeps the suffix: matplotlib picks the format from it); the parent directory must
+    exist (a FileNotFoundError names it)."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        fig.savefig(tmp, **savefig_kwargs)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import matplotlib
 
+from jaxllm.atomic_file import save_figure_atomic
+
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -57,10 +59,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None, dpi: int = 80) 
         title += f", best BLEU {max(r['bleu'] for r in bleu):.2f}"
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    tmp = out.with_name(out.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=dpi)
+    save_figure_atomic(fig, out, dpi=dpi)
     plt.close(fig)
-    tmp.replace(out)
     return out
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import gc
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -283,9 +284,10 @@ def test_table_marks_where_ours_is_slower_than_torch_compile():
 
 
 def test_forward_flops_match_the_training_flops_per_token():
-    """3 x forward_flops per token = PaLM's 6 N + 12 L d T, up to biases and norm scales."""
-    for size in ("tiny", "small"):
-        cfg = bench.build_config(size).model
+    """3 x forward_flops per token = PaLM's 6 N + 12 L d T, up to biases and norm scales; with
+    the tied head (gpt2) and the untied one (transformer_lm: its token table is a lookup)."""
+    for size, arch in itertools.product(("tiny", "small"), ("gpt2", "transformer_lm")):
+        cfg = bench.build_config(size, arch=arch).model
         t = cfg.context_length
         n = bench._param_count(cfg, {"inputs": np.zeros((1, 8), np.int32)})
         ours = 3 * bench.forward_flops(cfg, 1, t) / t
@@ -378,7 +380,12 @@ def test_breakdown_tiny_flop_shares_add_up_to_100(tmp_path, capsys):
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     fwd = [r for r in lines if r["direction"] == "forward"]
     layer = next(r for r in fwd if r["piece"] == "layer")
-    assert sum(r["flops"] for r in fwd if r is not layer) == pytest.approx(layer["flops"])
+    # against the matmuls counted by hand (q/k/v + out: 4 d^2, MLP: 2 d f per token; QK^T and
+    # PV: 2 T d each): the elementwise ops add a few percent on top, a missing piece far more
+    m = bench.build_config("tiny").model
+    b, t, d, f = 2, 32, m.d_model, m.ffn_dim
+    matmuls = 2 * b * t * (4 * d * d + 2 * d * f) + 4 * b * t * t * d
+    assert matmuls < layer["flops"] < 1.1 * matmuls
     assert all(r["flops"] > 0 and r["bytes"] > 0 and r["seconds"] > 0 for r in lines)
 
 

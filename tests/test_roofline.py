@@ -91,7 +91,8 @@ def test_layer_ops_names_order_and_components():
 
 def test_layer_matmuls_agree_with_the_training_flops_formula():
     """3x the forward matmul FLOPs (forward + backward) per token is train_flops_per_token's
-    6 N + 12 L d T for one layer without biases (transformer_lm, SwiGLU's three matrices)."""
+    6 N + 12 L d T for one layer without biases (transformer_lm, SwiGLU's three matrices); its
+    untied token table is a lookup, left out of N."""
     d, f, t = 64, 96, 32
     cfg = ModelConfig(arch="transformer_lm", d_model=d, n_heads=4, n_layers=1, context_length=t,
                       d_ff=f, bias=False, qkv_bias=False, tie_embeddings=False)  # fmt: skip
@@ -99,7 +100,8 @@ def test_layer_matmuls_agree_with_the_training_flops_formula():
                     arch="transformer_lm")  # fmt: skip
     mm = sum(op.flops for op in ops if op.name in ("qkv_proj", "scores", "av", "out_proj",
                                                    "mlp_up", "mlp_down"))  # fmt: skip
-    assert 3 * mm / (3 * t) == flops.train_flops_per_token(cfg, 4 * d * d + 3 * d * f)
+    table = cfg.vocab_size * d
+    assert 3 * mm / (3 * t) == flops.train_flops_per_token(cfg, 4 * d * d + 3 * d * f + table)
 
 
 # ----------------------------------------------------------------------------- against XLA
@@ -227,6 +229,15 @@ def test_measured_rows_of_both_schemas(tmp_path):
     assert (p.flops, p.bytes, p.seconds, p.dtype) == (7 * n, 2 * n * 2, 0.5e-3, "bfloat16")
     conv_bwd = {**kernel_row, "kernel": "conv1d", "direction": "bwd", "shape": "1x64x8x3"}
     assert roofline.measured_from_row(conv_bwd).bytes == (3 * 64 * 8 + 2 * 8 * 3 + 8) * 2
+    # every kernel `profile.py kernels` times has a cost model (RMSNorm rows were skipped)
+    rms = {**kernel_row, "kernel": "rms_norm", "shape": "16384x768"}
+    assert roofline.measured_from_row(rms).flops == 4 * 16384 * 768  # square, sum, 2 multiplies
+    rms_bwd = roofline.measured_from_row({**rms, "direction": "bwd"})
+    assert rms_bwd.bytes == 3 * 16384 * 768 * 2 + 2 * 768 * 2 + 4 * 16384
+    kernels = {c.kernel for c in kernel_bench.norm_cases()} | {"softmax", "conv1d"}
+    for kernel in kernels:
+        assert roofline.measured_from_row({**rms, "kernel": kernel, "shape": {
+            "softmax": "1x1x8x8", "conv1d": "1x8x8x3"}.get(kernel, "8x8")}), kernel  # fmt: skip
     bench_row = {"name": "mlp_up", "flops": 2e9, "bytes": 4e6, "seconds": 1e-3}
     assert roofline.measured_from_row(bench_row) == roofline.Measured("mlp_up", 2e9, 4e6, 1e-3)
     for bad in ({"step": 1, "loss": 2.0}, {**bench_row, "seconds": 0}, [1, 2],
@@ -283,6 +294,9 @@ def test_cli_answers_the_conv_question(capsys):
         (["--device", "T4"], "NVIDIA T4 has no bfloat16 peak; allowed: float16, float32"),
         (["--arch", "llama"], "allowed: gpt2, transformer_lm"),
         (["--op", "conv1d", "--conv-padding", "valid"], "allowed: full, causal, same"),
+        (["--conv-padding", "bogus"], "allowed: full, causal, same"),  # layer mode checks it too
+        (["--kernel", "4", "--conv-padding", "full"], "the model's short conv is causal"),
+        (["--png", "/nonexistent/r.png"], "no directory /nonexistent"),
         (["--peak-gbps", "-1"], "peak GB/s must be a finite number > 0"),
     ],
 )

@@ -216,6 +216,7 @@ def test_nsys_commands():
     profile, stats = trace.nsys_commands("nsys", "OUT", ["--steps=3", "--model.n_layers=2"])
     assert profile[:3] == ["nsys", "profile", "--trace=cuda,nvtx"]
     assert profile[-6:] == ["trace", "--nvtx", "--out", "OUT", "--steps=3", "--model.n_layers=2"]
+    assert Path(profile[-7]).is_absolute() and Path(profile[-7]).is_file()  # from any cwd
     assert [c for c in stats if "--filter-nvtx=forward" in c]
     assert all(c[-1] == "OUT/report.nsys-rep" for c in stats)
 
@@ -357,6 +358,11 @@ def test_memory_cli_on_the_tiny_size(tmp_path, capsys):
         profile_cli().main(["memory", "--size", "tiny", "--remat", "full"])
     with pytest.raises(SystemExit, match="--contexts must be in 1..128"):
         profile_cli().main(["memory", "--size", "tiny", "--contexts", "256"])
+    with pytest.raises(SystemExit, match="--contexts must be in 1..192"):  # the override's limit
+        profile_cli().main(["memory", "--size", "tiny", "--contexts", "256",
+                            "--set", "model.context_length=192"])  # fmt: skip
+    with pytest.raises(SystemExit, match="--dtype takes one value, got 'float32,bfloat16'"):
+        profile_cli().main(["memory", "--size", "tiny", "--dtype", "float32,bfloat16"])
 
 
 def test_memory_subprocesses_take_turns_in_config_order(tmp_path):

@@ -52,12 +52,15 @@ OTHER_OPS = ("norm1", "norm2", "residual1", "residual2", "conv1d")
 def train_flops_per_token(cfg: ModelConfig, n_params: int) -> float:
     """Forward + backward FLOPs per token: 6 * N + 12 * L * d * T (PaLM, appendix B).
 
-    N counts the parameters that take part in matmuls: all of them minus GPT-2's position
-    table (a lookup); a tied head is counted once, like the table it shares. The second term is
-    the attention score and value products (QK^T and PV), which have no parameters.
+    N counts the parameters that take part in matmuls: all of them minus the lookup tables,
+    GPT-2's position table and, with an untied head, the token table (the head matrix is a
+    matmul; a tied head is counted once, as the table it shares). The second term is the
+    attention score and value products (QK^T and PV), which have no parameters.
     """
-    n_matmul = n_params - (cfg.context_length * cfg.d_model if cfg.arch == "gpt2" else 0)
-    return 6 * n_matmul + 12 * cfg.n_layers * cfg.d_model * cfg.context_length
+    lookups = cfg.context_length * cfg.d_model if cfg.arch == "gpt2" else 0
+    if not cfg.tie_embeddings:
+        lookups += cfg.vocab_size * cfg.d_model
+    return 6 * (n_params - lookups) + 12 * cfg.n_layers * cfg.d_model * cfg.context_length
 
 
 @dataclass(frozen=True)
@@ -280,14 +283,18 @@ SOFTMAX_BWD_FLOPS = 5  # dx = scale * y * (dy - sum(dy y)): multiply, sum, subtr
 # xhat = (x - mean) rstd (2), dxhat = dy gamma (1), dgamma += dy xhat (2), dbeta += dy (1),
 # sums of dxhat and dxhat xhat (3), dx = rstd (dxhat - c1 - xhat c2) (4)
 LAYER_NORM_BWD_FLOPS = 13
+# xhat = x rstd (1), dxhat = dy gamma (1), dgamma += dy xhat (2), sum of dxhat xhat (2),
+# dx = rstd (dxhat - xhat c) (3)
+RMS_NORM_BWD_FLOPS = 9
 
 
 def kernel_cost(kernel: str, direction: str, shape: tuple[int, ...], dtype_bytes: int) -> OpCost:
     """FLOPs and minimal bytes of one `profile.py kernels` case (jaxllm/profiling/kernel_bench.py).
 
-    softmax (B, H, Tq, Tk): the fused scale + causal mask + softmax; layer_norm (rows, D);
-    conv1d (B, L, D, K) with the bench's 'same' padding. Backward: read the saved input (or
-    probabilities) and the output gradient, write the input gradient (+ parameter gradients).
+    softmax (B, H, Tq, Tk): the fused scale + causal mask + softmax; layer_norm and rms_norm
+    (rows, D); conv1d (B, L, D, K) with the bench's 'same' padding. Backward: read the saved
+    input (or probabilities) and the output gradient, write the input gradient (+ parameter
+    gradients).
     """
     s, name = dtype_bytes, f"{kernel} {direction} {'x'.join(map(str, shape))}"
     if direction not in ("fwd", "bwd"):
@@ -304,6 +311,12 @@ def kernel_cost(kernel: str, direction: str, shape: tuple[int, ...], dtype_bytes
             return norm(name, rows, d, s)
         # + gamma read, dgamma and dbeta written; + the saved mean and rstd (float32)
         return elementwise(name, rows * d, LAYER_NORM_BWD_FLOPS, 2, 1, s, 3 * d * s + 8 * rows)
+    if kernel == "rms_norm" and len(shape) == 2:
+        rows, d = shape
+        if fwd:
+            return norm(name, rows, d, s, "rms_norm")
+        # + gamma read, dgamma written; + the saved rstd (float32)
+        return elementwise(name, rows * d, RMS_NORM_BWD_FLOPS, 2, 1, s, 2 * d * s + 4 * rows)
     if kernel == "conv1d" and len(shape) == 4:
         b, t, d, k = shape
         fwd_cost = conv1d(batch=b, length=t, width=d, kernel=k, dtype_bytes=s, padding="same")
@@ -317,5 +330,5 @@ def kernel_cost(kernel: str, direction: str, shape: tuple[int, ...], dtype_bytes
         return OpCost(name, float(flops), float(nbytes))
     raise ValueError(
         f"no cost model for kernel {kernel!r} of shape {shape}; allowed: softmax (B, H, Tq, Tk), "
-        "layer_norm (rows, D), conv1d (B, L, D, K)"
+        "layer_norm or rms_norm (rows, D), conv1d (B, L, D, K)"
     )

@@ -63,6 +63,7 @@ from typing import Any
 
 import jax
 
+from jaxllm.atomic_file import save_figure_atomic
 from jaxllm.models import build_model
 from jaxllm.profiling.bench import SIZES, BenchArgError, build_config, is_oom
 from jaxllm.profiling.harness import random_batch, time_calls
@@ -366,7 +367,7 @@ def plot(records: Sequence[dict[str, Any]], path: str | Path, allocator: bool) -
         ax.legend()
     fig.suptitle(f"{r0['size']}, batch {r0['batch']}, {r0['dtype']} (OOM: no bar)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure_atomic(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -398,9 +399,14 @@ def run(
     bad = [m for m in remats if m not in REMATS]
     if bad or not remats:
         raise BenchArgError(f"--remat: unknown value(s) {bad}; allowed: {', '.join(REMATS)}")
-    limit = SIZES[size].max_context
+    # the model's context: the size's, or an override's (--set model.context_length=N)
+    limit = build_config(size, arch=arch, vocab=vocab, dtype=dtype, batch=batch,
+                         overrides=overrides).model.context_length  # fmt: skip
     if not contexts or min(contexts) < 1 or max(contexts) > limit:
-        raise BenchArgError(f"--contexts must be in 1..{limit} for size {size}, got {contexts}")
+        raise BenchArgError(
+            f"--contexts must be in 1..{limit} for size {size}, got {contexts} (raise the limit "
+            "with --set model.context_length=N)"
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # This process only reads device stats; it must not take 75% of the GPU that the config

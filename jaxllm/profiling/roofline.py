@@ -26,6 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from jaxllm.atomic_file import save_figure_atomic
+
 from .flops import (
     ATTENTION_LINEAR,
     ATTENTION_QUADRATIC,
@@ -462,10 +464,9 @@ def plot_roofline(
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=dpi)
+    save_figure_atomic(fig, path, dpi=dpi)
     plt.close(fig)
-    return path
+    return Path(path)
 
 
 # ----------------------------------------------------------------------------- the command
@@ -500,6 +501,13 @@ def report(
     if op not in ("layer", "conv1d"):
         raise ValueError(f"unknown op {op!r}; allowed: layer, conv1d")
     check_positive(batch=batch, length=length, width=width)
+    if conv_padding is not None:
+        conv1d_padding(3, conv_padding)  # a ValueError naming the allowed paddings
+        if op == "layer" and (not kernel or conv_padding != "causal"):
+            raise ValueError(
+                f"--conv-padding {conv_padding} in a layer: the model's short conv is causal and "
+                "needs --kernel K (the padding applies to --op conv1d)"
+            )
     s = dtype_bytes(dtype)
     hw = hardware(device)
     key = next(k for k, v in HARDWARE.items() if v is hw)

@@ -48,11 +48,13 @@ from typing import Any
 
 import jax
 
+from jaxllm.atomic_file import write_text_atomic
 from jaxllm.config import Config
 from jaxllm.profiling.harness import make_state, random_batch
 from jaxllm.train.state import loss_and_sums, train_step
 
 PHASES = ("forward", "backward", "optimizer")
+PROFILE_CLI = Path(__file__).resolve().parents[2] / "profile.py"  # nsys runs it from any cwd
 
 # ----------------------------------------------------------------------------- reading traces
 
@@ -621,11 +623,11 @@ def trace_train_steps(
     key = jax.random.PRNGKey(1)
     step = train_step.lower(state, batch, key).compile()  # compile once, call the executable
     hlo_path = out / "step.hlo.txt"
-    hlo_path.write_text(step.as_text())
+    write_text_atomic(hlo_path, step.as_text())
     with annotate("warmup"):
         for _ in range(warmup):
-            state, metrics = step(state, batch, key)
-        jax.block_until_ready((state, metrics))
+            state, _ = step(state, batch, key)
+        jax.block_until_ready(state)  # (with no warm-up: the state's creation)
     trace_dir = out / "trace"
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         for i in range(steps):
@@ -667,7 +669,7 @@ def phase_steps(
         "optimizer": jax.jit(optimizer, donate_argnums=0).lower(state, grads).compile(),
     }
     hlo_path = out / "phases.hlo.txt"
-    hlo_path.write_text("\n\n".join(fn.as_text() for fn in fns.values()))
+    write_text_atomic(hlo_path, "\n\n".join(fn.as_text() for fn in fns.values()))
 
     def one_step(times: dict[str, list[float]] | None) -> None:
         nonlocal state
@@ -711,7 +713,7 @@ def nsys_commands(
     report = str(Path(out) / "report")
     profile = [
         nsys, "profile", "--trace=cuda,nvtx", "--force-overwrite=true", "-o", report,
-        sys.executable, "profile.py", "trace", "--nvtx", "--out", str(out), *trace_args,
+        sys.executable, str(PROFILE_CLI), "trace", "--nvtx", "--out", str(out), *trace_args,
     ]  # fmt: skip
     rep = report + ".nsys-rep"
     stats = [[nsys, "stats", "--report", "nvtx_sum", rep]]

@@ -21,6 +21,8 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from jaxllm.atomic_file import save_figure_atomic
+
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "ar.yaml"
 TARGET = 0.9
 
@@ -78,10 +80,8 @@ def plot(results: list[dict], path: Path) -> None:
     ax.legend(fontsize=8)
     ax.set_title("associative recall (8 pairs, vocab 32): accuracy vs depth", fontsize=9)
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=90)
+    save_figure_atomic(fig, path, dpi=90)
     plt.close(fig)
-    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:
