@@ -27,6 +27,9 @@ from jaxllm.generate import BeamSearch, Sampling, beam_search, generate
 from jaxllm.models import Decoder
 
 
+PAD_MULTIPLE = 8  # prompt lengths a translation batch is padded to: ctx / 8 shapes at most
+
+
 def translate(
     model: Decoder,
     params: Any,
@@ -37,7 +40,10 @@ def translate(
     length_penalty: float = 1.0,
 ) -> list[str]:
     """Translations of `sources`, in order. Prompts are batched by length; each continues until
-    <eos_tgt> or the context is full (max_new_tokens = context - the longest prompt)."""
+    <eos_tgt> or the context is full (max_new_tokens = context - the batch's prompt length,
+    rounded up to a multiple of PAD_MULTIPLE so that few shapes compile)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     prompts = [mt.encode_prompt(tok, s) for s in sources]
     ctx = model.cfg.context_length
     too_long = [i for i, p in enumerate(prompts) if len(p) >= ctx]
@@ -46,14 +52,15 @@ def translate(
             f"{len(too_long)} source sentences (e.g. #{too_long[0]}) fill the context of {ctx} "
             "tokens; filter them or raise model.context_length"
         )
-    # One prompt length and one batch size for every batch: the decoder compiles once.
-    pad_to = max(len(p) for p in prompts)
-    max_new = ctx - pad_to
     order = np.argsort([len(p) for p in prompts], kind="stable")
     out: list[str] = [""] * len(prompts)
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         batch = [prompts[i] for i in idx]
+        # Each batch's own prompt length (sorted: its last), so that a long source elsewhere
+        # does not cut this batch's translations short; rounded up: few shapes to compile.
+        pad_to = min(-(-len(batch[-1]) // PAD_MULTIPLE) * PAD_MULTIPLE, ctx - 1)
+        max_new = ctx - pad_to
         batch += [batch[0]] * (min(batch_size, len(prompts)) - len(batch))  # filler rows
         if beam_width == 1:
             sampling = Sampling(temperature=0.0, eos_id=tok.eos_tgt_id)
@@ -118,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(cfg.model)
         print(model.plan.describe(), file=sys.stderr)
         metrics, hyps = score_translations(
-            model, params, tok, pairs, tc, args.batch_size or cfg.train.batch_size
-        )
+            model, params, tok, pairs, tc,
+            cfg.train.batch_size if args.batch_size is None else args.batch_size,
+        )  # fmt: skip
     except (FileNotFoundError, ValueError, ConfigError) as e:
         p.error(str(e))
     run_dir = Path(args.run_dir)

@@ -160,3 +160,28 @@ def test_misaligned_files_are_reported(corpus):
     (data / "val.en").write_text("only one line\n")
     with pytest.raises(ValueError, match=r"val.de has 100 lines, .*val.en has 1"):
         make_source(toy_config(corpus / "run"))
+
+
+def test_each_batch_may_fill_the_context_after_its_own_prompts(monkeypatch):
+    """A long source in one batch does not cut another batch's translations short: each batch
+    is padded to its own longest prompt (rounded up to PAD_MULTIPLE) and may generate up to the
+    context. Batch sizes below 1 are refused."""
+    from types import SimpleNamespace
+
+    from jaxllm import translate as tr
+
+    calls = []
+
+    def fake_generate(model, params, batch, max_new, sampling, pad_to):
+        calls.append((len(batch), max(map(len, batch)), pad_to, max_new))
+        return [[5] for _ in batch]
+
+    monkeypatch.setattr(tr, "generate", fake_generate)
+    tok = SimpleNamespace(encode=lambda s: [7] * len(s.split()), eos_src_id=0, eos_tgt_id=1,
+                          decode=lambda ids: "x")  # fmt: skip
+    model = SimpleNamespace(cfg=SimpleNamespace(context_length=40))
+    sources = ["w " * 30, "w " * 4, "w " * 5, "w " * 2]  # prompts of 31, 5, 6 and 3 tokens
+    assert tr.translate(model, None, tok, sources, batch_size=2) == ["x"] * 4
+    assert calls == [(2, 5, 8, 32), (2, 31, 32, 8)]  # the short batch may write 32 tokens
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        tr.translate(model, None, tok, sources, batch_size=0)
