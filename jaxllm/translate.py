@@ -26,7 +26,6 @@ from jaxllm.data import translation as mt
 from jaxllm.generate import BeamSearch, Sampling, beam_search, generate
 from jaxllm.models import Decoder
 
-
 PAD_MULTIPLE = 8  # prompt lengths a translation batch is padded to: ctx / 8 shapes at most
 
 

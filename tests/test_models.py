@@ -354,3 +354,23 @@ def test_bfloat16_residual_stream():
     ga, gb = jax.tree_util.tree_leaves(g_ref), jax.tree_util.tree_leaves(g_bf)
     num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(ga, gb, strict=True))
     assert (num / sum(float(jnp.sum(a**2)) for a in ga)) ** 0.5 < 5e-2
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_refuses_writes_past_the_cache_and_positions_past_the_context(arch):
+    """A write past the cache's last slot was clamped onto it, and GPT-2 gave NaN logits for
+    positions past its table: both are errors naming the allowed range (concrete values)."""
+    cfg = ARCHS[arch]
+    model, params = init(cfg)
+    cache = init_kv_cache(cfg, 1, 8)
+    tok = jnp.zeros((1, 2), jnp.int32)
+
+    def decode(index, positions=None):
+        return model.apply(params, tok, cache, index, positions, method="decode")
+
+    decode(6)  # slots 6, 7: the last that fit
+    with pytest.raises(ValueError, match=r"cache_index 7 \+ 2 tokens must fit the cache's 8 "
+                       r"slots: cache_index in \[0, 6\]"):  # fmt: skip
+        decode(7)
+    with pytest.raises(ValueError, match=r"positions must be in \[0, 15\] \(context_length 16\)"):
+        decode(0, jnp.asarray([[15, 16]]))

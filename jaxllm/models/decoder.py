@@ -195,8 +195,10 @@ class Decoder(nn.Module):
                 "model.short_conv models have no convolution state in the KV cache yet: decode "
                 "with jaxllm.generate.generate_uncached"
             )
+        check_cache_write(cache, cache_index, tokens.shape[1])
         if positions is None:
             positions = default_positions(tokens, cache_index)
+        _check_id_range("positions", positions, 0, self.cfg.context_length)
         inputs = AttentionInputs(positions, True, key_mask, cache_index)
         x, cache = self.hidden(tokens, inputs, cache)
         return self.logits(x), cache
@@ -273,18 +275,37 @@ def check_targets(targets: jax.Array, tokens: jax.Array, cfg: ModelConfig) -> No
     _check_id_range("targets", targets, IGNORE, cfg.vocab_size)
 
 
-def _check_id_range(what: str, ids: jax.Array, lo: int, vocab: int) -> None:
-    if isinstance(ids, jax.core.Tracer) or not ids.size:
-        return
+def _concrete_range(ids: jax.Array | int) -> tuple[int, int] | None:
+    """(min, max) of `ids` when its values are known (outside jit), else None."""
+    if isinstance(ids, jax.core.Tracer) or not np.size(ids):
+        return None
     try:
-        got_lo, got_hi = int(np.min(ids)), int(np.max(ids))
+        return int(np.min(ids)), int(np.max(ids))
     except jax.errors.ConcretizationTypeError:  # e.g. under jax.eval_shape: nothing to check
-        return
-    if got_lo < lo or got_hi >= vocab:
+        return None
+
+
+def _check_id_range(what: str, ids: jax.Array, lo: int, vocab: int) -> None:
+    got = _concrete_range(ids)
+    if got is not None and (got[0] < lo or got[1] >= vocab):
         extra = " or -1 (no loss)" if lo < 0 else ""
+        limit = "context_length" if what == "positions" else "vocab_size"
         raise ValueError(
-            f"{what} must be in [0, {vocab - 1}] (vocab_size {vocab}){extra}, "
-            f"got min {got_lo}, max {got_hi}"
+            f"{what} must be in [0, {vocab - 1}] ({limit} {vocab}){extra}, "
+            f"got min {got[0]}, max {got[1]}"
+        )
+
+
+def check_cache_write(cache: list[KVCache] | KVCache, cache_index: jax.Array | int, t: int) -> None:
+    """The slots cache_index .. cache_index + t - 1 lie inside the cache (a write past its end
+    would be clamped onto the last slots), checked when cache_index is concrete."""
+    first = jax.tree.leaves(cache)[0]  # (B, S, H, Dh), or (L, B, S, H, Dh) scanned
+    slots = first.shape[-3]
+    got = _concrete_range(cache_index)
+    if got is not None and (got[0] < 0 or got[1] + t > slots):
+        raise ValueError(
+            f"cache_index {got[1] if got[0] >= 0 else got[0]} + {t} tokens must fit the cache's "
+            f"{slots} slots: cache_index in [0, {slots - t}]"
         )
 
 
