@@ -30,7 +30,7 @@ from jaxllm.config import ModelConfig, Section, spec
 from jaxllm.data.tokenizer import EOT_ID, N_VOCAB
 from jaxllm.models import Decoder, cache_batch_axis, init_kv_cache
 
-EosId = int | None | Literal["auto"]  # "auto": <|endoftext|> if the vocab is GPT-2's, else None
+EosId = int | None | Literal["auto"]  # "auto": <|endoftext|> for GPT-2's vocab, else None
 Seed = int | jax.Array  # an int seed or a jax PRNG key
 
 
@@ -52,8 +52,16 @@ def sample_next(
     temperature 0 is greedy (argmax). Otherwise sample from softmax(logits / temperature)
     restricted to the top_k most likely tokens (None: all), then to the nucleus: the smallest
     set of most likely tokens whose renormalized probability sums to >= top_p. The most likely
-    token is always kept. The knobs may be traced arrays, so changing them does not recompile.
+    token is always kept. The knobs may be traced arrays, so changing them does not recompile;
+    concrete ones are range-checked (temperature >= 0, top_k >= 1, 0 < top_p <= 1).
     """
+    for name, value, ok, allowed in (
+        ("temperature", temperature, lambda x: x >= 0, ">= 0"),
+        ("top_k", top_k, lambda x: x >= 1, ">= 1 or None"),
+        ("top_p", top_p, lambda x: 0 < x <= 1, "in (0, 1]"),
+    ):
+        if isinstance(value, int | float) and not ok(value):  # traced knobs: not checkable
+            raise ValueError(f"{name} must be {allowed}, got {value}")
     logits = logits.astype(jnp.float32)
     v = logits.shape[-1]
     temperature = jnp.asarray(temperature, jnp.float32)
@@ -90,9 +98,10 @@ GREEDY = Sampling(temperature=0.0)
 
 
 def resolve_eos_id(cfg: ModelConfig, eos_id: EosId) -> int | None:
-    """ "auto" -> <|endoftext|> (50256) for GPT-2's vocab, else None; ints are range-checked."""
+    """ "auto" -> <|endoftext|> (50256) for GPT-2's vocabulary, padded or not (vocab_size >=
+    50257, e.g. nanoGPT's 50304: the token data's ids), else None; ints are range-checked."""
     if eos_id == "auto":
-        return EOT_ID if cfg.vocab_size == N_VOCAB else None
+        return EOT_ID if cfg.vocab_size >= N_VOCAB else None
     if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
         raise ValueError(
             f"eos_id must be None, 'auto' or an int in [0, {cfg.vocab_size - 1}], got {eos_id!r}"

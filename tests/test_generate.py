@@ -125,6 +125,21 @@ def test_sample_next_limits_equal_argmax(kw):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(temperature=-1.0), "temperature must be >= 0, got -1.0"),
+        (dict(top_k=0), "top_k must be >= 1 or None, got 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+        (dict(top_p=2.0), r"top_p must be in \(0, 1\], got 2.0"),
+    ],
+)
+def test_sample_next_refuses_settings_out_of_range(kw, message):
+    """They used to turn into greedy decoding (or top_p 2 into 1) without a word."""
+    with pytest.raises(ValueError, match=message):
+        sample_next(jnp.zeros((1, 4)), jax.random.PRNGKey(0), **kw)
+
+
 def test_sample_next_greedy_breaks_ties_like_argmax():
     logits = jnp.array([[0.0, 3.0, 1.0, 3.0]])
     assert int(sample_next(logits, jax.random.PRNGKey(0), top_k=1)[0]) == 1
@@ -210,6 +225,7 @@ def test_stops_at_eos_when_sampling(lm):
 
 def test_eos_auto_is_endoftext_only_for_gpt2_vocab():
     assert resolve_eos_id(ModelConfig(), "auto") == 50256
+    assert resolve_eos_id(ModelConfig(vocab_size=50304), "auto") == 50256  # padded GPT-2 vocab
     assert resolve_eos_id(ARCHS["gpt2"], "auto") is None
     assert resolve_eos_id(ARCHS["gpt2"], 7) == 7 and resolve_eos_id(ARCHS["gpt2"], None) is None
 
