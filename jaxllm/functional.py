@@ -134,12 +134,13 @@ softmax_loss.defvjp(_softmax_loss_fwd, _softmax_loss_bwd)
 
 
 def cross_entropy(
-    logits: jax.Array, targets: jax.Array, ignore_index: int | None = None
+    logits: jax.Array, targets: jax.Array, ignore_index: int | None = IGNORE
 ) -> jax.Array:
     """Mean token cross-entropy. logits (..., V), targets (...) int -> scalar float32.
 
-    Positions whose target equals `ignore_index` (padding, prompt tokens) count neither in the
-    sum nor in the mean; if every position is ignored the result is 0, not NaN.
+    Positions whose target equals `ignore_index` (default IGNORE = -1, as everywhere in
+    jaxllm: padding, prompt tokens) count neither in the sum nor in the mean; if every position
+    is ignored the result is 0, not NaN. None: every position counts.
     """
     if ignore_index is None:
         return jnp.mean(softmax_loss(logits, targets))
@@ -250,7 +251,10 @@ def attention(
     scale = 1.0 / math.sqrt(q.shape[-1])
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
     if probs_fn is None:
-        probs = softmax(jnp.where(mask, scores * scale, MASK_VALUE), axis=-1)  # (B, H, Tq, Tk)
+        scores = scores * scale
+        if mask is not None:  # None: every query attends to every key
+            scores = jnp.where(mask, scores, MASK_VALUE)
+        probs = softmax(scores, axis=-1)  # (B, H, Tq, Tk)
     else:
         probs = probs_fn(scores, scale)
     probs = dropout(probs, dropout_rate, dropout_rng)

@@ -239,9 +239,15 @@ def test_cross_entropy_ignores_padding():
     assert F.cross_entropy(jnp.zeros((2, 3, 5)), all_ign, ignore_index=-100) == 0.0
     g = jax.grad(lambda z: F.cross_entropy(z, all_ign, ignore_index=-100))(jnp.zeros((2, 3, 5)))
     assert np.all(np.isfinite(g)) and np.all(g == 0)
+    # by default IGNORE (-1) targets count nothing, as everywhere else
+    ign = np.where(valid, targets, -1)
+    got = F.cross_entropy(jnp.asarray(logits, jnp.float32), jnp.asarray(ign))
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
     # without ignore_index: plain mean
     np.testing.assert_allclose(
-        F.cross_entropy(jnp.asarray(logits, jnp.float32), jnp.asarray(np.abs(targets) % 13)),
+        F.cross_entropy(
+            jnp.asarray(logits, jnp.float32), jnp.asarray(np.abs(targets) % 13), ignore_index=None
+        ),
         (
             np_logsumexp(logits)
             - np.take_along_axis(logits, (np.abs(targets) % 13)[..., None], -1)[..., 0]
@@ -317,3 +323,7 @@ def test_attention_vs_float64_reference():
     probs = np_softmax(np.where(allowed, scores, -np.inf))
     ref = np.einsum("bhqk,bkhd->bqhd", probs, v)
     assert rel_err(got, ref) < 1e-5
+    # mask None: every query sees every key
+    full = F.attention(*(jnp.asarray(a, jnp.float32) for a in (q, k, v)), None)
+    ref = np.einsum("bhqk,bkhd->bqhd", np_softmax(scores), v)
+    assert rel_err(full, ref) < 1e-5
