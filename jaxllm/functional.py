@@ -273,8 +273,8 @@ def linear_cross_entropy(
 
     x (N, D), w (V, D), targets (N,) int, weights (N,) -> (sum_i w_i loss_i, ce (N,), hit (N,)),
     loss_i = the (label-smoothed) objective, ce_i = the plain cross-entropy (the metric),
-    hit = the target's logit is the row maximum. ce, hit and the weights carry no gradient, as
-    in the fused kernel `pallas_kernels.linear_cross_entropy`.
+    hit = the target's logit is the row maximum (ties included). ce, hit and the weights carry
+    no gradient, as in the fused kernel `pallas_kernels.linear_cross_entropy`.
     """
     weights = jax.lax.stop_gradient(weights)
     logits = jnp.dot(x.astype(compute_dtype), w.astype(compute_dtype).T)  # (N, V)

@@ -347,7 +347,9 @@ def lm_loss(
     x (B, T, D) final hidden states; head (V, D) the LM-head matrix (logits = x head^T, in
     cfg.compute_dtype); targets (B, T) int. Returns (loss, {loss_sum, correct, count}): sums
     over the batch, so metrics of several batches add up exactly; "correct" counts targets whose
-    logit is the row's maximum. `path` ("xla" | "pallas") and `shard` come from the OpPlan.
+    logit is the row's maximum (a tie with another id counts: the kernels decide it the same way
+    in one pass; greedy decoding's argmax takes the lower id). `path` ("xla" | "pallas") and
+    `shard` come from the OpPlan.
     """
     d = x.shape[-1]
     valid = (targets != IGNORE).reshape(-1)  # (N,)
