@@ -109,13 +109,8 @@ def resolve_eos_id(cfg: ModelConfig, eos_id: EosId) -> int | None:
     return eos_id
 
 
-def _check_request(
-    cfg: ModelConfig,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    pad_to: int | None = None,
-) -> list[np.ndarray]:
-    """Raise ValueError for a request `generate` cannot serve; return the prompts as arrays."""
+def _check_prompts(cfg: ModelConfig, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """The prompts as int32 arrays: non-empty lists of ids in [0, V) (ValueError otherwise)."""
     if isinstance(prompts, str) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     arrays = []
@@ -132,6 +127,17 @@ def _check_request(
                 f"(min {a.min()}, max {a.max()})"
             )
         arrays.append(a.astype(np.int32))
+    return arrays
+
+
+def _check_request(
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    pad_to: int | None = None,
+) -> list[np.ndarray]:
+    """Raise ValueError for a request `generate` cannot serve; return the prompts as arrays."""
+    arrays = _check_prompts(cfg, prompts)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if max_new_tokens < 1:
@@ -495,7 +501,7 @@ def sequence_logprob(
     context_length. Inputs are right-padded to a power of two (causal attention keeps the pad
     from touching the logits read), so a few shapes compile."""
     cfg = model.cfg
-    (prompt_ids,) = _check_request(cfg, [prompt], 1)
+    (prompt_ids,) = _check_prompts(cfg, [prompt])  # its length: checked with the continuation
     cont = np.asarray(continuation)
     if cont.size == 0:
         return 0.0

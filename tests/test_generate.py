@@ -453,6 +453,14 @@ def test_bad_sequence_logprob_requests_raise(lm, prompt, cont, match):
         sequence_logprob(*lm, prompt, cont)
 
 
+def test_sequence_logprob_takes_a_prompt_that_fills_the_context(lm):
+    """prompt + continuation - 1 inputs must fit (the docstring's rule): a 32-token prompt and
+    one continuation token do, though generate could add nothing to that prompt."""
+    assert np.isfinite(sequence_logprob(*lm, [1] * 32, [2]))
+    with pytest.raises(ValueError, match="needs 33 input positions, more than context_length 32"):
+        sequence_logprob(*lm, [1] * 32, [2, 3])
+
+
 def test_pad_to_changes_nothing_but_the_shape(lm):
     greedy = dict(temperature=0.0, eos_id=None)
     want = run(lm, **greedy)
