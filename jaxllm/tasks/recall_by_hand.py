@@ -252,7 +252,8 @@ def evaluate(
 
     correct, loss_sum = 0, 0.0
     for batch in eval_batches(split, batch_size):
-        logits = np.asarray(last_logits(params, jnp.asarray(batch["inputs"])))
+        # float64: the answer's loss is ~1e-8 here, below float32's resolution next to 1
+        logits = np.asarray(last_logits(params, jnp.asarray(batch["inputs"])), np.float64)
         target = batch["targets"][:, -1]
         correct += int(np.sum(logits.argmax(-1) == target))
         logp = logits - logits.max(-1, keepdims=True)

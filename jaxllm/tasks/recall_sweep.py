@@ -21,7 +21,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from jaxllm.atomic_file import save_figure_atomic
+from jaxllm.atomic_file import save_figure_atomic, write_text_atomic
 
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "ar.yaml"
 TARGET = 0.9
@@ -102,15 +102,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps must be > 100 (the preset's warm-up), got {args.steps}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = [(n, w, s, args.steps, args.short_conv, str(out))
-            for n, w, s in itertools.product(args.layers, args.widths, args.seeds)]  # fmt: skip
+    # each value once (a repeated one would train into the same run dir twice)
+    cells = itertools.product(*(dict.fromkeys(v) for v in (args.layers, args.widths, args.seeds)))
+    jobs = [(n, w, s, args.steps, args.short_conv, str(out)) for n, w, s in cells]
     context = multiprocessing.get_context("spawn")  # fork + JAX threads can deadlock
     results = []
     with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
         for r in pool.map(run_one, *zip(*jobs, strict=True)):
             results.append(r)
             print(json.dumps(r), flush=True)
-    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+            # rewritten after every run: a later failure keeps what finished
+            write_text_atomic(out / "results.jsonl", "".join(json.dumps(x) + "\n" for x in results))
     plot(results, out / "accuracy_vs_layers.png")
     print("\n| layers | width | short conv | accuracy per seed | mean |\n|---|---|---|---|---|")
     by_cell: dict[tuple[int, int], list[float]] = {}
