@@ -118,7 +118,9 @@ def _fwd_kernel(*refs, cfg: Config, scale: float, causal: bool, lay: Layout):
         x, _ = logits(_i32(i) * width)
         m_new = jnp.maximum(m, jnp.max(x, axis=1))
         e = jnp.exp(x - _safe_max(m_new)[:, None])
-        return m_new, s * jnp.exp(_safe_max(m) - _safe_max(m_new)) + jnp.sum(e, axis=1)
+        # m = -inf (nothing seen yet) rescales s = 0 by exp(-inf) = 0: a stand-in 0 for m would
+        # give exp(-m_new) = inf for rows far below 0, 0 * inf = NaN, and no normalisation
+        return m_new, s * jnp.exp(m - _safe_max(m_new)) + jnp.sum(e, axis=1)
 
     rows = (cfg.block_rows,)  # float32 carries: x64 would make a plain jnp.zeros float64
     init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32))

@@ -123,8 +123,9 @@ def _fwd_kernel(*refs, eps: float, block_rows: int, steps: int, residual: bool, 
         x = pltriton.load(r["x"].at[rows, cols], mask=valid, other=0.0).astype(jnp.float32)
         if residual:
             h = pltriton.load(r["h"].at[rows, cols], mask=valid, other=0.0).astype(jnp.float32)
-            x = x + h
-            pltriton.store(r["s"].at[rows, cols], x.astype(r["s"].dtype), mask=valid)
+            s = (x + h).astype(r["s"].dtype)  # the stream as stored: its norm, as backward's
+            pltriton.store(r["s"].at[rows, cols], s, mask=valid)
+            x = s.astype(jnp.float32)
         if rms:  # no centring: masked loads already zeroed the padding columns
             xc = x
         else:

@@ -52,6 +52,16 @@ def test_values_match_float64_reference(float64_ref, shape, mask_shape, causal, 
     assert (y[dead] == 0).all()
 
 
+@pytest.mark.parametrize("cfg", [None, LOOPED])
+def test_shift_invariant_far_below_zero(float64_ref, cfg):
+    """softmax(x - 100) = softmax(x): the chunked path's running sum once rescaled by
+    exp(0 - max) = inf for rows below -88.7 (0 * inf = NaN) and wrote unnormalised rows."""
+    x, _ = make((1, 2, 4, 37), None, jnp.float32, seed=3)
+    y = attention_softmax(x - 100.0, config=cfg)
+    ref = float64_ref(lambda x: attention_softmax_ref(x), x)
+    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("shape,mask_shape,causal,scale,dtype,cfg", [CASES[i] for i in (0, 1, 3)])
 def test_grad_matches_float64_reference(float64_ref, shape, mask_shape, causal, scale, dtype, cfg):
     x, mask = make(shape, mask_shape, dtype, seed=1)
