@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .triton_backend import check_backend, compiler_params, resolve_interpret
+from .triton_backend import check_backend, check_triton_config, compiler_params, resolve_interpret
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -230,6 +230,8 @@ def _check(scores, mask, scale) -> jax.Array | None:
         raise ValueError(f"scores must be 4-D (B, H, Tq, Tk), got shape {scores.shape}")
     if scores.dtype not in DTYPES:
         raise ValueError(f"scores dtype must be float32, bfloat16 or float16, got {scores.dtype}")
+    if scores.size == 0:
+        raise ValueError(f"scores must have B, H, Tq, Tk >= 1, got shape {scores.shape}")
     if scale is not None and not isinstance(scale, int | float):
         raise ValueError(f"scale must be a Python number or None, got {type(scale).__name__}")
     if mask is None:
@@ -281,6 +283,8 @@ def attention_softmax(
     else:
         if config is not None and not isinstance(config, Config):
             raise ValueError(f"backend='triton' takes an attention_softmax.Config, got {config}")
+        if config is not None:
+            check_triton_config(config, ("block_rows", "num_warps", "max_block"))
         cfg, interpret = config or default_config(tk), resolve_interpret(interpret)
     lay = Layout(
         heads=h,

@@ -13,7 +13,8 @@ a query axis) or block_rows consecutive rows, copied alongside the scores; the c
 from the row and column indices.
 
 Minimal memory traffic, R = B*H*Tq rows of Tk, s bytes per element (as the Triton kernels):
-  forward : read scores, write probs           = 2 * R * Tk * s  (+ a mask row per block)
+  forward : read scores, write probs           = 2 * R * Tk * s  (+ the mask rows of each block:
+            one row, or block_rows rows of a per-query mask, i.e. H times the mask in all)
   backward: read probs, dprobs; write dscores  = 3 * R * Tk * s
 Refused (ValueError): Tk % 128 != 0.
 """

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .triton_backend import check_backend, compiler_params, resolve_interpret
+from .triton_backend import check_backend, check_triton_config, compiler_params, resolve_interpret
 
 VOCAB_ALIGN = 128  # pad the vocabulary to a multiple of this for the GEMMs
 # finite: exp(MASK_VALUE - m) underflows to 0 without inf - inf = NaN. The same value as
@@ -197,6 +197,11 @@ _linear_ce.defvjp(_linear_ce_fwd, _linear_ce_bwd)
 def _check(x, w, targets, weights) -> None:
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"need x (N, D) and w (V, D) with the same D, got {x.shape}, {w.shape}")
+    if x.shape[0] < 1 or x.shape[1] < 1:
+        raise ValueError(f"need at least one row and one feature, got x of shape {x.shape}")
+    for name, a in (("x", x), ("w", w)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating point, got {a.dtype}")
     n = x.shape[0]
     if targets.shape != (n,) or not jnp.issubdtype(targets.dtype, jnp.integer):
         raise ValueError(
@@ -232,6 +237,8 @@ def linear_cross_entropy(
     once and writes nothing, the least traffic there is (the Mosaic kernel also writes dz).
     """
     _check(x, w, targets, weights)
+    if (dtype := jnp.dtype(compute_dtype)) not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {dtype}")
     check_backend(backend, interpret)
     if backend == "mosaic_gpu":
         from . import cross_entropy_mgpu
@@ -246,6 +253,8 @@ def linear_cross_entropy(
     else:
         if config is not None and not isinstance(config, Config):
             raise ValueError(f"backend='triton' takes a cross_entropy.Config, got {config}")
+        if config is not None:
+            check_triton_config(config, ("block_rows", "block_cols", "num_warps"))
         cfg, interpret = config or default_config(), resolve_interpret(interpret)
     weights = jax.lax.stop_gradient(weights)  # the forward bakes them into dz
     loss, ce, hit = _linear_ce(

@@ -40,7 +40,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .triton_backend import check_backend, compiler_params, core_count, resolve_interpret
+from .triton_backend import (
+    check_backend,
+    check_triton_config,
+    compiler_params,
+    core_count,
+    resolve_interpret,
+)
 
 DTYPES = (jnp.float32, jnp.bfloat16)
 MAX_HIDDEN = 16384  # one row lives in registers; 16k float32 over 16 warps is 32 per thread
@@ -293,6 +299,8 @@ def _check(x, gamma, beta) -> None:
     n_cols = x.shape[-1]
     if not 1 <= n_cols <= MAX_HIDDEN:
         raise ValueError(f"hidden size D must be in [1, {MAX_HIDDEN}], got {n_cols}")
+    if x.size == 0:
+        raise ValueError(f"x has no rows to normalise: shape {x.shape}")
     for name, p in (("gamma", gamma), ("beta", beta)):
         if p is None:  # RMSNorm: no beta
             continue
@@ -325,12 +333,16 @@ def _prepare(x, gamma, beta, out_dtype, config, backend: str, interpret, h_dtype
         return out_dtype, ((config, config) if config else cfgs), False
     if config is not None and not isinstance(config, Config):
         raise ValueError(f"backend='triton' takes a layer_norm.Config, got {config}")
+    if config is not None:
+        check_triton_config(config, ("block_rows", "num_warps"))
     cfgs = (config, config) if config else default_configs(x.shape[-1])
     return out_dtype, cfgs, resolve_interpret(interpret)
 
 
 def _apply(x, h, gamma, beta, eps, interpret, out_dtype, config, backend):
     """The public functions' common body: h None is the plain norm, beta None is RMSNorm."""
+    if not (isinstance(eps, int | float) and math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     out_dtype, cfgs, interpret = _prepare(
         x, gamma, beta, out_dtype, config, backend, interpret, None if h is None else h.dtype
     )
@@ -382,7 +394,7 @@ def add_layer_norm(
 ) -> tuple[jax.Array, jax.Array]:
     """The pre-norm residual step in one kernel: s = x + h, y = LayerNorm(s).
 
-    x (..., D) the residual stream, h (..., D) a branch output (any float dtype, e.g. bf16);
+    x (..., D) the residual stream, h (..., D) a branch output (float32 or bfloat16);
     returns (s in x's dtype, y in `out_dtype`, default x's dtype). One pass reads x and h and
     writes s and y; the backward reads s, dy, ds and writes dx and dh (= dx in h's dtype) in one
     pass too, instead of a LayerNorm plus separate add and convert passes. `backend` as in

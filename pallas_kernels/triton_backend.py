@@ -29,6 +29,7 @@ caller's jit, where no narrower filter can reach it.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import jax
 from jax.experimental.pallas import triton as pltriton
@@ -82,6 +83,16 @@ def mosaic_loss_refusal(n_vocab: int, compute_dtype) -> str | None:
         limit = cross_entropy_mgpu.MAX_COLS_TWO_PER_SM
         return f"a vocabulary of at most {limit} (two padded rows per SM; got {n_vocab})"
     return None
+
+
+def check_triton_config(config: Any, powers_of_two: tuple[str, ...]) -> None:
+    """A Triton kernel's Config: every int field >= 1, and the fields that size a block (Triton
+    tiles are powers of two) powers of two; a ValueError naming the field otherwise."""
+    for name, value in config._asdict().items():
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"config.{name} must be >= 1, got {value} ({config})")
+        if name in powers_of_two and value & (value - 1):
+            raise ValueError(f"config.{name} must be a power of two, got {value} ({config})")
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

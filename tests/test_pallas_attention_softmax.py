@@ -116,3 +116,12 @@ def test_bad_inputs_raise(shape, dtype, mask_shape, scale, match):
     mask = None if mask_shape is None else jnp.zeros(mask_shape)
     with pytest.raises(ValueError, match=match):
         attention_softmax(jnp.zeros(shape, dtype), mask, scale=scale)
+
+
+def test_empty_scores_and_bad_configs_raise():
+    with pytest.raises(ValueError, match=r"B, H, Tq, Tk >= 1, got shape \(1, 1, 2, 0\)"):
+        attention_softmax(jnp.zeros((1, 1, 2, 0)))
+    for cfg, match in ((Config(0, 4, 16), "block_rows must be >= 1"),
+                       (Config(1, 4, 12), "max_block must be a power of two, got 12")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            attention_softmax(jnp.zeros((1, 1, 2, 8)), config=cfg)

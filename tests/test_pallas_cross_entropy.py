@@ -125,6 +125,21 @@ def test_bad_inputs_raise(bad, match):
         linear_cross_entropy(args["x"], args["w"], args["t"], args["weights"])
 
 
+def test_bad_settings_raise_before_the_kernel():
+    x, w, t, weights = make(10, 8, 50)
+    for kw, match in (
+        (dict(compute_dtype=jnp.int8), "compute_dtype must be float32, bfloat16 or float16"),
+        (dict(config=Config(1, 0, 4, 1)), "config.block_cols must be >= 1"),
+        (dict(config=Config(1, 64, 4, 0)), "config.programs must be >= 1"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            linear_cross_entropy(x, w, t, weights, **kw)
+    with pytest.raises(ValueError, match="x must be floating point, got int32"):
+        linear_cross_entropy(x.astype(jnp.int32), w, t, weights)
+    with pytest.raises(ValueError, match=r"at least one row .* shape \(0, 8\)"):
+        linear_cross_entropy(x[:0], w, t[:0], weights[:0])
+
+
 @pytest.mark.skipif(
     not mosaic_gpu_capable(),
     reason="compiles the Mosaic GPU kernel: needs a Hopper-class GPU (CPU: test_pallas_backend "

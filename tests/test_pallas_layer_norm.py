@@ -108,6 +108,23 @@ def test_bad_inputs_raise(x_shape, dtype, g_shape, match):
         layer_norm(jnp.zeros(x_shape, dtype), jnp.ones(g_shape), jnp.zeros(g_shape))
 
 
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(x=jnp.zeros((0, 8))), r"no rows to normalise: shape \(0, 8\)"),
+        (dict(eps=-1.0), "eps must be a finite number >= 0, got -1.0"),
+        (dict(config=Config(4, 4, 0)), "config.programs must be >= 1"),
+        (dict(config=Config(3, 4, 8)), "config.block_rows must be a power of two, got 3"),
+    ],
+)
+def test_bad_settings_raise_before_the_kernel(kw, match):
+    """They divided by zero or produced NaN rows inside the kernel (or failed only at GPU
+    compile time: Triton tiles are powers of two)."""
+    args = dict(x=jnp.zeros((4, 8)), gamma=jnp.ones(8), beta=jnp.zeros(8)) | kw
+    with pytest.raises(ValueError, match=match):
+        layer_norm(**args)
+
+
 def test_float32_in_bfloat16_out(float64_ref):
     """The pre-norm mixed-precision case: f32 residual in, bf16 matmul input out, bf16 dy in."""
     x, gamma, beta = make((6, 96), jnp.float32, seed=5)
