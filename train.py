@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         ConfigError,
         FileNotFoundError,
         FileExistsError,  # checkpoints in the run dir and --train.resume=false
+        ImportError,  # an optional extra a preset needs (e.g. `datasets` for IWSLT14's hub data)
         ValueError,
         RunDirLockedError,
         CheckpointSaveError,
@@ -67,10 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     if not distributed.is_primary():
         return 0  # process 0 reports
     bleu = "" if result.bleu != result.bleu else f" | BLEU {result.bleu:.2f}"  # NaN: no BLEU
+    ran = result.final_step > result.start_step  # a finished run re-run trains no step
+    train_loss = f"{result.train_loss:.4f}" if ran else "-"
     print(
         f"done: ran {result.final_step - result.start_step} steps "
         f"({result.start_step} -> {result.final_step}) in {result.wall_time_s:.1f} s | train loss "
-        f"{result.train_loss:.4f} | eval loss {result.eval_loss:.4f} | "
+        f"{train_loss} | eval loss {result.eval_loss:.4f} | "
         f"eval accuracy {result.eval_accuracy:.4f}{bleu} | run dir {cfg.train.run_dir}"
     )
     return 0

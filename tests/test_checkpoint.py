@@ -505,7 +505,7 @@ def test_training_resumes_past_a_corrupt_newest_checkpoint(tmp_path, capfd):
     assert "checkpoints/40 (DATA_LOSS" in line and "best/40 (" in line
     assert line.endswith(f"restored step 30 ({tmp_path / 'checkpoints/30'}) instead")
     assert result.start_step == 30 and train_curve(tmp_path) == curve  # bit-exact on CPU
-    assert "resuming from step 30" in capfd.readouterr().err
+    assert f"resuming from step 30 ({tmp_path / 'checkpoints/30'})" in capfd.readouterr().err
     assert_quiet(capfd)
     assert (tmp_path / "corrupt_checkpoints/checkpoints_40").is_dir()  # step 40 saved anew
     assert int(Checkpointer(tmp_path).restore(tiny_state_of_ar(args))[0].step) == 40

@@ -1,6 +1,7 @@
 """Runs that survive faults (issue 15): one process per run dir, honest resume, never a
 diverged checkpoint, one-line errors from the CLIs."""
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def test_resume_says_where_it_starts_and_counts_only_its_steps(tmp_path, capsys)
     for d in ("checkpoints/40", "best/40"):
         shutil.rmtree(tmp_path / d, ignore_errors=True)
     result = train(ar(tmp_path, "--train.steps=40"))
-    assert f"resuming from step 20 ({tmp_path / 'checkpoints'})" in capsys.readouterr().err
+    assert f"resuming from step 20 ({tmp_path / 'checkpoints/20'})" in capsys.readouterr().err
     assert (result.start_step, result.final_step) == (20, 40)
     assert Checkpointer(tmp_path).latest_step() == 40
 
@@ -123,6 +124,18 @@ def test_train_cli_errors_are_one_line(tmp_path, args, message):
     assert "Traceback" not in out.stderr and message in out.stderr
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("datasets") is not None,
+    reason="the optional `datasets` extra is installed: the preset would go to the hub",
+)
+def test_a_missing_optional_extra_is_one_line(tmp_path):
+    """The IWSLT14 preset reads the hub through `datasets`, an optional extra."""
+    out = cli("train.py", "--config", str(ROOT / "configs/iwslt14.yaml"),
+              f"--train.run_dir={tmp_path}", cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "pip install" in out.stderr and "datasets" in out.stderr
+
+
 def test_resuming_a_changed_model_is_one_line(tmp_path):
     train(ar(tmp_path, "--train.steps=20"))
     out = cli("train.py", *TINY, "--train.steps=20", "--model.d_model=32",
@@ -133,6 +146,9 @@ def test_resuming_a_changed_model_is_one_line(tmp_path):
               f"--train.run_dir={tmp_path}")  # fmt: skip
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "already holds checkpoints" in out.stderr
+    out = cli("train.py", *TINY, "--train.steps=20", f"--train.run_dir={tmp_path}")  # finished
+    assert out.returncode == 0 and "done: ran 0 steps (20 -> 20)" in out.stdout
+    assert "train loss - |" in out.stdout  # no step ran: no train loss, not "nan"
     out = cli("generate.py", "--run-dir", str(tmp_path), "--prompt", "x")  # not a text model
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "trained on data.kind=associative_recall, not GPT-2-tokenized text" in out.stderr

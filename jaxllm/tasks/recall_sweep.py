@@ -86,7 +86,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m jaxllm.tasks.recall_sweep", description=__doc__.split("\n")[0]
+        prog="python -m jaxllm.tasks.recall_sweep", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--out", required=True, help="output dir (results.jsonl, PNG, runs/)")
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 3, 4])

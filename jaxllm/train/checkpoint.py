@@ -458,7 +458,7 @@ class Checkpointer:
                     CheckpointFallbackWarning,
                     stacklevel=2,
                 )
-            return restored, meta
+            return restored, meta | {"restored_from": str(self._path(cand, s))}
         raise CheckpointCorruptError(
             f"no checkpoint in {mngr.directory} could be restored; tried {'; '.join(failures)}"
         )

@@ -206,7 +206,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
         state, meta = ckpt.restore(state)
         start_step, best_eval = int(state.step), meta.get("best_score", math.inf)
         if primary:
-            print(f"resuming from step {start_step} ({run_dir / 'checkpoints'})", file=sys.stderr)
+            print(f"resuming from step {start_step} ({meta['restored_from']})", file=sys.stderr)
     if primary:
         truncate_logs(run_dir, start_step)  # what an earlier attempt logged past this point
         save_config(cfg, run_dir / "config.yaml")
