@@ -107,9 +107,9 @@ def main() -> None:
             rows.append(
                 ("kernel", str(tuple(cfg)), chained_median_seconds(step, [z], calls=8), err)
             )
+            print(rows[-1], flush=True)
         except Exception as e:  # report and go on
-            print(f"{cfg}: {type(e).__name__}: {str(e)[:300]}")
-        print(rows[-1], flush=True)
+            print(f"{cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     if args.mosaic:  # its own padding (a multiple of 1024): the same logits, more zero columns
         from pallas_kernels import cross_entropy_mgpu
 

@@ -10,14 +10,18 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 BENCH="python3 benchmarks/parallel_throughput.py --config configs/gpt2_124m.yaml --steps 10 \
   --repeats 5 --kernels pallas --loss pallas --no-baseline --jsonl $OUT/par.jsonl"
+fail=0  # the script's exit status: 1 if any step failed or timed out
 step() {  # step NAME SECONDS ARGS...: run, keep its log, print its table rows
-  local name=$1 secs=$2
+  local name=$1 secs=$2 rc
   shift 2
   echo "== $name"
-  timeout "$secs" $BENCH "$@" >"$OUT/$name.log" 2>&1
-  echo "   rc=$?"
-  grep -E "^\|" "$OUT/$name.log" | grep -v "^|---" | cut -c1-220 | tail -6
+  timeout -s INT -k 10 "$secs" $BENCH "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "   rc=$rc"
+  [ "$rc" -eq 0 ] || fail=1
+  grep -E "^\|" "$OUT/$name.log" | grep -v "^|---" | cut -c1-220 | tail -6 || true
 }
 step dp 120 --per-device-batch 32 --variants single,dp
 step pp64 200 --per-device-batch 64 --variants single,pp --microbatches 4,8
 step pp32 120 --per-device-batch 32 --variants single,pp --microbatches 4,8
+exit $fail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-GPU measurements issues 11 and 12 still need, in calls of at most ~8 minutes each
+# The one-GPU measurements issues 11 and 12 still need, in calls of at most ~10 minutes each
 # on one H100: PART=torch: GPT-2 124M and the Llama-style TransformerLM (124M-class and the
 # TinyStories preset's shape) against torch.compile at equal batch; PART=gpt2_50304: GPT-2 at
 # batch 16 and 64 with the vocabulary padded to 50304 on both sides (nanoGPT's trick);
@@ -20,13 +20,16 @@ OUT=${1:?out dir}
 PART=${2:?torch, gpt2_50304, kernels, verify, residual or torch_residual}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+fail=0  # the script's exit status: 1 if any step failed or timed out
 step() {  # step NAME SECONDS CMD...: run, keep its log, print its table rows
-  local name=$1 secs=$2
+  local name=$1 secs=$2 rc
   shift 2
   echo "== $name"
-  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
-  echo "   rc=$?"
-  grep -E "^\|" "$OUT/$name.log" | grep -v "^|---" | cut -c1-220 | tail -20
+  timeout -s INT -k 10 "$secs" "$@" >"$OUT/$name.log" 2>&1  # INT: pytest and python summarise
+  rc=$?
+  echo "   rc=$rc"
+  [ "$rc" -eq 0 ] || fail=1
+  grep -E "^\|" "$OUT/$name.log" | grep -v "^|---" | cut -c1-220 | tail -20 || true
 }
 BENCH="python3 profile.py bench --dtypes bfloat16 --modes train_step --torch --no-progress \
   --steps 5 --group 10"
@@ -50,16 +53,14 @@ case $PART in
     done
     ;;
   verify)
-    echo "== pallas tests"
-    timeout 330 python3 -m pytest -q -n 0 -p no:benchmark -p no:randomly tests/test_pallas_*.py \
-      >"$OUT/pallas_tests.log" 2>&1
-    echo "   rc=$?"
-    tail -3 "$OUT/pallas_tests.log"
+    step pallas_tests 330 python3 -m pytest -q -rfE -n 0 -p no:benchmark -p no:randomly \
+      tests/test_pallas_*.py
+    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pallas_tests.log" | tail -15
     step ce_ragged 90 python3 benchmarks/cross_entropy_bench.py --rows 1000 --mosaic --no-head \
       --jsonl "$OUT/ce_ragged.jsonl"
     ;;
   residual)
-    step pin 240 python3 benchmarks/loss_curve_pin.py --jsonl "$OUT/pin.jsonl"
+    step pin 200 python3 benchmarks/loss_curve_pin.py --jsonl "$OUT/pin.jsonl"  # 200 + 4 x 90
     for b in 16 64; do
       for r in float32 bfloat16; do
         step "gpt2_b${b}_residual_$r" 90 ${BENCH/ --torch/} --contexts 1024 --sizes small \
@@ -75,8 +76,10 @@ case $PART in
     done
     ;;
   kernels)
-    step mosaic 200 python3 benchmarks/mosaic_gpu_check.py --jsonl "$OUT/mosaic.jsonl"
+    # --quick: the full table (72 rows, 3 compiles each) takes more than one call
+    step mosaic 200 python3 benchmarks/mosaic_gpu_check.py --quick --jsonl "$OUT/mosaic.jsonl"
     step conv1d 230 python3 benchmarks/conv1d_course.py --budget 165 --jsonl "$OUT/conv1d.jsonl"
     ;;
   *) echo "unknown PART $PART (see the comment at the top)" >&2; exit 2 ;;
 esac
+exit $fail

@@ -439,6 +439,9 @@ def main() -> None:
     unknown = set(kernels) - set(MAKERS)
     if unknown:
         parser.error(f"unknown kernels {sorted(unknown)}; choose from {list(MAKERS)}")
+    dtypes = (args.dtypes or ("bfloat16" if args.quick else "float32,bfloat16")).split(",")
+    if bad := sorted(set(dtypes) - set(DTYPES)):
+        parser.error(f"--dtypes: unknown {bad}; allowed {list(DTYPES)}")
     reps = (dict(calls=4, launches=2, repeats=3) if args.quick
             else dict(calls=16, launches=4, repeats=5))  # fmt: skip
     start = time.perf_counter()
@@ -450,9 +453,7 @@ def main() -> None:
     for kernel in kernels:
         make, shapes, quick = MAKERS[kernel]
         for shape in quick if args.quick else shapes:
-            for dtype in (args.dtypes or ("bfloat16" if args.quick else "float32,bfloat16")).split(
-                ","
-            ):
+            for dtype in dtypes:
                 case = make(shape, dtype)
                 for direction in ("fwd", "bwd"):
                     row = run_case(case, direction, reps)

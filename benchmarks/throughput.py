@@ -18,7 +18,7 @@ import itertools
 
 import jax
 
-from jaxllm.config import Config, load_config
+from jaxllm.config import Config, ConfigError, load_config
 from jaxllm.models import build_model
 from jaxllm.profiling.flops import train_flops_per_token
 from jaxllm.profiling.harness import make_state, random_batch, time_calls
@@ -59,19 +59,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    if min(args.steps, args.repeats, *args.batch) < 1:
+        p.error("--steps, --repeats and every --batch must be >= 1")
     rows = []
     variants = itertools.product(args.batch, args.attention, args.kernels, args.loss)
-    for b, attn, kern, loss in variants:
-        cfg = load_config(
-            args.config,
-            [
-                f"--train.batch_size={b}",
-                f"--model.attention_impl={attn}",
-                f"--model.kernels={kern}",
-                f"--model.loss_impl={loss}",
-            ],
-        )
+    configs = []
+    for b, attn, kern, loss in variants:  # every variant checked before anything is timed
+        overrides = [f"--train.batch_size={b}", f"--model.attention_impl={attn}",
+                     f"--model.kernels={kern}", f"--model.loss_impl={loss}"]  # fmt: skip
+        try:
+            configs.append(((b, attn, kern, loss), load_config(args.config, overrides)))
+        except ConfigError as e:
+            p.error(str(e))
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    for (b, attn, kern, loss), cfg in configs:
         print(f"batch {b} {attn} {kern} {loss}: {build_model(cfg.model).plan.describe()}")
         try:
             r = bench(cfg, b, args.steps, args.repeats)
