@@ -682,11 +682,15 @@ def _check_train_and_save(run_dir: str) -> None:
 
 
 def test_save_on_8_devices_restore_on_one(tmp_path):
-    from jaxllm.train.loop import evaluate
+    from jaxllm.train.loop import evaluate, train
 
     run_dir = tmp_path / "run"
     out = _on_8_devices("_check_train_and_save", str(run_dir))
     assert len(out["losses"]) == 4 and all(np.isfinite(out["losses"]))
+    # the same run on this process's one device: the layout changes no loss
+    one = [a for a in STAGED if not a.startswith("--parallel.")]
+    single = train(_cfg(*one, f"--train.run_dir={tmp_path / 'one'}"))
+    np.testing.assert_allclose(out["losses"], single.losses, rtol=1e-5)
     start = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert start["parallel"] == (
         "parallel: mesh data=1 fsdp=2 pipeline=4 (4 microbatches, bubble 43%, rows split over "
