@@ -39,7 +39,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .reference import CONV_MODES, conv1d_padding
-from .triton_backend import check_backend, compiler_params, core_count, resolve_interpret
+from .triton_backend import (
+    check_backend,
+    check_triton_config,
+    compiler_params,
+    core_count,
+    resolve_interpret,
+)
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_KERNEL = 7  # the K taps are unrolled
@@ -347,15 +353,8 @@ def _check(u, w, b, mode: str, config: Config | None) -> None:
             raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {a.dtype}")
     if mode not in CONV_MODES:
         raise ValueError(f"mode must be one of {CONV_MODES}, got {mode!r}")
-    if config is not None:
-        programs = (
-            config.bwd_programs,
-            config.bwd_programs if config.fwd_programs is None else config.fwd_programs,
-        )
-        if config.block_d < 1 or config.block_d & (config.block_d - 1):
-            raise ValueError(f"config.block_d must be a power of two, got {config.block_d}")
-        if min(config.block_t, config.num_warps, config.num_stages, *programs) < 1:
-            raise ValueError(f"config fields must be positive, got {config}")
+    if config is not None:  # fields >= 1 (fwd_programs None: bwd_programs), block_d a power of 2
+        check_triton_config(config, ("block_d",))
 
 
 def depthwise_conv1d(

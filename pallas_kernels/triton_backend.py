@@ -90,7 +90,7 @@ def check_triton_config(config: Any, powers_of_two: tuple[str, ...]) -> None:
     tiles are powers of two) powers of two; a ValueError naming the field otherwise."""
     for name, value in config._asdict().items():
         if isinstance(value, int) and value < 1:
-            raise ValueError(f"config.{name} must be >= 1, got {value} ({config})")
+            raise ValueError(f"config.{name} must be >= 1 (positive), got {value} ({config})")
         if name in powers_of_two and value & (value - 1):
             raise ValueError(f"config.{name} must be a power of two, got {value} ({config})")
 

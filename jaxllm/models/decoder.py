@@ -198,7 +198,7 @@ class Decoder(nn.Module):
         check_cache_write(cache, cache_index, tokens.shape[1])
         if positions is None:
             positions = default_positions(tokens, cache_index)
-        _check_id_range("positions", positions, 0, self.cfg.context_length)
+        _check_id_range("positions", positions, 0, self.cfg.context_length, "context_length")
         inputs = AttentionInputs(positions, True, key_mask, cache_index)
         x, cache = self.hidden(tokens, inputs, cache)
         return self.logits(x), cache
@@ -285,14 +285,13 @@ def _concrete_range(ids: jax.Array | int) -> tuple[int, int] | None:
         return None
 
 
-def _check_id_range(what: str, ids: jax.Array, lo: int, vocab: int) -> None:
+def _check_id_range(what: str, ids: jax.Array, lo: int, hi: int, limit: str = "vocab_size") -> None:
+    """`ids` in [0, hi) (or lo = IGNORE) when concrete; `limit` names the config field of hi."""
     got = _concrete_range(ids)
-    if got is not None and (got[0] < lo or got[1] >= vocab):
+    if got is not None and (got[0] < lo or got[1] >= hi):
         extra = " or -1 (no loss)" if lo < 0 else ""
-        limit = "context_length" if what == "positions" else "vocab_size"
         raise ValueError(
-            f"{what} must be in [0, {vocab - 1}] ({limit} {vocab}){extra}, "
-            f"got min {got[0]}, max {got[1]}"
+            f"{what} must be in [0, {hi - 1}] ({limit} {hi}){extra}, got min {got[0]}, max {got[1]}"
         )
 
 

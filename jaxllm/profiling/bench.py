@@ -732,6 +732,7 @@ def format_row(row: Row, torch: bool = False) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+@functools.cache  # per sweep, size and dtype: the preamble and every JSON row ask for it
 def ops_line(sweep: Sweep, size: str, dtype: str) -> str:
     """The op paths the model of `size` at `dtype` takes on this machine, as a training run's
     `ops:` line says them (e.g. which lowering the fused loss took)."""

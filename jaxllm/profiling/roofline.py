@@ -501,6 +501,8 @@ def report(
     if op not in ("layer", "conv1d"):
         raise ValueError(f"unknown op {op!r}; allowed: layer, conv1d")
     check_positive(batch=batch, length=length, width=width)
+    if png is not None and not Path(png).parent.is_dir():  # before the report, not after it
+        raise ValueError(f"--png {png}: no directory {Path(png).parent}")
     if conv_padding is not None:
         conv1d_padding(3, conv_padding)  # a ValueError naming the allowed paddings
         if op == "layer" and (not kernel or conv_padding != "causal"):
