@@ -112,7 +112,8 @@ class OpPlan:
             f"norm={self.norm}",
             f"attention={self.attention}",
             "decode=xla",
-            f"loss={self.loss}",
+            # a loss without gradient (evaluation) runs the Triton forward kernel: say so
+            f"loss={self.loss}" + (" (eval: pallas)" if self.loss == "pallas_mgpu" else ""),
             f"conv={self.conv}",
         ]
         paths = (self.norm, self.attention, self.loss, self.conv)

@@ -67,7 +67,7 @@ def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch)
     assert plan_ops(cfg, backend="gpu").loss == "pallas"  # this CPU is no Hopper GPU
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
     plan = plan_ops(cfg, backend="gpu")
-    assert plan.loss == "pallas_mgpu" and "loss=pallas_mgpu" in plan.describe()
+    assert plan.loss == "pallas_mgpu" and "loss=pallas_mgpu (eval: pallas)" in plan.describe()
     assert "(Pallas compiled)" in plan.describe()
     assert plan_ops(cfg, backend="cpu").loss == "pallas"  # interpreted: Triton
     f32 = dataclasses.replace(cfg, compute_dtype="float32")
