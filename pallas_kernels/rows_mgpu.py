@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -28,6 +29,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# The one jax-version difference in the Mosaic GPU kernels, found by feature, not by version:
+# plgpu.load takes (ref, idx) on jax 0.10; 0.11 makes idx optional and deprecates passing it.
+_IDX = inspect.signature(plgpu.load).parameters.get("idx")
+_LOAD_NEEDS_IDX = _IDX is not None and _IDX.default is inspect.Parameter.empty
 
 SMEM_BYTES = 227 * 1024  # H100 shared memory per block (opt-in maximum)
 SM_SMEM_BYTES = 228 * 1024  # ... per SM, shared by its resident blocks
@@ -301,7 +307,8 @@ def load(ref, layout) -> jax.Array:
     consecutive elements, so these loads are conflict-free anyway)."""
     if not _LAYOUTS.get():  # jax's interpreter has no rule for plgpu.load
         return ref[...]
-    return plgpu.load(ref, (), layout=layout, optimized=False)
+    idx = ((),) if _LOAD_NEEDS_IDX else ()  # jax 0.10 needs the index; 0.11 deprecates it
+    return plgpu.load(ref, *idx, layout=layout, optimized=False)
 
 
 class BlockPlan(NamedTuple):
