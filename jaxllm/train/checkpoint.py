@@ -41,6 +41,7 @@ import os
 import re
 import shutil
 import socket
+import time
 import warnings
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
@@ -121,6 +122,19 @@ def _one_line(e: BaseException, limit: int = 400) -> str:
         text = ": ".join(parts[i:])
     text = f"{status.group(1) if status else type(e).__name__}: {text}"
     return text if len(text) <= limit else f"{text[: limit // 3]} ... {text[-(limit * 2 // 3) :]}"
+
+
+def _remove_tree(path: Path, seconds: float = 10.0) -> None:
+    """rmtree, retried for up to `seconds`: after a failed save, orbax's writer threads may
+    still add files to the directory while it is being removed (seen under CPU contention: the
+    unfinished `<step>.orbax-checkpoint-tmp` outlived one rmtree). Left over anyway, the next
+    start's `_remove_temp_dirs` deletes it."""
+    deadline = time.monotonic() + seconds
+    while True:
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists() or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def _is_disk_full(e: BaseException) -> bool:
@@ -388,7 +402,7 @@ class Checkpointer:
             mngr.wait_until_finished()
         directory = Path(mngr.directory)
         for entry in directory.glob(f"{step}.*{TMP_MARK}*") if jax.process_index() == 0 else []:
-            shutil.rmtree(entry, ignore_errors=True)
+            _remove_tree(entry)
         with contextlib.suppress(Exception):
             mngr.reload()
         kept = [s for s in mngr.all_steps() if s != step]
