@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from jaxllm.config import ConfigError
+from jaxllm.console import use_one_line_warnings
 from jaxllm.data.tokenizer import EOT_ID, load_gpt2_tokenizer
 from jaxllm.generate import Sampling, generate_text
 from jaxllm.models import build_model
@@ -21,6 +22,7 @@ from jaxllm.train.checkpoint import load_run
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_one_line_warnings()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", required=True, help="a train.py run dir with checkpoints")
     p.add_argument(

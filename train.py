@@ -14,20 +14,16 @@ apply_default_xla_flags()  # before jax is imported: XLA reads its flags then
 
 import argparse
 import sys
-import warnings
 from pathlib import Path
 
 from jaxllm import distributed
 from jaxllm.config import ConfigError, load_config
+from jaxllm.console import use_one_line_warnings
 from jaxllm.train.checkpoint import CheckpointSaveError
 from jaxllm.train.loop import NonFiniteLossError, train
 from jaxllm.train.run_lock import RunDirLockedError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "ar.yaml"
-
-
-def _one_line_warning(message, category, filename, lineno, line=None) -> str:
-    return f"warning: {message}\n"  # e.g. "checkpoint N could not be restored; restored M"
 
 
 def _who() -> str:
@@ -40,7 +36,7 @@ def _who() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    warnings.formatwarning = _one_line_warning
+    use_one_line_warnings()
     parser = argparse.ArgumentParser(
         description=__doc__,
         epilog="Any config field can be overridden: --model.n_layers=4 --train.steps 500",

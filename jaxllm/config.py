@@ -612,9 +612,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             loaded = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {e}") from None
-        if loaded is not None and not isinstance(loaded, dict):
+        if not loaded:  # the defaults alone are no job (GPT-2 124M on recall data)
+            raise ConfigError(f"{path} is empty: a preset sets at least model and data (configs/)")
+        if not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a YAML mapping at the top level")
-        tree = loaded or {}
+        tree = loaded
     for dotted, value in parse_overrides(overrides or []).items():
         _set_path(tree, dotted, value)
     return from_dict(Config, tree)

@@ -22,6 +22,7 @@ import numpy as np
 from jaxllm.atomic_file import write_text_atomic
 from jaxllm.bleu import corpus_bleu
 from jaxllm.config import TranslationConfig
+from jaxllm.console import use_one_line_warnings
 from jaxllm.data import translation as mt
 from jaxllm.generate import BeamSearch, Sampling, beam_search, generate
 from jaxllm.models import Decoder
@@ -89,6 +90,7 @@ def score_translations(
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_one_line_warnings()
     p = argparse.ArgumentParser(
         prog="python -m jaxllm.translate", description=__doc__.split("\n")[0]
     )

@@ -43,6 +43,14 @@ def test_label_smoothing_refused_on_the_fused_loss():
         load_config(None, ["--model.label_smoothing=0.1", "--model.loss_impl=pallas"])
 
 
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"])
+def test_an_empty_preset_is_an_error_not_the_defaults(tmp_path, text):
+    p = tmp_path / "empty.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match="empty.yaml is empty: a preset sets at least model"):
+        load_config(p)
+
+
 def test_unknown_key_in_yaml(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("model:\n  d_modle: 64\n")

@@ -3,6 +3,7 @@ import json
 import multiprocessing
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -153,6 +154,41 @@ def test_two_workers_same_output_as_one(tmp_path):
         assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes()
     assert metas[1] == metas[2]
     assert context.pools == 1  # only workers=2 started processes
+
+
+def test_a_large_file_without_its_separator_is_said_to_be_one_document(tmp_path, monkeypatch):
+    from jaxllm.data import documents
+
+    monkeypatch.setattr(documents, "NO_SEPARATOR", 100)
+    small = _write(tmp_path / "small.txt", "one story per line\n" * 3)  # 57 bytes: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(documents.iter_file_documents([small], "separator", EOT_TEXT, []))) == 1
+    big = _write(tmp_path / "big.txt", "one story per line\n" * 10)  # 190 bytes
+    with pytest.warns(UserWarning, match=r"big.txt: no '<\|endoftext\|>' in its 190 bytes: the "
+                      r"whole file is one document \(--doc-split single-newline"):  # fmt: skip
+        assert len(list(documents.iter_file_documents([big], "separator", EOT_TEXT, []))) == 1
+    docs = list(documents.iter_file_documents([big], "single-newline", EOT_TEXT, []))
+    assert len(docs) == 10
+
+
+@needs_bpe
+def test_cli_says_how_to_split_a_file_without_separators(tmp_path, capsys, monkeypatch):
+    from jaxllm.data import documents
+
+    monkeypatch.setattr(documents, "NO_SEPARATOR", 100)
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # main sets it
+    src = _write(tmp_path / "stories.txt", "".join(f"Story {i} is here.\n" for i in range(20)))
+    out = tmp_path / "train.bin"
+    args = [str(src), "--out", str(out), "--bpe-dir", str(BPE_DIR), "--workers", "1"]
+    with pytest.raises(SystemExit, match=r"no validation documents out of 1; use a larger "
+                       r"fraction, or check .* \(--doc-split is separator\)"):  # fmt: skip
+        prepare.main([*args, "--val-fraction", "0.1"])
+    warned = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    assert len(warned) == 1 and warned[0].startswith("warning: ")  # one line, no source line
+    assert "stories.txt: no '<|endoftext|>'" in warned[0]
+    prepare.main([*args, "--val-fraction", "0.1", "--doc-split", "single-newline"])
+    assert "18 documents" in capsys.readouterr().out
 
 
 @needs_bpe

@@ -24,6 +24,7 @@ _WHITESPACE_SPLITS = {
 _ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a bad byte
 READ_CHARS = 1 << 22  # characters per read: documents may straddle reads
 LONG_DOCUMENT = 1 << 26  # characters: a "document" this long means the split rule is wrong
+NO_SEPARATOR = 1 << 16  # bytes: a file this large with no separator is said to be one document
 
 
 def sha256_file(path: Path) -> str:
@@ -47,7 +48,7 @@ def iter_file_documents(
         info = {"path": str(path.resolve()), "sha256": sha256_file(path)}
         info |= {"bytes": path.stat().st_size, "documents": 0, "invalid_utf8_bytes": 0}
         with path.open(encoding="utf-8", errors="surrogateescape") as f:
-            pending, warned = "", False
+            pending, warned, found = "", False, False
             for block in iter(lambda f=f: f.read(read_chars), ""):
                 try:
                     block.encode()  # fast check: only the lone surrogates of bad bytes fail
@@ -61,6 +62,7 @@ def iter_file_documents(
                     # a file without any is scanned once, not once per read
                     if separator in pending[max(0, seen - len(separator) + 1) :]:
                         *docs, pending = pending.split(separator)
+                        found = True
                     else:
                         docs = []
                     if len(pending) > LONG_DOCUMENT and not warned:
@@ -80,6 +82,12 @@ def iter_file_documents(
                     docs = []
                 yield from _clean_documents(docs, info)
             yield from _clean_documents([pending], info)
+        if doc_split == "separator" and not found and not warned and info["bytes"] > NO_SEPARATOR:
+            warnings.warn(
+                f"{path}: no {separator!r} in its {info['bytes']:,} bytes: the whole file is one "
+                "document (--doc-split single-newline or blank-line cut it at newlines)",
+                stacklevel=2,
+            )
         if info["documents"] == 0:
             raise ValueError(f"{path}: no documents (the file is empty or only whitespace)")
         if info["invalid_utf8_bytes"]:

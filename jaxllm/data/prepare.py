@@ -24,6 +24,7 @@ import numpy as np
 import tiktoken
 from tqdm import tqdm
 
+from jaxllm.console import use_one_line_warnings
 from jaxllm.data.documents import (
     DOC_SPLITS,
     READ_CHARS,
@@ -154,9 +155,11 @@ def write_token_files(
         if total_docs == 0:
             raise ValueError("no documents to tokenize")
         if len(outputs) == 2 and outputs[1].num_documents == 0:
+            split = source_meta.get("doc_split")
+            hint = f", or check how the input is cut into documents (--doc-split is {split})"
             raise ValueError(
                 f"val_fraction={val_fraction} gives no validation documents out of {total_docs}; "
-                "use a larger fraction"
+                f"use a larger fraction{hint if split else ''}"
             )
         meta = {
             "format": FORMAT,
@@ -263,6 +266,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    use_one_line_warnings()
     args = _parser().parse_args(argv)
     if bool(args.inputs) == bool(args.hf_dataset):
         _parser().error("give either input files or --hf-dataset (exactly one)")
