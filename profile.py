@@ -401,7 +401,19 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "overrides_ok", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as e:  # out of memory: one line, not XLA's traceback
+        from jaxllm.profiling.bench import is_oom
+
+        if not is_oom(e):
+            raise
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        hint = " (e.g. --config configs/ar.yaml)" if args.command in ("trace", "nsys") else ""
+        raise SystemExit(
+            f"profile.py {args.command}: out of memory ({first[:200]}); use a smaller model or "
+            f"batch{hint}"
+        ) from None
 
 
 if __name__ == "__main__":

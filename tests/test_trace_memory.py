@@ -62,6 +62,21 @@ def test_trace_cli_writes_a_trace_with_the_scope_names(tmp_path, capsys):
     assert "bwd/block_*/mlp" in text  # time per scope, blocks merged
 
 
+def test_trace_out_of_memory_is_one_line(tmp_path, monkeypatch):
+    def oom(*args, **kwargs):  # what XLA raised for GPT-2 124M traced on a 2-core CPU
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory allocating 58346532008 bytes.\nmore detail"
+        )
+
+    monkeypatch.setattr(trace, "trace_train_steps", oom)
+    with pytest.raises(SystemExit) as e:
+        profile_cli().main(["trace", "--out", str(tmp_path), "--config", str(AR)])
+    assert str(e.value) == (
+        "profile.py trace: out of memory (RESOURCE_EXHAUSTED: Out of memory allocating "
+        "58346532008 bytes.); use a smaller model or batch (e.g. --config configs/ar.yaml)"
+    )
+
+
 def test_trace_cli_rejects_bad_overrides(tmp_path):
     with pytest.raises(SystemExit, match="model.n_layers must be > 0"):
         profile_cli().main(["trace", "--out", str(tmp_path), "--config", str(AR),
