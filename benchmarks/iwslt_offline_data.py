@@ -27,7 +27,10 @@ def main() -> None:
     p.add_argument("data_dir", type=Path, help="holds multi30k_de_en/ and iwslt14_de_en/")
     p.add_argument("out", type=Path)
     args = p.parse_args()
-    from sacremoses import MosesTokenizer
+    try:
+        from sacremoses import MosesTokenizer
+    except ImportError:
+        p.exit(2, "error: this script needs sacremoses (pip install sacremoses)\n")
 
     args.out.mkdir(parents=True, exist_ok=True)
     iwslt = args.data_dir / "iwslt14_de_en" / "fairseq_tok"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -532,24 +533,29 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         return tuple(_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{path} must be true or false, got {value!r}")
+            raise ConfigError(f"{path} must be true or false, got {_shown(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path} must be an integer, got {value!r}")
+            raise ConfigError(f"{path} must be an integer, got {_shown(value)}")
         return int(value)
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads '3e-4' (no dot) as a string
             with contextlib.suppress(ValueError):
                 value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path} must be a number, got {value!r}")
+            raise ConfigError(f"{path} must be a number, got {_shown(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{path} must be a string, got {value!r}")
+            raise ConfigError(f"{path} must be a string, got {_shown(value)}")
         return value
     raise TypeError(f"unsupported config type {tp} at {path}")  # schema bug, not user error
+
+
+def _shown(value: Any) -> str:
+    """A bad value as an error message shows it (YAML reads '', ' ' and '~' as null)."""
+    return "nothing (an empty or null value)" if value is None else repr(value)
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
@@ -567,6 +573,8 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if not eq:
             if i + 1 >= len(args):
                 raise ConfigError(f"override --{key} has no value")
+            if re.match(r"--[A-Za-z]", args[i + 1]):  # the next override, not a value
+                raise ConfigError(f"override --{key} has no value (next: {args[i + 1]!r})")
             i += 1
             raw = args[i]
         try:

@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="score only the first N pairs")
     p.add_argument("--batch-size", type=int, default=None, help="default: train.batch_size")
     args = p.parse_args(argv)
+    for flag, value in (("--batch-size", args.batch_size), ("--limit", args.limit)):
+        if value is not None and value < 1:  # before the checkpoint loads
+            p.error(f"{flag} must be >= 1, got {value}")
     from jaxllm.config import ConfigError
     from jaxllm.data.sources import (
         filter_translation_pairs,
@@ -114,12 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, params, step = load_run(args.run_dir, args.checkpoint)
         if cfg.data.kind != "translation":
-            raise ValueError(f"{args.run_dir} is a {cfg.data.kind} run, not a translation run")
+            raise ValueError(
+                f"{args.run_dir} was trained on data.kind={cfg.data.kind}, not a translation run"
+            )
         tc = cfg.data.translation
         overrides = {"beam_width": args.beam_width, "length_penalty": args.length_penalty}
         tc = dataclasses.replace(tc, **{k: v for k, v in overrides.items() if v is not None})
-        if args.limit is not None and args.limit < 1:
-            raise ValueError(f"--limit must be >= 1, got {args.limit}")
         tok = translation_tokenizer(cfg, [])
         pairs = load_translation_split(tc, args.split)
         pairs = filter_translation_pairs(pairs, args.split, cfg, tok)[: args.limit]

@@ -90,6 +90,15 @@ def test_override_syntax_errors():
         parse_overrides(["model.n_layers=2"])
     with pytest.raises(ConfigError, match="has no value"):
         parse_overrides(["--train.steps"])
+    with pytest.raises(
+        ConfigError, match=r"--train.steps has no value \(next: '--train.run_dir=x'\)"
+    ):
+        parse_overrides(["--train.steps", "--train.run_dir=x"])
+    assert parse_overrides(["--optim.lr", "-1"]) == {"optim.lr": -1}  # a value, refused later
+    with pytest.raises(
+        ConfigError, match=r"train.run_dir must be a string, got nothing \(an empty"
+    ):
+        load_config(CONFIGS / "ar.yaml", ["--train.run_dir= "])
     with pytest.raises(ConfigError, match="is a value, not a section"):
         load_config(None, ["--train.steps.x=1"])
     with pytest.raises(ConfigError, match="not found"):

@@ -363,6 +363,9 @@ def test_cli(tmp_path, capsys):
         prepare.main([str(_write(tmp_path / "ws.txt", " \n")), *args[1:]])
     with pytest.raises(SystemExit):
         prepare.main(["--out", str(out)])  # neither files nor --hf-dataset
+    with pytest.raises(SystemExit):
+        prepare.main([*args[:-1], "0"])  # --workers 0
+    assert "error: --workers must be >= 1, got 0" in capsys.readouterr().err
 
 
 @needs_bpe

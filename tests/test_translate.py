@@ -185,3 +185,13 @@ def test_each_batch_may_fill_the_context_after_its_own_prompts(monkeypatch):
     assert calls == [(2, 5, 8, 32), (2, 31, 32, 8)]  # the short batch may write 32 tokens
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         tr.translate(model, None, tok, sources, batch_size=0)
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--limit"])
+def test_cli_refuses_a_bad_count_before_loading_anything(tmp_path, capsys, flag):
+    from jaxllm import translate
+
+    with pytest.raises(SystemExit) as e:  # no run dir needed: the flag is checked first
+        translate.main(["--run-dir", str(tmp_path / "none"), flag, "0"])
+    assert e.value.code == 2
+    assert f"error: {flag} must be >= 1, got 0" in capsys.readouterr().err

@@ -281,3 +281,22 @@ def test_collate(tok):
         tr.collate(examples, tok.pad_id, length=longest - 1)
     with pytest.raises(ValueError, match="at least one"):
         tr.collate([], tok.pad_id)
+
+
+def test_a_missing_relative_data_path_says_what_it_resolved_against(tmp_path, monkeypatch):
+    from jaxllm.config import TranslationConfig
+    from jaxllm.data.sources import DATA_DIR_ENV, load_translation_split
+
+    tc = TranslationConfig(train=("nowhere/train",), valid="nowhere/valid", test="nowhere/test")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+    hint = rf"against the current directory {tmp_path}: \$JAXLLM_DATA_DIR is unset\)"
+    with pytest.raises(FileNotFoundError, match=rf"nowhere/valid.de \(relative .* resolve {hint}"):
+        load_translation_split(tc, "valid")
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "d"))
+    with pytest.raises(FileNotFoundError, match=r"against \$JAXLLM_DATA_DIR=.*/d\)"):
+        load_translation_split(tc, "valid")
+    absolute = TranslationConfig(train=(str(tmp_path / "x"),), valid="v", test="t")
+    with pytest.raises(FileNotFoundError) as e:  # an absolute path needs no hint
+        load_translation_split(absolute, "train")
+    assert "resolve against" not in str(e.value)

@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if bool(args.inputs) == bool(args.hf_dataset):
         _parser().error("give either input files or --hf-dataset (exactly one)")
+    if args.workers < 1:
+        _parser().error(f"--workers must be >= 1, got {args.workers}")
     val_out = args.val_out
     if args.val_fraction > 0 and val_out is None:
         val_out = args.out.parent / "val.bin"

@@ -12,6 +12,7 @@ any number of processes. The loop passes `rows` only when there are several proc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -206,7 +207,9 @@ def load_translation_split(tc: TranslationConfig, which: str) -> list[mt.Pair]:
             pairs += mt.load_hf_parallel(tc.hf_dataset, name, tc.src_lang, tc.tgt_lang)
         else:
             prefix = str(resolve_data_path(name))
-            pairs += mt.load_parallel_files(f"{prefix}.{tc.src_lang}", f"{prefix}.{tc.tgt_lang}")
+            src, tgt = f"{prefix}.{tc.src_lang}", f"{prefix}.{tc.tgt_lang}"
+            with _where_relative_paths_point(name):
+                pairs += mt.load_parallel_files(src, tgt)
     return pairs
 
 
@@ -317,6 +320,20 @@ def resolve_data_path(path: str) -> Path:
     return p if p.is_absolute() or not base else Path(base) / p
 
 
+@contextlib.contextmanager
+def _where_relative_paths_point(path: str) -> Iterator[None]:
+    """A data file not found under a relative name: say what the name was resolved against."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        if Path(path).expanduser().is_absolute():
+            raise
+        base = os.environ.get(DATA_DIR_ENV)
+        unset = f"the current directory {Path.cwd()}: ${DATA_DIR_ENV} is unset"
+        against = f"${DATA_DIR_ENV}={base}" if base else unset
+        raise FileNotFoundError(f"{e} (relative data paths resolve against {against})") from None
+
+
 def make_source(cfg: Config) -> BatchSource:
     if cfg.data.kind == "translation":
         return make_translation_source(cfg)
@@ -327,7 +344,8 @@ def make_source(cfg: Config) -> BatchSource:
     files = {}
     for key in ("train_path", "val_path"):
         path = resolve_data_path(getattr(tc, key))
-        files[key] = load_tokens(path, vocab_size=vocab)
+        with _where_relative_paths_point(getattr(tc, key)):
+            files[key] = load_tokens(path, vocab_size=vocab)
         need = cfg.model.context_length + 1  # one window; checked now, not at the first eval
         if files[key].shape[0] < need:
             raise ValueError(
