@@ -110,7 +110,7 @@ def _one_line(e: BaseException, limit: int = 400) -> str:
     """The gist of an orbax / tensorstore error on one line: its status code and innermost
     cause (from the last file it names), without tensorstore's spec dump; capped in the middle."""
     text = str(e.args[0]) if isinstance(e, KeyError) and len(e.args) == 1 else str(e)
-    text = re.split(r" \[(?:tensorstore_spec|source locations)", text)[0]
+    text = re.split(r" \[(?:tensorstore_spec|source locations)|\s*See full TensorStore", text)[0]
     text = " ".join(text.split())
     status = re.match(r"([A-Z][A-Z_]{3,}): ", text)  # e.g. DATA_LOSS, RESOURCE_EXHAUSTED
     if status:
