@@ -382,6 +382,9 @@ def _add_memory(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxllm.console import use_one_line_warnings
+
+    use_one_line_warnings()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     # help strings go through %-formatting (argparse): "%%" prints one "%"

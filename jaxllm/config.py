@@ -495,7 +495,8 @@ def config_changes(old: Config, new: Config) -> list[str]:
 def from_dict(cls: type, data: Any, path: str = "") -> Any:
     """Build dataclass `cls` from nested dicts, checking every key (values: on construction)."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{path or 'config'} must be a mapping, got {type(data).__name__}")
+        got = _shown(data) if data is None else type(data).__name__
+        raise ConfigError(f"{path or 'config'} must be a mapping, got {got}")
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
     if unknown:
@@ -511,7 +512,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
-            raise ConfigError(f"{path} must be one of {list(allowed)}, got {value!r}")
+            raise ConfigError(f"{path} must be one of {list(allowed)}, got {_shown(value)}")
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -528,7 +529,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         raise ConfigError("; ".join(errors))
     if origin is tuple:  # tuple[X, ...]: a YAML list
         if not isinstance(value, (list, tuple)) or not value:
-            raise ConfigError(f"{path} must be a non-empty list, got {value!r}")
+            raise ConfigError(f"{path} must be a non-empty list, got {_shown(value)}")
         (item,) = typing.get_args(tp)[:1]
         return tuple(_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     if tp is bool:
@@ -574,7 +575,10 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             if i + 1 >= len(args):
                 raise ConfigError(f"override --{key} has no value")
             if re.match(r"--[A-Za-z]", args[i + 1]):  # the next override, not a value
-                raise ConfigError(f"override --{key} has no value (next: {args[i + 1]!r})")
+                raise ConfigError(
+                    f"override --{key} has no value (next: {args[i + 1]!r}; a value that starts "
+                    f"with -- is given as --{key}=VALUE)"
+                )
             i += 1
             raw = args[i]
         try:
@@ -620,7 +624,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             loaded = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {e}") from None
-        if not loaded:  # the defaults alone are no job (GPT-2 124M on recall data)
+        if loaded is None or loaded == {}:  # the defaults alone are no job (GPT-2 124M, AR data)
             raise ConfigError(f"{path} is empty: a preset sets at least model and data (configs/)")
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a YAML mapping at the top level")

@@ -6,6 +6,7 @@ call, which tells a user nothing (e.g. "checkpoint N could not be restored; rest
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 
@@ -13,8 +14,14 @@ from tqdm import tqdm
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    f = sys.stderr if file is None else file
+    if f is None:  # as Python's own: no stderr (pythonw), nowhere to write
+        return
+    tag = "" if issubclass(category, UserWarning) else f" ({category.__name__})"
+    # OSError: as Python's own, e.g. stderr piped into a `head` that has exited;
     # tqdm.write: a warning raised under a progress bar gets a line of its own
-    tqdm.write(f"warning: {message}", file=file or sys.stderr)
+    with contextlib.suppress(OSError):
+        tqdm.write(f"warning{tag}: {' '.join(str(message).split())}", file=f)
 
 
 def use_one_line_warnings() -> None:

@@ -270,7 +270,7 @@ CORRUPTIONS = {
     "no state item": (delete_state_item, 'Item "state" was not found'),
     "meta": (garble_meta, "its record is unreadable"),
     "array bytes": (flip_array_byte, r"array \['params'\]\['big'\]\['kernel'\] does not match"),
-    "truncated arrays": (truncate_array_files, r"error while reading array index"),
+    "truncated arrays": (truncate_array_files, r"OUT_OF_RANGE: .*not valid for value of size"),
 }
 
 

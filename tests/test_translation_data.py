@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 
@@ -290,7 +292,9 @@ def test_a_missing_relative_data_path_says_what_it_resolved_against(tmp_path, mo
     tc = TranslationConfig(train=("nowhere/train",), valid="nowhere/valid", test="nowhere/test")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(DATA_DIR_ENV, raising=False)
-    hint = rf"against the current directory {tmp_path}: \$JAXLLM_DATA_DIR is unset\)"
+    hint = (
+        rf"against the current directory {re.escape(str(tmp_path))}: \$JAXLLM_DATA_DIR is unset\)"
+    )
     with pytest.raises(FileNotFoundError, match=rf"nowhere/valid.de \(relative .* resolve {hint}"):
         load_translation_split(tc, "valid")
     monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "d"))

@@ -82,14 +82,15 @@ def iter_file_documents(
                     docs = []
                 yield from _clean_documents(docs, info)
             yield from _clean_documents([pending], info)
+        if info["documents"] == 0:
+            raise ValueError(f"{path}: no documents (the file is empty or only whitespace)")
         if doc_split == "separator" and not found and not warned and info["bytes"] > NO_SEPARATOR:
             warnings.warn(
                 f"{path}: no {separator!r} in its {info['bytes']:,} bytes: the whole file is one "
-                "document (--doc-split single-newline or blank-line cut it at newlines)",
+                "document (--doc-split single-newline or blank-line cut it at newlines; "
+                "--doc-split file keeps it whole without this warning)",
                 stacklevel=2,
             )
-        if info["documents"] == 0:
-            raise ValueError(f"{path}: no documents (the file is empty or only whitespace)")
         if info["invalid_utf8_bytes"]:
             warnings.warn(
                 f"{path}: {info['invalid_utf8_bytes']} invalid UTF-8 bytes replaced by U+FFFD",

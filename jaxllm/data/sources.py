@@ -331,7 +331,10 @@ def _where_relative_paths_point(path: str) -> Iterator[None]:
         base = os.environ.get(DATA_DIR_ENV)
         unset = f"the current directory {Path.cwd()}: ${DATA_DIR_ENV} is unset"
         against = f"${DATA_DIR_ENV}={base}" if base else unset
-        raise FileNotFoundError(f"{e} (relative data paths resolve against {against})") from None
+        hint = f"relative data paths resolve against {against}"
+        if e.errno is not None:  # an OSError of the system: keep errno and filename
+            raise FileNotFoundError(e.errno, f"{e.strerror} ({hint})", e.filename) from None
+        raise FileNotFoundError(f"{e} ({hint})") from None
 
 
 def make_source(cfg: Config) -> BatchSource:

@@ -22,6 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from jaxllm.atomic_file import save_figure_atomic, write_text_atomic
+from jaxllm.console import use_one_line_warnings
 
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "ar.yaml"
 TARGET = 0.9
@@ -85,6 +86,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    use_one_line_warnings()
     p = argparse.ArgumentParser(
         prog="python -m jaxllm.tasks.recall_sweep", description=__doc__.split("\n\n")[0]
     )

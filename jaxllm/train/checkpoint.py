@@ -110,6 +110,8 @@ def _one_line(e: BaseException, limit: int = 400) -> str:
     """The gist of an orbax / tensorstore error on one line: its status code and innermost
     cause (from the last file it names), without tensorstore's spec dump; capped in the middle."""
     text = str(e.args[0]) if isinstance(e, KeyError) and len(e.args) == 1 else str(e)
+    if text.startswith("Encountered error while reading array") and e.__cause__ is not None:
+        return _one_line(e.__cause__, limit)  # orbax's wrapper; the cause names file and range
     text = re.split(r" \[(?:tensorstore_spec|source locations)|\s*See full TensorStore", text)[0]
     text = " ".join(text.split())
     status = re.match(r"([A-Z][A-Z_]{3,}): ", text)  # e.g. DATA_LOSS, RESOURCE_EXHAUSTED
@@ -130,6 +132,9 @@ def _remove_tree(path: Path, seconds: float = 10.0) -> None:
     unfinished `<step>.orbax-checkpoint-tmp` outlived one rmtree). Left over anyway, the next
     start's `_remove_temp_dirs` deletes it."""
     deadline = time.monotonic() + seconds
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+        return
     while True:
         shutil.rmtree(path, ignore_errors=True)
         if not path.exists() or time.monotonic() > deadline:
