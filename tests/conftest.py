@@ -4,7 +4,10 @@ Test files import the constants from here (`from conftest import BPE_DIR, needs_
 pytest puts this directory on sys.path.
 """
 
+import itertools
 import os
+import re
+from collections import Counter
 from pathlib import Path
 
 # Tests run on the CPU; keep XLA from grabbing both cores' worth of threads per process. On a
@@ -44,6 +47,22 @@ def tiny_config(arch: str = "gpt2", **overrides) -> ModelConfig:
 def arch(request) -> str:
     """Run a test once per architecture."""
     return request.param
+
+
+def pallas_kernels_in(fn, *args) -> Counter:
+    """{kernel name: count} of the pallas_calls in fn's jaxpr (nested jaxprs too): what a
+    model really runs, not what its plan says."""
+    return pallas_kernel_names(str(jax.make_jaxpr(fn)(*args)))
+
+
+def pallas_kernel_names(text: str) -> Counter:
+    """{kernel name: count} of the pallas_calls in a printed jaxpr."""
+    starts = [m.start() for m in re.finditer(r"pallas_call\[", text)] + [len(text)]
+    names = []
+    for start, end in itertools.pairwise(starts):
+        found = re.search(r"name(?:_and_src_info)?=([\w.]+)", text[start:end])
+        names.append(found.group(1) if found else "?")
+    return Counter(names)
 
 
 @pytest.fixture

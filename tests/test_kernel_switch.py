@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import pallas_kernels_in, tiny_config
 
 from jaxllm.layers import DepthwiseConv1d
 from jaxllm.models import build_model, init_kv_cache
@@ -14,6 +14,15 @@ from jaxllm.train.state import loss_and_sums
 
 # One layer, two heads: each Pallas kernel on CPU runs in (slow) interpret mode.
 TINY = dict(vocab_size=37, n_layers=1, n_heads=2)
+# What the gradient of one layer's loss runs with kernels: pallas (the plan alone could say
+# "pallas" while a layer still called XLA): ln_1, then ln_2 and ln_f each with the residual add.
+NORM_KERNELS = {
+    "gpt2": {"layer_norm_fwd": 1, "add_layer_norm_fwd": 2, "add_layer_norm_bwd": 2,
+             "layer_norm_bwd": 1},
+    "transformer_lm": {"rms_norm_fwd": 1, "add_rms_norm_fwd": 2, "add_rms_norm_bwd": 2,
+                       "rms_norm_bwd": 1},
+}  # fmt: skip
+SOFTMAX_KERNELS = {"attention_softmax_fwd": 1, "attention_softmax_bwd": 1}
 
 
 @pytest.mark.parametrize(
@@ -38,6 +47,8 @@ def test_pallas_matches_xla(arch, dtype, tol):
     def loss(model):
         return jax.value_and_grad(lambda p: loss_and_sums(p, model.apply, batch, None)[0])(params)
 
+    assert pallas_kernels_in(lambda: loss(xla)) == {}
+    assert pallas_kernels_in(lambda: loss(pallas)) == NORM_KERNELS[arch] | SOFTMAX_KERNELS
     (l_x, g_x), (l_p, g_p) = loss(xla), loss(pallas)
     np.testing.assert_allclose(l_p, l_x, rtol=tol)
     gx, gp = jax.tree_util.tree_leaves(g_x), jax.tree_util.tree_leaves(g_p)
@@ -55,8 +66,14 @@ def test_decoding_with_pallas_norms_matches_xla():
     params = model.init(jax.random.PRNGKey(3), tokens)
     key_mask = jnp.array([[True] * 8, [False] * 3 + [True] * 5])
     cache = init_kv_cache(cfg, 2, 8)
-    got, _ = model.apply(params, tokens, cache, 0, None, key_mask, method="decode")
-    want, _ = ref.apply(params, tokens, cache, 0, None, key_mask, method="decode")
+
+    def decode(m):
+        return m.apply(params, tokens, cache, 0, None, key_mask, method="decode")
+
+    assert pallas_kernels_in(lambda: decode(ref)) == {}
+    norms = {"layer_norm_fwd": 1, "add_layer_norm_fwd": 2}  # ln_1; ln_2 and ln_f with the add
+    assert pallas_kernels_in(lambda: decode(model)) == norms
+    (got, _), (want, _) = decode(model), decode(ref)
     np.testing.assert_allclose(got, want, atol=1e-4)
 
 
@@ -85,12 +102,15 @@ def test_fused_loss_matches_xla_loss(arch, dtype, tol):
     targets = jnp.roll(tokens, -1, axis=1).at[:, :3].set(-1)  # IGNORE the first three
     batch = {"inputs": tokens, "targets": targets}
     params = xla.init(jax.random.PRNGKey(7), tokens)["params"]
-    outs = [
-        jax.value_and_grad(lambda p, m=m: loss_and_sums(p, m.apply, batch, None), has_aux=True)(
+
+    def grads(m):
+        return jax.value_and_grad(lambda p: loss_and_sums(p, m.apply, batch, None), has_aux=True)(
             params
         )
-        for m in (xla, fused)
-    ]
+
+    assert pallas_kernels_in(lambda: grads(xla)) == {}
+    assert pallas_kernels_in(lambda: grads(fused)) == {"cross_entropy_fwd_bwd": 1}
+    outs = [grads(m) for m in (xla, fused)]
     ((l_x, aux_x), g_x), ((l_p, aux_p), g_p) = outs
     np.testing.assert_allclose(l_p, l_x, rtol=tol)
     np.testing.assert_allclose(aux_p["loss_sum"], aux_x["loss_sum"], rtol=tol)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import pallas_kernel_names
 from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey
@@ -594,6 +595,7 @@ def _check_pallas_on_mesh() -> None:
         if name in ("single", "data8"):
             jaxpr = str(jax.make_jaxpr(step)(state, sharded[0], rng))
             out[f"{name}_shard_maps"] = jaxpr.count("shard_map[")
+            out[f"{name}_kernels"] = pallas_kernel_names(jaxpr)
         sums = parallel.jit_eval_step(eval_step, state, mesh)(
             state, parallel.shard_batch(odd, mesh)
         )
@@ -654,6 +656,10 @@ def test_pallas_kernels_run_per_batch_shard_and_match_one_device():
     # call a shard_map of its own on the mesh, none on one device.
     assert out.pop("single_shard_maps") == 0
     assert out.pop("data8_shard_maps") >= 5
+    # the same kernels run on the mesh as on one device, the fused loss among them
+    kernels = out.pop("single_kernels")
+    assert out.pop("data8_kernels") == kernels and kernels["cross_entropy_fwd_bwd"] == 1, kernels
+    assert {"add_layer_norm_fwd", "add_layer_norm_bwd", "attention_softmax_bwd"} <= set(kernels)
     _assert_trees_close(out.pop("conv_sharded"), out.pop("conv_single"), 1e-6, "conv")
     split = out.pop("prefix_split")
     assert set(split["rows_seen"]) == {1} and split["grad_err"] < 1e-6, split  # 4 rows / data 4
