@@ -126,18 +126,24 @@ def _one_line(e: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else f"{text[: limit // 3]} ... {text[-(limit * 2 // 3) :]}"
 
 
-def _remove_tree(path: Path, seconds: float = 10.0) -> None:
-    """rmtree, retried for up to `seconds`: after a failed save, orbax's writer threads may
-    still add files to the directory while it is being removed (seen under CPU contention: the
-    unfinished `<step>.orbax-checkpoint-tmp` outlived one rmtree). Left over anyway, the next
-    start's `_remove_temp_dirs` deletes it."""
-    deadline = time.monotonic() + seconds
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-        return
+def _remove_unfinished(directory: Path, pattern: str, quiet: float = 1.0, most: float = 10) -> None:
+    """Delete what matches `pattern` in `directory` until nothing has matched for `quiet`
+    seconds (at most `most`). After a failed save orbax's I/O threads may still be running and
+    one of them re-creates the unfinished `<step>.orbax-checkpoint-tmp` (e.g. the array-metadata
+    mkdir with parents=True) after a first removal: seen in CI, 1 run in 6 with two busy CPUs.
+    Left over anyway, the next start's `_remove_temp_dirs` deletes it."""
+    start = last_seen = time.monotonic()
     while True:
-        shutil.rmtree(path, ignore_errors=True)
-        if not path.exists() or time.monotonic() > deadline:
+        now = time.monotonic()
+        found = list(directory.glob(pattern))
+        for entry in found:
+            if entry.is_symlink() or entry.is_file():
+                entry.unlink(missing_ok=True)
+            else:
+                shutil.rmtree(entry, ignore_errors=True)
+        if found:
+            last_seen = now
+        elif now - last_seen >= quiet or now - start >= most:
             return
         time.sleep(0.05)
 
@@ -406,8 +412,8 @@ class Checkpointer:
         with contextlib.suppress(Exception), _quiet_orbax():
             mngr.wait_until_finished()
         directory = Path(mngr.directory)
-        for entry in directory.glob(f"{step}.*{TMP_MARK}*") if jax.process_index() == 0 else []:
-            _remove_tree(entry)
+        if jax.process_index() == 0:
+            _remove_unfinished(directory, f"{step}.*{TMP_MARK}*")
         with contextlib.suppress(Exception):
             mngr.reload()
         kept = [s for s in mngr.all_steps() if s != step]
