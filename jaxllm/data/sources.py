@@ -346,8 +346,9 @@ def make_source(cfg: Config) -> BatchSource:
     tc, vocab = cfg.data.tokens, cfg.model.vocab_size  # ids >= vocab: refused on open
     files = {}
     for key in ("train_path", "val_path"):
-        path = resolve_data_path(getattr(tc, key))
-        with _where_relative_paths_point(getattr(tc, key)):
+        name = getattr(tc, key)
+        path = resolve_data_path(name)
+        with _where_relative_paths_point(name):
             files[key] = load_tokens(path, vocab_size=vocab)
         need = cfg.model.context_length + 1  # one window; checked now, not at the first eval
         if files[key].shape[0] < need:
