@@ -9,7 +9,11 @@
 # PART=residual: model.residual_dtype float32 vs bfloat16, GPT-2 at batch 16 and 64 (vocabulary
 # 50304), both in this call, and the loss-curve pin of every fast path against all-XLA float32;
 # PART=torch_residual: GPT-2 at batch 16 and 64 (vocabulary 50304) against torch.compile, both
-# sides with the bf16 residual stream. Each step has its
+# sides with the bf16 residual stream; PART=mfu: GPT-2 at batch 96 and 128 (vocabulary 50304),
+# float32 and bfloat16 residual streams, for MFU at our best batch, and the PyTorch-reference
+# tests (they skip in CI: no torch there); PART=chunks: the fused loss's rows in chunks
+# (model.loss_chunk_mib 0 = all at once, 4096, 2048 = the default, 1024), GPT-2 at batch 64 and
+# 16 (vocabulary 50304), the unchunked run repeated last. Each step has its
 # own timeout so that one slow step cannot take the others' results with it. The torch part
 # times both sides back to back (--group 10: 10 steps per device sync, as a training loop
 # runs; 5 such samples), the way the 2026-11-25 equal-batch rows in RESULTS.md were taken.
@@ -17,7 +21,7 @@
 #        (then copy OUTDIR/*.jsonl into benchmarks/logs)
 set -uo pipefail
 OUT=${1:?out dir}
-PART=${2:?torch, gpt2_50304, kernels, verify, residual or torch_residual}
+PART=${2:?torch, gpt2_50304, kernels, verify, residual, torch_residual, mfu or chunks}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 fail=0  # the script's exit status: 1 if any step failed or timed out
@@ -73,6 +77,27 @@ case $PART in
       step "gpt2_b${b}_residual_bf16_torch" $((b == 16 ? 140 : 200)) $BENCH --contexts 1024 \
         --sizes small --vocab 50304 --batch $b $FAST --set model.residual_dtype=bfloat16 \
         --jsonl "$OUT/bench.jsonl"
+    done
+    ;;
+  mfu)
+    for b in 96 128; do
+      for r in bfloat16 float32; do
+        step "gpt2_b${b}_residual_$r" 120 ${BENCH/ --torch/} --contexts 1024 --sizes small \
+          --vocab 50304 --batch $b $FAST --set model.residual_dtype=$r --jsonl "$OUT/bench.jsonl"
+      done
+    done
+    step torch_reference_tests 150 python3 -m pytest -q -rfEs -n 0 -p no:benchmark \
+      -p no:randomly tests/test_bench.py -k torch_reference
+    grep -E "passed|failed|skipped|^FAILED|^ERROR|^SKIPPED" "$OUT/torch_reference_tests.log" | tail
+    ;;
+  chunks)
+    for mib in 0 2048 4096 1024 0; do
+      step "gpt2_b64_chunk_${mib}" 100 ${BENCH/ --torch/} --contexts 1024 --sizes small \
+        --vocab 50304 --batch 64 $FAST --set model.loss_chunk_mib=$mib --jsonl "$OUT/bench.jsonl"
+    done
+    for mib in 0 1024; do
+      step "gpt2_b16_chunk_${mib}" 70 ${BENCH/ --torch/} --contexts 1024 --sizes small \
+        --vocab 50304 --batch 16 $FAST --set model.loss_chunk_mib=$mib --jsonl "$OUT/bench.jsonl"
     done
     ;;
   kernels)

@@ -125,6 +125,10 @@ class ModelConfig(Section):
     # The fused loss kernel's lowering: "auto" = Mosaic GPU on a Hopper-class GPU for bfloat16
     # logits whose rows fit (faster; it holds dz beside the logits: more memory), else Triton.
     loss_backend: Literal["auto", "triton", "mosaic_gpu"] = "auto"
+    # The fused loss makes the logits for at most this many MiB of rows at a time, chunk after
+    # chunk (GPT-2's logits at batch 64 take 6.7 GB, and the Mosaic kernel holds dz beside
+    # them); 0: all rows at once. Same loss and gradients.
+    loss_chunk_mib: int = spec(8192, ge=0)
     # Activation rematerialisation: "block" wraps every decoder block in jax.checkpoint (saving
     # nothing inside it), so the backward pass recomputes each block's forward from its input:
     # activation memory drops from O(layers x block internals) to O(layers x D) per token, for
@@ -171,6 +175,11 @@ class ModelConfig(Section):
             raise ConfigError(
                 f"model.loss_backend={self.loss_backend} picks the fused loss kernel's lowering: "
                 "it needs model.loss_impl=pallas"
+            )
+        if self.loss_chunk_mib != 8192 and self.loss_impl != "pallas":
+            raise ConfigError(
+                f"model.loss_chunk_mib={self.loss_chunk_mib} sizes the fused loss kernel's chunks "
+                "of rows: it needs model.loss_impl=pallas"
             )
         if self.loss_backend == "mosaic_gpu" and self.compute_dtype != "bfloat16":
             raise ConfigError(

@@ -294,9 +294,11 @@ def linear_cross_entropy(
     path: LossPath,
     label_smoothing: float = 0.0,
     shard: KernelShard | None = None,
+    chunk_mib: int = 8192,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """LM head + cross-entropy: x (N, D), w (V, D), targets, weights (N,) ->
-    (sum_i w_i loss_i, ce (N,), hit (N,)); see `F.linear_cross_entropy`."""
+    (sum_i w_i loss_i, ce (N,), hit (N,)); see `F.linear_cross_entropy`. `chunk_mib`: the
+    fused kernel's logits per chunk of rows (model.loss_chunk_mib; 0: all rows at once)."""
     if path in ("pallas", "pallas_mgpu"):
         if label_smoothing:  # ModelConfig refuses this pairing; a direct caller gets it here
             raise ValueError("label smoothing needs the xla loss path: the fused kernel has none")
@@ -304,7 +306,7 @@ def linear_cross_entropy(
 
         def kernel(x: jax.Array, w: jax.Array, t: jax.Array, wt: jax.Array) -> Any:
             loss, ce, hit = pallas_kernels.linear_cross_entropy(
-                x, w, t, wt, compute_dtype, backend=backend
+                x, w, t, wt, compute_dtype, backend=backend, max_chunk_bytes=chunk_mib * 2**20
             )
             return loss[None], ce, hit  # (1,): one partial sum per shard, added up below
 

@@ -9,7 +9,9 @@ The weights are an input (the training step passes valid / count), so dloss/dz =
 - onehot(t_i)) is known in the forward: the kernel sweeps each row of z twice in `block_cols`
 chunks, an online max/sum pass, then a pass that overwrites z in place with dz. The forward then
 runs dx = dz W and dW = dz^T x, and the VJP's backward only scales them by the scalar cotangent.
-z never outlives the forward and no float32 copy of it is made.
+z never outlives the forward and no float32 copy of it is made. A large batch goes through in
+chunks of rows, one after the other (`max_chunk_bytes` of logits each, default 8 GiB; dW summed
+in float32), so only one chunk's z (and dz) exists at a time.
 
 The vocabulary is padded to a multiple of 128 inside (50257 -> 50304) so the GEMMs see aligned
 shapes; padded columns are masked out of the softmax and get zero gradient.
@@ -40,6 +42,9 @@ VOCAB_ALIGN = 128  # pad the vocabulary to a multiple of this for the GEMMs
 # finite: exp(MASK_VALUE - m) underflows to 0 without inf - inf = NaN. The same value as
 # jaxllm.functional.MASK_VALUE (tests/test_layout.py checks; this package may not import jaxllm).
 MASK_VALUE = -1e30
+# The head's logits are made for at most this many bytes of rows at a time (linear_cross_entropy)
+LOGITS_CHUNK_BYTES = 8 * 2**30
+CHUNK_ROW_MULTIPLE = 32  # rows of a chunk: whole 32-row runs of the Mosaic kernel's programs
 
 
 class Config(NamedTuple):
@@ -153,39 +158,80 @@ def _align(backend: str) -> int:
     return VOCAB_ALIGN
 
 
-def _padded_head(x, w, compute_dtype, align: int = VOCAB_ALIGN):
-    """x, W in compute dtype, W's rows padded to a multiple of `align`; z = x W^T (N, Vp)."""
-    vocab = w.shape[0]
-    pad = -vocab % align
-    xc = x.astype(compute_dtype)
-    wc = jnp.pad(w.astype(compute_dtype), ((0, pad), (0, 0)))
-    return xc, wc, jnp.dot(xc, wc.T)
+def _head_weights(x, w, compute_dtype, align: int = VOCAB_ALIGN):
+    """x and W in the compute dtype, W's rows padded to a multiple of `align` (zero rows)."""
+    pad = -w.shape[0] % align
+    return x.astype(compute_dtype), jnp.pad(w.astype(compute_dtype), ((0, pad), (0, 0)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _linear_ce(x, w, targets, weights, compute_dtype, interpret, cfg, backend):
-    _, _, z = _padded_head(x, w, compute_dtype)  # no gradient: the Triton kernel's one sweep
+def chunk_rows(n_rows: int, n_cols: int, itemsize: int, max_bytes: int) -> int:
+    """Rows per chunk of the head so that one chunk's logits (rows x n_cols x itemsize bytes)
+    stay within `max_bytes` (0: all rows at once): chunks as equal as the CHUNK_ROW_MULTIPLE
+    rounding allows. n_rows or more means one chunk."""
+    if max_bytes < 0:
+        raise ValueError(f"max_chunk_bytes must be >= 0 (0: one chunk), got {max_bytes}")
+    n_chunks = -(-n_rows * n_cols * itemsize // max_bytes) if max_bytes else 1
+    if n_chunks <= 1:
+        return n_rows
+    rows = -(-n_rows // n_chunks)
+    return min(n_rows, -(-rows // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE)
+
+
+def _over_chunks(one, rows: int, xc, targets, weights, carry=None):
+    """one(x rows, targets, weights, carry) -> (carry, per-row outputs) over chunks of `rows`
+    rows, one after the other (a lax.scan: one chunk's logits live at a time); the last chunk
+    is padded with weight-0 rows, cut off the per-row outputs again."""
+    n = xc.shape[0]
+    if rows >= n:
+        return one(xc, targets, weights, carry)
+    n_chunks = -(-n // rows)
+    pad = n_chunks * rows - n
+
+    def split(a):  # (N, ...) -> (chunks, rows, ...), padded with zeros
+        padded = jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
+        return padded.reshape(n_chunks, rows, *a.shape[1:])
+
+    carry, outs = jax.lax.scan(
+        lambda c, a: one(*a, c), carry, (split(xc), split(targets), split(weights))
+    )
+    return carry, tuple(o.reshape(n_chunks * rows, *o.shape[2:])[:n] for o in outs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _linear_ce(x, w, targets, weights, compute_dtype, interpret, cfg, backend, rows):
+    xc, wc = _head_weights(x, w, compute_dtype)  # no gradient: the Triton kernel's one sweep
     cfg = cfg if backend == "triton" else default_config()
-    ce, hit = cross_entropy_from_logits(z, targets, weights, w.shape[0], False, interpret, cfg)
+
+    def one(x_rows, t, wt, carry):
+        z = jnp.dot(x_rows, wc.T)  # (rows, Vp)
+        return carry, cross_entropy_from_logits(z, t, wt, w.shape[0], False, interpret, cfg)
+
+    _, (ce, hit) = _over_chunks(one, rows, xc, targets, weights)
     return jnp.sum(weights * ce), ce, hit
 
 
-def _linear_ce_fwd(x, w, targets, weights, compute_dtype, interpret, cfg, backend):
-    vocab = w.shape[0]
-    xc, wc, z = _padded_head(x, w, compute_dtype, _align(backend))
-    if backend == "mosaic_gpu":
-        from . import cross_entropy_mgpu
+def _linear_ce_fwd(x, w, targets, weights, compute_dtype, interpret, cfg, backend, rows):
+    vocab, f32 = w.shape[0], jnp.float32
+    xc, wc = _head_weights(x, w, compute_dtype, _align(backend))
 
-        ce, hit, dz = cross_entropy_mgpu.cross_entropy_from_logits(z, targets, weights, vocab, cfg)
-    else:
-        ce, hit, dz = cross_entropy_from_logits(z, targets, weights, vocab, True, interpret, cfg)
-    f32 = jnp.float32
-    dx = jnp.dot(dz, wc, preferred_element_type=f32).astype(x.dtype)  # (N, D)
-    dw = jnp.dot(dz.T, xc, preferred_element_type=f32)[:vocab].astype(w.dtype)  # (V, D)
-    return (jnp.sum(weights * ce), ce, hit), (dx, dw)
+    def one(x_rows, t, wt, dw):  # dw (Vp, D) float32: the sum over the chunks so far
+        z = jnp.dot(x_rows, wc.T)  # (rows, Vp)
+        if backend == "mosaic_gpu":
+            from . import cross_entropy_mgpu
+
+            ce, hit, dz = cross_entropy_mgpu.cross_entropy_from_logits(z, t, wt, vocab, cfg)
+        else:
+            ce, hit, dz = cross_entropy_from_logits(z, t, wt, vocab, True, interpret, cfg)
+        dx = jnp.dot(dz, wc, preferred_element_type=f32).astype(x.dtype)  # (rows, D)
+        dw_rows = jnp.dot(dz.T, x_rows, preferred_element_type=f32)  # (Vp, D)
+        return (dw_rows if dw is None else dw + dw_rows), (ce, hit, dx)
+
+    dw0 = None if rows >= x.shape[0] else jnp.zeros(wc.shape, f32)
+    dw, (ce, hit, dx) = _over_chunks(one, rows, xc, targets, weights, dw0)
+    return (jnp.sum(weights * ce), ce, hit), (dx, dw[:vocab].astype(w.dtype))
 
 
-def _linear_ce_bwd(compute_dtype, interpret, cfg, backend, res, cts):
+def _linear_ce_bwd(compute_dtype, interpret, cfg, backend, rows, res, cts):
     dx, dw = res
     g = cts[0]  # cotangent of the loss; ce and hit leave the public function without gradient
     return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None
@@ -223,6 +269,7 @@ def linear_cross_entropy(
     *,
     config=None,
     backend: str = "triton",
+    max_chunk_bytes: int = LOGITS_CHUNK_BYTES,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Weighted cross-entropy of the head z = x W^T, without keeping z.
 
@@ -235,6 +282,10 @@ def linear_cross_entropy(
     the kernel of the forward-and-gradient pass (training); a call that takes no gradient
     (evaluation) runs the Triton forward kernel on either backend: it reads each row of logits
     once and writes nothing, the least traffic there is (the Mosaic kernel also writes dz).
+    `max_chunk_bytes`: the rows go through the head in chunks whose logits take at most this
+    many bytes, one chunk after the other (0: all rows at once), so the logits of a large batch
+    never exist whole: GPT-2's at batch 64 are 6.7 GB, and the Mosaic kernel holds dz beside
+    them. Same result (dW summed over the chunks in float32).
     """
     _check(x, w, targets, weights)
     if (dtype := jnp.dtype(compute_dtype)) not in (jnp.float32, jnp.bfloat16, jnp.float16):
@@ -257,7 +308,9 @@ def linear_cross_entropy(
             check_triton_config(config, ("block_rows", "block_cols", "num_warps"))
         cfg, interpret = config or default_config(), resolve_interpret(interpret)
     weights = jax.lax.stop_gradient(weights)  # the forward bakes them into dz
+    n_cols = w.shape[0] + -w.shape[0] % _align(backend)
+    rows = chunk_rows(x.shape[0], n_cols, jnp.dtype(compute_dtype).itemsize, max_chunk_bytes)
     loss, ce, hit = _linear_ce(
-        x, w, targets, weights, jnp.dtype(compute_dtype), interpret, cfg, backend
+        x, w, targets, weights, jnp.dtype(compute_dtype), interpret, cfg, backend, rows
     )
     return loss, jax.lax.stop_gradient(ce), hit.astype(bool)

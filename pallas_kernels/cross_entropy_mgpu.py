@@ -15,7 +15,8 @@ z (N, Vp) with Vp % 1024 == 0 (cross_entropy pads the head to VOCAB_ALIGN here):
 1024 columns spreads 8 bf16 (16 bytes) over each of the warpgroup's 128 lanes. Two rows of
 shared memory per SM bound the row: Vp up to MAX_COLS_TWO_PER_SM bf16 columns (one row per SM:
 MAX_COLS). dz is a new array (`plgpu.kernel` takes no input/output aliasing): the forward holds
-z and dz together, where the Triton kernel writes dz over z. The per-row targets and weights are
+z and dz of a chunk of rows together (cross_entropy.linear_cross_entropy's chunks bound both),
+where the Triton kernel writes dz over z. The per-row targets and weights are
 padded to whole runs of rows (ce and hit come back that long, then sliced), so no copy runs past
 an array: a bulk copy moves multiples of 16 bytes, which a clamped run of 4-byte values is not.
 Padding columns are masked with MASK_VALUE (finite, as in the Triton kernel): a row whose target

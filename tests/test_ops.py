@@ -141,3 +141,35 @@ def test_model_loss_reaches_the_mosaic_kernel_when_planned(monkeypatch):
     text = jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
     # padded to 3 x 1024 (Triton's padding would give 2176)
     assert "cross_entropy_fwd_bwd_mgpu" in text and "3072" in text
+
+
+def test_loss_chunk_mib_reaches_the_kernel_and_needs_the_fused_loss():
+    """model.loss_chunk_mib sizes the fused loss's chunks of rows (the model's lm_loss passes
+    it down: 512 rows x 640 float32 columns = 1.25 MiB -> two chunks of 256 rows at 1 MiB),
+    changes nothing in the result, and is refused where no fused loss runs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxllm.config import ModelConfig
+    from jaxllm.models.decoder import lm_loss
+    from pallas_kernels.cross_entropy import LOGITS_CHUNK_BYTES
+
+    assert ModelConfig.loss_chunk_mib == LOGITS_CHUNK_BYTES // 2**20  # one default, two places
+    with pytest.raises(ConfigError, match="loss_chunk_mib=64 sizes .* needs model.loss_impl"):
+        tiny_config(loss_chunk_mib=64)
+    with pytest.raises(ConfigError, match="loss_chunk_mib"):
+        tiny_config(loss_impl="pallas", loss_chunk_mib=-1)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 256, 16)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(600, 16)) * 0.3, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 600, (2, 256)), jnp.int32)
+    results = {}
+    for mib in (1, 0):
+        cfg = tiny_config(loss_impl="pallas", vocab_size=600, loss_chunk_mib=mib)
+        fn = jax.value_and_grad(lambda x, cfg=cfg: lm_loss(x, head, targets, cfg, "pallas")[0])
+        results[mib] = fn(x)
+        text = str(jax.make_jaxpr(fn)(x))
+        assert ("f32[256,640]" in text) == (mib == 1) and ("f32[512,640]" in text) == (mib == 0)
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-6)
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5, atol=1e-7)

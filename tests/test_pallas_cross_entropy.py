@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import linear_cross_entropy, linear_cross_entropy_ref
-from pallas_kernels.cross_entropy import Config
+from pallas_kernels.cross_entropy import LOGITS_CHUNK_BYTES, Config, chunk_rows
 from pallas_kernels.triton_backend import mosaic_gpu_capable
 
 
@@ -101,6 +101,56 @@ def test_bfloat16_head_matches_reference():
     )(x, w)
     for g, r in zip(kernel, ref, strict=True):  # both round dlogits to bf16 before the GEMMs
         np.testing.assert_allclose(g, r, atol=2e-2 * np.abs(r).max())
+
+
+@pytest.mark.parametrize("rows_per_chunk", [32, 64])
+def test_rows_in_chunks_give_the_same_loss_and_gradients(float64_ref, rows_per_chunk):
+    """max_chunk_bytes splits 100 rows into chunks of 32 or 64 (the last one ragged, padded with
+    weight-0 rows): loss, ce, hit and both gradients equal the one-chunk run and float64; the
+    kernel really sees chunk-sized logits, never the whole (100, 384)."""
+    n, d, v = 100, 16, 300  # Vp = 384 columns of float32
+    x, w, t, weights = make(n, d, v, seed=5)
+    budget = rows_per_chunk * 384 * 4
+    assert chunk_rows(n, 384, 4, budget) == rows_per_chunk
+
+    def run(max_bytes):
+        def f(x, w):
+            loss, ce, hit = linear_cross_entropy(
+                x, w, t, weights, jnp.float32, config=SMALL, max_chunk_bytes=max_bytes
+            )
+            return loss, (ce, hit)
+
+        (loss, (ce, hit)), grads = jax.value_and_grad(f, (0, 1), has_aux=True)(x, w)
+        return loss, ce, hit, grads, str(jax.make_jaxpr(jax.grad(lambda *a: f(*a)[0]))(x, w))
+
+    loss, ce, hit, grads, text = run(budget)
+    one = run(0)
+    assert f"f32[{rows_per_chunk},384]" in text and "f32[100,384]" not in text  # chunked logits
+    assert "f32[100,384]" in one[4]
+    np.testing.assert_allclose(float(loss), float(one[0]), rtol=1e-6)
+    np.testing.assert_allclose(ce, one[1], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(hit, one[2])
+    for g, r in zip(grads, one[3], strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    ref_loss, ref_ce, _ = float64_ref(
+        lambda *a: linear_cross_entropy_ref(*a, jnp.float64), x, w, t, weights
+    )
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(ce, np.float64), ref_ce, rtol=1e-5, atol=1e-5)
+    # no gradient (evaluation) goes through the same chunks
+    ev = jax.jit(lambda x, w: linear_cross_entropy(x, w, t, weights, jnp.float32, config=SMALL,
+                                                   max_chunk_bytes=budget))  # fmt: skip
+    np.testing.assert_allclose(ev(x, w)[1], one[1], rtol=1e-6, atol=1e-6)
+
+
+def test_chunk_rows():
+    assert chunk_rows(65536, 51200, 2, LOGITS_CHUNK_BYTES) == 65536  # GPT-2, batch 64: one chunk
+    assert chunk_rows(131072, 51200, 2, LOGITS_CHUNK_BYTES) == 65536  # batch 128: 2 chunks
+    assert chunk_rows(98304, 51200, 2, 0) == 98304  # 0: all rows at once
+    assert chunk_rows(100, 384, 4, 384 * 4 * 40) == 64  # 3 chunks of 34 -> whole 32-row runs
+    assert chunk_rows(10, 384, 4, 1) == 10  # never more than the rows there are
+    with pytest.raises(ValueError, match="max_chunk_bytes must be >= 0"):
+        chunk_rows(10, 384, 4, -1)
 
 
 def test_jit_matches_eager():
