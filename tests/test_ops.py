@@ -15,13 +15,17 @@ def test_default_plan_is_all_xla():
     assert plan.describe() == "ops: norm=xla attention=xla decode=xla loss=xla conv=xla"
 
 
-def test_gpt2_benchmark_preset_on_gpu():
+@pytest.mark.parametrize("hopper", [False, True])
+def test_gpt2_benchmark_preset_on_gpu(monkeypatch, hopper):
+    import pallas_kernels.triton_backend as tb
+
+    monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: hopper)  # whatever this machine is
     cfg = load_config("configs/gpt2_124m.yaml").model
     plan = plan_ops(cfg, backend="gpu")
     assert (plan.norm, plan.attention, plan.loss, plan.conv) == (
         "pallas",
         "cudnn",
-        "pallas",
+        "pallas_mgpu" if hopper else "pallas",
         "pallas",
     )
     assert not plan.notes and "(Pallas compiled)" in plan.describe()
@@ -64,7 +68,8 @@ def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch)
     import pallas_kernels.triton_backend as tb
 
     cfg = load_config("configs/gpt2_124m.yaml").model
-    assert plan_ops(cfg, backend="gpu").loss == "pallas"  # this CPU is no Hopper GPU
+    monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: False)  # another GPU: Triton
+    assert plan_ops(cfg, backend="gpu").loss == "pallas"
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
     plan = plan_ops(cfg, backend="gpu")
     assert plan.loss == "pallas_mgpu" and "loss=pallas_mgpu (eval: pallas)" in plan.describe()
