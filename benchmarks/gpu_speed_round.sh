@@ -57,8 +57,8 @@ case $PART in
     done
     ;;
   verify)
-    step pallas_tests 330 python3 -m pytest -q -rfE -n 0 -p no:benchmark -p no:randomly \
-      tests/test_pallas_*.py
+    step pallas_tests 330 env JAX_PLATFORMS=cuda python3 -m pytest -q -rfE -n 0 -p no:benchmark \
+      -p no:randomly tests/test_pallas_*.py  # the suite pins the CPU unless told (conftest.py)
     grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pallas_tests.log" | tail -15
     step ce_ragged 90 python3 benchmarks/cross_entropy_bench.py --rows 1000 --mosaic --no-head \
       --jsonl "$OUT/ce_ragged.jsonl"

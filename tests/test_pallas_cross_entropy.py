@@ -192,8 +192,8 @@ def test_bad_settings_raise_before_the_kernel():
 
 @pytest.mark.skipif(
     not mosaic_gpu_capable(),
-    reason="compiles the Mosaic GPU kernel: needs a Hopper-class GPU (CPU: test_pallas_backend "
-    "runs it in the interpreter, whole row runs only)",
+    reason="compiles the Mosaic GPU kernel: needs a Hopper-class GPU and JAX_PLATFORMS=cuda "
+    "(CPU: test_pallas_backend runs it in the interpreter, whole row runs only)",
 )
 @pytest.mark.parametrize("n,v", [(1000, 2000), (70000, 2000), (300, 50257)])
 def test_mosaic_kernel_with_ragged_row_runs_matches_triton(float64_ref, n, v):
@@ -239,8 +239,8 @@ def test_mosaic_kernel_with_ragged_row_runs_matches_triton(float64_ref, n, v):
 
 @pytest.mark.skipif(
     not mosaic_gpu_capable(),
-    reason="compiles the Mosaic GPU kernel: needs a Hopper-class GPU (CPU: the chunking is "
-    "checked on the Triton kernel in interpret mode)",
+    reason="compiles the Mosaic GPU kernel: needs a Hopper-class GPU and JAX_PLATFORMS=cuda "
+    "(CPU: the chunking is checked on the Triton kernel in interpret mode)",
 )
 @pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])
 def test_compiled_chunks_match_one_chunk(backend):

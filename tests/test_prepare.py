@@ -122,7 +122,6 @@ def test_several_files_in_order(tmp_path):
     assert _decode(token_file.load_tokens(tmp_path / "t.bin")) == _joined(DOCS[:5])
 
 
-@needs_bpe
 class _CountingContext:
     """A spawn context that counts the pools started from it."""
 
@@ -135,6 +134,7 @@ class _CountingContext:
         return self._spawn.Pool(*args, **kwargs)
 
 
+@needs_bpe
 def test_two_workers_same_output_as_one(tmp_path):
     src = _tinystories_v2(tmp_path / "stories.txt")
     context = _CountingContext()
