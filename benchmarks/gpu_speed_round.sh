@@ -13,7 +13,10 @@
 # float32 and bfloat16 residual streams, for MFU at our best batch, and the PyTorch-reference
 # tests (they skip in CI: no torch there); PART=chunks: the fused loss's rows in chunks
 # (model.loss_chunk_mib 0 = all at once, 4096, 2048 = the default, 1024), GPT-2 at batch 64 and
-# 16 (vocabulary 50304), the unchunked run repeated last. Each step has its
+# 16 (vocabulary 50304), the unchunked run repeated last; PART=determinism: the associative-
+# recall preset trained in separate processes, twice with XLA_FLAGS=--xla_gpu_deterministic_ops=
+# true and once without, their loss curves compared (an H100 test run saw two processes differ;
+# RESULTS.md, twelfth session). Each step has its
 # own timeout so that one slow step cannot take the others' results with it. The torch part
 # times both sides back to back (--group 10: 10 steps per device sync, as a training loop
 # runs; 5 such samples), the way the 2026-11-25 equal-batch rows in RESULTS.md were taken.
@@ -21,7 +24,7 @@
 #        (then copy OUTDIR/*.jsonl into benchmarks/logs)
 set -uo pipefail
 OUT=${1:?out dir}
-PART=${2:?torch, gpt2_50304, kernels, verify, residual, torch_residual, mfu or chunks}
+PART=${2:?torch, gpt2_50304, kernels, verify, residual, torch_residual, mfu, chunks or determinism}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 fail=0  # the script's exit status: 1 if any step failed or timed out
@@ -99,6 +102,32 @@ case $PART in
       step "gpt2_b16_chunk_${mib}" 70 ${BENCH/ --torch/} --contexts 1024 --sizes small \
         --vocab 50304 --batch 16 $FAST --set model.loss_chunk_mib=$mib --jsonl "$OUT/bench.jsonl"
     done
+    ;;
+  determinism)
+    echo "XLA_FLAGS in this environment: '${XLA_FLAGS:-}'"
+    AR="--model.n_layers=1 --train.batch_size=16 --data.associative_recall.num_train=640
+      --data.associative_recall.num_test=64 --model.dropout=0.1 --train.steps=60
+      --train.log_every=5 --train.eval_every=30 --train.checkpoint_every=20
+      --optim.warmup_steps=5 --train.progress=false"
+    for run in det1 det2 plain; do
+      flags="--xla_gpu_deterministic_ops=true"
+      [ "$run" = plain ] && flags=""
+      # shellcheck disable=SC2086  # AR is a list of flags
+      step "ar_$run" 120 env XLA_FLAGS="$flags" python3 train.py --config configs/ar.yaml $AR \
+        "--train.run_dir=$OUT/$run"
+    done
+    python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+def curve(d):
+    rows = [json.loads(x) for x in (Path(sys.argv[1]) / d / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r and "split" not in r]
+c = {d: curve(d) for d in ("det1", "det2", "plain")}
+print("det1 == det2 (deterministic ops, two processes):", c["det1"] == c["det2"])
+print("det1 == plain:", c["det1"] == c["plain"])
+for d, v in c.items():
+    print(d, v[:3], v[-1])
+PY
     ;;
   kernels)
     # --quick: the full table (72 rows, 3 compiles each) takes more than one call
