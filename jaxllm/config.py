@@ -84,6 +84,11 @@ def _check_range(path: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
     raise ConfigError(f"{path} must be {allowed}, got {value}")
 
 
+# model.loss_chunk_mib's default: pallas_kernels.cross_entropy.LOGITS_CHUNK_BYTES in MiB (a test
+# keeps the two equal; this module imports no kernels)
+LOSS_CHUNK_MIB = 8192
+
+
 @dataclass(frozen=True)
 class ModelConfig(Section):
     PATH: ClassVar[str] = "model"
@@ -125,10 +130,11 @@ class ModelConfig(Section):
     # The fused loss kernel's lowering: "auto" = Mosaic GPU on a Hopper-class GPU for bfloat16
     # logits whose rows fit (faster; it holds dz beside the logits: more memory), else Triton.
     loss_backend: Literal["auto", "triton", "mosaic_gpu"] = "auto"
-    # The fused loss makes the logits for at most this many MiB of rows at a time, chunk after
-    # chunk (GPT-2's logits at batch 64 take 6.7 GB, and the Mosaic kernel holds dz beside
-    # them); 0: all rows at once. Same loss and gradients.
-    loss_chunk_mib: int = spec(8192, ge=0)
+    # The fused loss makes the logits for at most this many MiB of rows at a time (at least 32
+    # rows), chunk after chunk, per device (GPT-2's logits at batch 64 take 6.7 GB; the Mosaic
+    # kernel holds dz beside a chunk's logits: twice this at the peak); 0: all rows at once.
+    # Same loss and gradients; ~0.7% slower a step where it makes chunks (benchmarks/RESULTS.md).
+    loss_chunk_mib: int = spec(LOSS_CHUNK_MIB, ge=0)
     # Activation rematerialisation: "block" wraps every decoder block in jax.checkpoint (saving
     # nothing inside it), so the backward pass recomputes each block's forward from its input:
     # activation memory drops from O(layers x block internals) to O(layers x D) per token, for
@@ -176,7 +182,7 @@ class ModelConfig(Section):
                 f"model.loss_backend={self.loss_backend} picks the fused loss kernel's lowering: "
                 "it needs model.loss_impl=pallas"
             )
-        if self.loss_chunk_mib != 8192 and self.loss_impl != "pallas":
+        if self.loss_chunk_mib != LOSS_CHUNK_MIB and self.loss_impl != "pallas":
             raise ConfigError(
                 f"model.loss_chunk_mib={self.loss_chunk_mib} sizes the fused loss kernel's chunks "
                 "of rows: it needs model.loss_impl=pallas"

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from jaxllm import functional as F
-from jaxllm.config import ConfigError, ModelConfig
+from jaxllm.config import LOSS_CHUNK_MIB, ConfigError, ModelConfig
 
 NormPath = Literal["xla", "pallas"]
 AttentionPath = Literal["xla", "pallas", "cudnn"]
@@ -294,7 +294,7 @@ def linear_cross_entropy(
     path: LossPath,
     label_smoothing: float = 0.0,
     shard: KernelShard | None = None,
-    chunk_mib: int = 8192,
+    chunk_mib: int = LOSS_CHUNK_MIB,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """LM head + cross-entropy: x (N, D), w (V, D), targets, weights (N,) ->
     (sum_i w_i loss_i, ce (N,), hit (N,)); see `F.linear_cross_entropy`. `chunk_mib`: the

@@ -166,14 +166,17 @@ def _head_weights(x, w, compute_dtype, align: int = VOCAB_ALIGN):
 
 def chunk_rows(n_rows: int, n_cols: int, itemsize: int, max_bytes: int) -> int:
     """Rows per chunk of the head so that one chunk's logits (rows x n_cols x itemsize bytes)
-    stay within `max_bytes` (0: all rows at once): chunks as equal as the CHUNK_ROW_MULTIPLE
-    rounding allows. n_rows or more means one chunk."""
-    if max_bytes < 0:
-        raise ValueError(f"max_chunk_bytes must be >= 0 (0: one chunk), got {max_bytes}")
-    n_chunks = -(-n_rows * n_cols * itemsize // max_bytes) if max_bytes else 1
-    if n_chunks <= 1:
+    stay within `max_bytes` (0: all rows at once), in whole CHUNK_ROW_MULTIPLE-row runs and as
+    equal as those allow; never fewer than CHUNK_ROW_MULTIPLE rows (a smaller budget still gets
+    that many). n_rows or more means one chunk."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ValueError(f"max_chunk_bytes must be an int >= 0 (0: one chunk), got {max_bytes!r}")
+    if not max_bytes or n_rows * n_cols * itemsize <= max_bytes:
         return n_rows
-    rows = -(-n_rows // n_chunks)
+    fit = max_bytes // (n_cols * itemsize) // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE
+    cap = max(CHUNK_ROW_MULTIPLE, fit)  # most rows a chunk may take
+    n_chunks = -(-n_rows // cap)
+    rows = -(-n_rows // n_chunks)  # as equal as can be, then whole runs: still <= cap
     return min(n_rows, -(-rows // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE)
 
 

@@ -1,7 +1,8 @@
 """pallas_kernels.linear_cross_entropy against the float64 reference: loss, per-row ce, hits,
 gradients (including a cotangent != 1), ignored rows, vocab padding, multi-chunk rows, errors.
 
-On CPU the kernel runs in interpret mode; on a GPU the same tests check the compiled kernel.
+On CPU the kernel runs in interpret mode; with JAX_PLATFORMS=cuda (tests/conftest.py pins the
+CPU otherwise) the same tests check the compiled kernel on a GPU.
 """
 
 import jax
@@ -141,16 +142,24 @@ def test_rows_in_chunks_give_the_same_loss_and_gradients(float64_ref, rows_per_c
     ev = jax.jit(lambda x, w: linear_cross_entropy(x, w, t, weights, jnp.float32, config=SMALL,
                                                    max_chunk_bytes=budget))  # fmt: skip
     np.testing.assert_allclose(ev(x, w)[1], one[1], rtol=1e-6, atol=1e-6)
+    ev_text = str(jax.make_jaxpr(ev)(x, w))
+    assert f"f32[{rows_per_chunk},384]" in ev_text and "f32[100,384]" not in ev_text
 
 
 def test_chunk_rows():
     assert chunk_rows(65536, 51200, 2, LOGITS_CHUNK_BYTES) == 65536  # GPT-2, batch 64: one chunk
     assert chunk_rows(131072, 51200, 2, LOGITS_CHUNK_BYTES) == 65536  # batch 128: 2 chunks
     assert chunk_rows(98304, 51200, 2, 0) == 98304  # 0: all rows at once
-    assert chunk_rows(100, 384, 4, 384 * 4 * 40) == 64  # 3 chunks of 34 -> whole 32-row runs
+    assert chunk_rows(98304, 51200, 2, LOGITS_CHUNK_BYTES) == 49152  # batch 96: 2 chunks
+    assert chunk_rows(100, 384, 4, 384 * 4 * 70) == 64  # 2 chunks of 50 -> whole 32-row runs
+    for n, budget_rows in ((100, 40), (66, 33), (16384, 100), (5000, 1300)):
+        rows = chunk_rows(n, 384, 4, 384 * 4 * budget_rows)
+        assert rows % 32 == 0 and rows <= budget_rows  # the budget holds, rounding included
+    assert chunk_rows(16384, 51200, 2, 2**20) == 32  # under one 32-row run: the floor
     assert chunk_rows(10, 384, 4, 1) == 10  # never more than the rows there are
-    with pytest.raises(ValueError, match="max_chunk_bytes must be >= 0"):
-        chunk_rows(10, 384, 4, -1)
+    for bad in (-1, 2.0**20, True):
+        with pytest.raises(ValueError, match="max_chunk_bytes must be an int >= 0"):
+            chunk_rows(10, 384, 4, bad)
 
 
 def test_jit_matches_eager():
