@@ -280,7 +280,7 @@ def linear_cross_entropy(
     without a target, 1/count for a mean). Returns (loss = sum_i w_i ce_i, differentiable in x
     and w; ce (N,) float32 per row; hit (N,) bool: the target's logit is the row's max). ce,
     hit and the weights carry no gradient. Targets outside [0, V) cannot be checked under jit:
-    give them weight 0 (their ce is then meaningless). `config`: a Config (Triton) or a
+    give them weight 0 (their ce is then meaningless, but finite). `config`: a Config (Triton) or a
     cross_entropy_mgpu.Config (`backend="mosaic_gpu"`: bfloat16 compute only). `backend` picks
     the kernel of the forward-and-gradient pass (training); a call that takes no gradient
     (evaluation) runs the Triton forward kernel on either backend: it reads each row of logits
@@ -311,6 +311,9 @@ def linear_cross_entropy(
             check_triton_config(config, ("block_rows", "block_cols", "num_warps"))
         cfg, interpret = config or default_config(), resolve_interpret(interpret)
     weights = jax.lax.stop_gradient(weights)  # the forward bakes them into dz
+    # A target in the padding columns [V, Vp) would read a masked logit, which float16 holds as
+    # -inf: ce = inf and a weight-0 row would make the loss 0 * inf = NaN. -1 matches no column.
+    targets = jnp.where(targets < w.shape[0], targets, -1)
     n_cols = w.shape[0] + -w.shape[0] % _align(backend)
     rows = chunk_rows(x.shape[0], n_cols, jnp.dtype(compute_dtype).itemsize, max_chunk_bytes)
     loss, ce, hit = _linear_ce(

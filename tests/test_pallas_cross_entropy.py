@@ -162,6 +162,22 @@ def test_chunk_rows():
             chunk_rows(10, 384, 4, bad)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_a_weight_0_row_with_a_target_past_the_vocabulary_leaves_the_loss_finite(dtype):
+    """float16 holds the padding columns' mask value as -inf: a target there (110 of a
+    vocabulary of 100, padded to 128) gave ce = inf and the loss 0 * inf = NaN."""
+    x, w, _, _ = make(6, 8, 100, seed=7)
+    t = jnp.asarray([1, 2, 110, 3, 4, 5], jnp.int32)
+    wt = jnp.asarray([0.2, 0.2, 0.0, 0.2, 0.2, 0.2], jnp.float32)
+    loss, ce, _ = linear_cross_entropy(x, w, t, wt, dtype)
+    gx = jax.grad(lambda x: linear_cross_entropy(x, w, t, wt, dtype)[0])(x)
+    assert np.isfinite(float(loss)) and np.isfinite(np.asarray(ce, np.float32)).all()
+    assert np.isfinite(np.asarray(gx)).all() and not np.asarray(gx)[2].any()
+    keep = np.arange(6) != 2  # the other rows: their own loss
+    ref = linear_cross_entropy_ref(x[keep], w, t[keep], wt[keep], dtype)[0]
+    np.testing.assert_allclose(float(loss), float(ref), rtol=1e-2 if dtype != jnp.float32 else 1e-5)
+
+
 def test_jit_matches_eager():
     x, w, t, weights = make(10, 8, 130, seed=4)
     f = lambda x, w: linear_cross_entropy(x, w, t, weights, jnp.float32, config=SMALL)[0]  # noqa: E731
