@@ -42,6 +42,16 @@ BENCH="python3 profile.py bench --dtypes bfloat16 --modes train_step --torch --n
   --steps 5 --group 10"
 FAST="--kernels pallas --set model.loss_impl=pallas --set model.attention_impl=dot_product_attention"
 TS="--set model.d_model=512 --set model.d_ff=1344 --set model.n_layers=4 --set model.n_heads=16"
+residual_grid() {  # residual_grid SECONDS BATCH...: GPT-2 (vocabulary 50304), no torch, one
+  local secs=$1 b r  # process per batch x residual stream dtype
+  shift
+  for b in "$@"; do
+    for r in float32 bfloat16; do
+      step "gpt2_b${b}_residual_$r" "$secs" ${BENCH/ --torch/} --contexts 1024 --sizes small \
+        --vocab 50304 --batch "$b" $FAST --set model.residual_dtype=$r --jsonl "$OUT/bench.jsonl"
+    done
+  done
+}
 case $PART in
   torch)
     for b in 16 64; do
@@ -68,12 +78,7 @@ case $PART in
     ;;
   residual)
     step pin 200 python3 benchmarks/loss_curve_pin.py --jsonl "$OUT/pin.jsonl"  # 200 + 4 x 90
-    for b in 16 64; do
-      for r in float32 bfloat16; do
-        step "gpt2_b${b}_residual_$r" 90 ${BENCH/ --torch/} --contexts 1024 --sizes small \
-          --vocab 50304 --batch $b $FAST --set model.residual_dtype=$r --jsonl "$OUT/bench.jsonl"
-      done
-    done
+    residual_grid 90 16 64
     ;;
   torch_residual)
     for b in 16 64; do
@@ -83,12 +88,7 @@ case $PART in
     done
     ;;
   mfu)
-    for b in 96 128; do
-      for r in bfloat16 float32; do
-        step "gpt2_b${b}_residual_$r" 120 ${BENCH/ --torch/} --contexts 1024 --sizes small \
-          --vocab 50304 --batch $b $FAST --set model.residual_dtype=$r --jsonl "$OUT/bench.jsonl"
-      done
-    done
+    residual_grid 120 96 128
     step torch_reference_tests 150 python3 -m pytest -q -rfEs -n 0 -p no:benchmark \
       -p no:randomly tests/test_bench.py -k torch_reference
     grep -E "passed|failed|skipped|^FAILED|^ERROR|^SKIPPED" "$OUT/torch_reference_tests.log" | tail
