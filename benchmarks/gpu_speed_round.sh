@@ -12,7 +12,8 @@
 # sides with the bf16 residual stream; PART=mfu: GPT-2 at batch 96 and 128 (vocabulary 50304),
 # float32 and bfloat16 residual streams, for MFU at our best batch, and the PyTorch-reference
 # tests (they skip in CI: no torch there); PART=chunks: the fused loss's rows in chunks
-# (model.loss_chunk_mib 0 = all at once, 4096, 2048 = the default, 1024), GPT-2 at batch 64 and
+# (model.loss_chunk_mib 0 = all at once, 2048, 4096, 1024; the default 8192 keeps batch 64 in one
+# chunk: these runs chose it), GPT-2 at batch 64 and
 # 16 (vocabulary 50304), the unchunked run repeated last; PART=determinism: the associative-
 # recall preset trained in separate processes, twice with XLA_FLAGS=--xla_gpu_deterministic_ops=
 # true and once without, their loss curves compared (an H100 test run saw two processes differ;
@@ -71,7 +72,8 @@ case $PART in
     ;;
   verify)
     step pallas_tests 330 env JAX_PLATFORMS=cuda python3 -m pytest -q -rfE -n 0 -p no:benchmark \
-      -p no:randomly tests/test_pallas_*.py  # the suite pins the CPU unless told (conftest.py)
+      -p no:randomly tests/test_pallas_*.py tests/test_ops.py tests/test_kernel_switch.py
+    # (the suite pins the CPU unless JAX_PLATFORMS says otherwise: tests/conftest.py)
     grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pallas_tests.log" | tail -15
     step ce_ragged 90 python3 benchmarks/cross_entropy_bench.py --rows 1000 --mosaic --no-head \
       --jsonl "$OUT/ce_ragged.jsonl"

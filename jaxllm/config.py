@@ -133,7 +133,8 @@ class ModelConfig(Section):
     # The fused loss makes the logits for at most this many MiB of rows at a time (at least 32
     # rows), chunk after chunk, per device (GPT-2's logits at batch 64 take 6.7 GB; the Mosaic
     # kernel holds dz beside a chunk's logits: twice this at the peak); 0: all rows at once.
-    # Same loss and gradients; ~0.7% slower a step where it makes chunks (benchmarks/RESULTS.md).
+    # Same loss and gradients up to GEMM rounding; 0.7-1.2% slower a step with 2-4 chunks
+    # (benchmarks/RESULTS.md).
     loss_chunk_mib: int = spec(LOSS_CHUNK_MIB, ge=0)
     # Activation rematerialisation: "block" wraps every decoder block in jax.checkpoint (saving
     # nothing inside it), so the backward pass recomputes each block's forward from its input:

@@ -27,11 +27,17 @@ DEFAULT_FLAGS = {
 }
 
 
-def apply_default_xla_flags() -> None:
-    """Append our defaults to $XLA_FLAGS unless the user set the same flag. Call before the
-    first JAX computation; a no-op on CPU (XLA ignores GPU flags there)."""
+def add_xla_flags(flags: dict[str, str]) -> None:
+    """Append `flags` ({"--name": "value"}) to $XLA_FLAGS, each unless $XLA_FLAGS already names it
+    (the user's setting wins). Call before the first JAX computation."""
     current = os.environ.get("XLA_FLAGS", "")
     names = {f.split("=", 1)[0] for f in current.split()}
-    extra = [f"{k}={v}" for k, v in DEFAULT_FLAGS.items() if k not in names]
+    extra = [f"{k}={v}" for k, v in flags.items() if k not in names]
     if extra:
         os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
+
+
+def apply_default_xla_flags() -> None:
+    """Append our defaults to $XLA_FLAGS (add_xla_flags); a no-op on CPU (XLA ignores GPU flags
+    there)."""
+    add_xla_flags(DEFAULT_FLAGS)
