@@ -96,6 +96,7 @@ def test_bench_tiny_table_json_lines_and_an_oom_cell(tmp_path, capsys, monkeypat
             assert r[4:] == ["OOM", "-", "-", "-"]
         else:  # the same config's other modes ran, and so did the next config
             assert float(r[4]) > 0 and float(r[5]) >= 0 and float(r[6].replace(",", "")) > 0
+    assert text.count(bench.OOM_HINT) == 1  # what to try, once, after the table
 
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 6
@@ -484,5 +485,7 @@ def test_group_times_back_to_back_calls(tmp_path, capsys):
     argv = ["bench", *TINY_SWEEP, "--contexts", "16", "--modes", "forward", *TINY_RUN,
             "--group", "3", "--isolate", "never", "--jsonl", str(out)]  # fmt: skip
     assert cli(argv) == 0
-    assert "2 timed samples of 3 back-to-back calls each" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "2 timed samples of 3 back-to-back calls each" in text
+    assert bench.OOM_HINT not in text  # no OOM, no advice
     assert [json.loads(line)["group"] for line in out.read_text().splitlines()] == [3]

@@ -875,8 +875,17 @@ def run(sweep: Sweep, jsonl_path: str | None = None, progress: bool = True) -> l
             gc.collect()
             jax.clear_caches()
     bar.close()
+    if any(r.ours.status == "OOM" for r in rows):
+        print(OOM_HINT, flush=True)
     sys.stdout.flush()
     return rows
+
+
+OOM_HINT = (
+    "OOM: out of device memory in a process of its own. Activations: --set model.remat=block "
+    "(recompute each block in the backward); the fused loss's logits: a smaller "
+    "--set model.loss_chunk_mib (with model.loss_impl=pallas); or a smaller --batch"
+)
 
 
 def _child_main(argv: list[str] | None = None) -> int:
