@@ -96,8 +96,9 @@ case $PART in
     grep -E "passed|failed|skipped|^FAILED|^ERROR|^SKIPPED" "$OUT/torch_reference_tests.log" | tail
     ;;
   chunks)
-    for mib in 0 2048 4096 1024 0; do
-      step "gpt2_b64_chunk_${mib}" 100 ${BENCH/ --torch/} --contexts 1024 --sizes small \
+    for run in 0 2048 4096 1024 0_again; do
+      mib=${run%_again}
+      step "gpt2_b64_chunk_${run}" 100 ${BENCH/ --torch/} --contexts 1024 --sizes small \
         --vocab 50304 --batch 64 $FAST --set model.loss_chunk_mib=$mib --jsonl "$OUT/bench.jsonl"
     done
     for mib in 0 1024; do
@@ -112,8 +113,8 @@ case $PART in
       --train.log_every=5 --train.eval_every=30 --train.checkpoint_every=20
       --optim.warmup_steps=5 --train.progress=false"
     for run in det1 det2 plain; do
-      flags="--xla_gpu_deterministic_ops=true"
-      [ "$run" = plain ] && flags=""
+      flags="${XLA_FLAGS:-} --xla_gpu_deterministic_ops=true"  # the environment's flags kept
+      [ "$run" = plain ] && flags="${XLA_FLAGS:-}"
       # shellcheck disable=SC2086  # AR is a list of flags
       step "ar_$run" 120 env XLA_FLAGS="$flags" python3 train.py --config configs/ar.yaml $AR \
         "--train.run_dir=$OUT/$run"

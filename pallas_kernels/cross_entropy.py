@@ -42,6 +42,7 @@ VOCAB_ALIGN = 128  # pad the vocabulary to a multiple of this for the GEMMs
 # finite: exp(MASK_VALUE - m) underflows to 0 without inf - inf = NaN. The same value as
 # jaxllm.functional.MASK_VALUE (tests/test_layout.py checks; this package may not import jaxllm).
 MASK_VALUE = -1e30
+OUT_OF_RANGE_CE = -MASK_VALUE  # the ce of a row whose target is outside [0, V): 1e30, finite
 # The head's logits are made for at most this many bytes of rows at a time (linear_cross_entropy)
 LOGITS_CHUNK_BYTES = 8 * 2**30
 CHUNK_ROW_MULTIPLE = 32  # rows of a chunk: whole 32-row runs of the Mosaic kernel's programs
@@ -200,6 +201,13 @@ def _over_chunks(one, rows: int, xc, targets, weights, carry=None):
     return carry, tuple(o.reshape(n_chunks * rows, *o.shape[2:])[:n] for o in outs)
 
 
+def _flag_out_of_range(ce, hit, targets):
+    """Rows whose target was outside [0, V) (now -1): ce OUT_OF_RANGE_CE, finite, so a weight-0
+    row adds 0 to the loss and a weighted one shows up at once; never a hit."""
+    bad = targets < 0
+    return jnp.where(bad, OUT_OF_RANGE_CE, ce), jnp.where(bad, 0, hit)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _linear_ce(x, w, targets, weights, compute_dtype, interpret, cfg, backend, rows):
     xc, wc = _head_weights(x, w, compute_dtype)  # no gradient: the Triton kernel's one sweep
@@ -210,6 +218,7 @@ def _linear_ce(x, w, targets, weights, compute_dtype, interpret, cfg, backend, r
         return carry, cross_entropy_from_logits(z, t, wt, w.shape[0], False, interpret, cfg)
 
     _, (ce, hit) = _over_chunks(one, rows, xc, targets, weights)
+    ce, hit = _flag_out_of_range(ce, hit, targets)
     return jnp.sum(weights * ce), ce, hit
 
 
@@ -231,6 +240,7 @@ def _linear_ce_fwd(x, w, targets, weights, compute_dtype, interpret, cfg, backen
 
     dw0 = None if rows >= x.shape[0] else jnp.zeros(wc.shape, f32)
     dw, (ce, hit, dx) = _over_chunks(one, rows, xc, targets, weights, dw0)
+    ce, hit = _flag_out_of_range(ce, hit, targets)
     return (jnp.sum(weights * ce), ce, hit), (dx, dw[:vocab].astype(w.dtype))
 
 
@@ -280,9 +290,10 @@ def linear_cross_entropy(
     without a target, 1/count for a mean). Returns (loss = sum_i w_i ce_i, differentiable in x
     and w; ce (N,) float32 per row; hit (N,) bool: the target's logit is the row's max). ce,
     hit and the weights carry no gradient. Targets outside [0, V) cannot be checked under jit:
-    give them weight 0 (their ce is then meaningless, but finite). `config`: a Config (Triton) or a
-    cross_entropy_mgpu.Config (`backend="mosaic_gpu"`: bfloat16 compute only). `backend` picks
-    the kernel of the forward-and-gradient pass (training); a call that takes no gradient
+    give them weight 0 (their ce is then OUT_OF_RANGE_CE, 1e30: finite, never a hit; with a
+    weight it shows in the loss). `config`: a Config (Triton) or a cross_entropy_mgpu.Config
+    (`backend="mosaic_gpu"`: bfloat16 compute only). `backend` picks the kernel of the
+    forward-and-gradient pass (training); a call that takes no gradient
     (evaluation) runs the Triton forward kernel on either backend: it reads each row of logits
     once and writes nothing, the least traffic there is (the Mosaic kernel also writes dz).
     `max_chunk_bytes`: the rows go through the head in chunks whose logits take at most this
@@ -311,9 +322,12 @@ def linear_cross_entropy(
             check_triton_config(config, ("block_rows", "block_cols", "num_warps"))
         cfg, interpret = config or default_config(), resolve_interpret(interpret)
     weights = jax.lax.stop_gradient(weights)  # the forward bakes them into dz
-    # A target in the padding columns [V, Vp) would read a masked logit, which float16 holds as
-    # -inf: ce = inf and a weight-0 row would make the loss 0 * inf = NaN. -1 matches no column.
-    targets = jnp.where(targets < w.shape[0], targets, -1)
+    # A target outside [0, V) becomes -1, which matches no column, and its row's ce OUT_OF_RANGE_CE
+    # (_flag_out_of_range). In the padding columns [V, Vp) it would read a masked logit, which
+    # float16 holds as -inf: ce = inf, and a weight-0 row would make the loss 0 * inf = NaN.
+    # int32 first: V and -1 must not wrap in a narrower (or unsigned) target dtype.
+    t32 = targets.astype(jnp.int32)
+    targets = jnp.where((t32 >= 0) & (t32 < w.shape[0]), t32, -1)
     n_cols = w.shape[0] + -w.shape[0] % _align(backend)
     rows = chunk_rows(x.shape[0], n_cols, jnp.dtype(compute_dtype).itemsize, max_chunk_bytes)
     loss, ce, hit = _linear_ce(

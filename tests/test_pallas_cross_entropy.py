@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import linear_cross_entropy, linear_cross_entropy_ref
-from pallas_kernels.cross_entropy import LOGITS_CHUNK_BYTES, Config, chunk_rows
+from pallas_kernels.cross_entropy import LOGITS_CHUNK_BYTES, OUT_OF_RANGE_CE, Config, chunk_rows
 from pallas_kernels.triton_backend import mosaic_gpu_capable
 
 
@@ -176,6 +176,29 @@ def test_a_weight_0_row_with_a_target_past_the_vocabulary_leaves_the_loss_finite
     keep = np.arange(6) != 2  # the other rows: their own loss
     ref = linear_cross_entropy_ref(x[keep], w, t[keep], wt[keep], dtype)[0]
     np.testing.assert_allclose(float(loss), float(ref), rtol=1e-2 if dtype != jnp.float32 else 1e-5)
+    assert ce[2] == np.float32(OUT_OF_RANGE_CE)  # finite, and loud if the row had a weight
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "int64"])
+def test_targets_of_any_integer_dtype_give_the_int32_result(dtype):
+    """Narrow or unsigned targets (uint16 is how token files store ids) give the int32 result:
+    the range check must not wrap V or -1 into their dtype. Out of range (-3, 200 of V = 200):
+    ce OUT_OF_RANGE_CE, never a hit, no gradient at weight 0."""
+    x, w, _, _ = make(6, 8, 200, seed=8)
+    t = np.array([1, 2, 99, 3, 0, 4])  # fits int8
+    wt = jnp.asarray([0.2, 0.2, 0.2, 0.2, 0.0, 0.2], jnp.float32)
+    want = linear_cross_entropy(x, w, jnp.asarray(t, jnp.int32), wt, jnp.float32, config=SMALL)
+    with jax.enable_x64(dtype == "int64"):
+        got = linear_cross_entropy(x, w, jnp.asarray(t, dtype), wt, jnp.float32, config=SMALL)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    bad = np.array([1, 2, 99, 3, -3 if "u" not in dtype else 200, 4])
+    with jax.enable_x64(dtype == "int64"):
+        loss, ce, hit = linear_cross_entropy(
+            x, w, jnp.asarray(bad, dtype), wt, jnp.float32, config=SMALL
+        )
+    assert ce[4] == np.float32(OUT_OF_RANGE_CE) and not hit[4] and np.isfinite(float(loss))
+    np.testing.assert_allclose(float(loss), float(want[0]), rtol=1e-6)  # weight 0: no change
 
 
 def test_jit_matches_eager():

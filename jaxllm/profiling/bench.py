@@ -882,7 +882,7 @@ def run(sweep: Sweep, jsonl_path: str | None = None, progress: bool = True) -> l
 
 
 OOM_HINT = (
-    "OOM: out of device memory in a process of its own. Activations: --set model.remat=block "
+    "OOM: a cell ran out of device memory. Activations: --set model.remat=block "
     "(recompute each block in the backward); the fused loss's logits: a smaller "
     "--set model.loss_chunk_mib (with model.loss_impl=pallas); or a smaller --batch"
 )
