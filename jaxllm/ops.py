@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels
 from jaxllm import functional as F
 from jaxllm.config import LOSS_CHUNK_MIB, ConfigError, ModelConfig
+from pallas_kernels.cross_entropy import OUT_OF_RANGE_CE, targets_in_range
 
 NormPath = Literal["xla", "pallas"]
 AttentionPath = Literal["xla", "pallas", "cudnn"]
@@ -265,6 +266,12 @@ def causal_attention(
     shard: KernelShard | None = None,
 ) -> jax.Array:
     """Causal self-attention without a cache: q, k, v (B, T, H, Dh) -> (B, T, H, Dh)."""
+    if q.shape[1] != k.shape[1] or k.shape[1] != v.shape[1]:  # the paths align a mask apart
+        raise ValueError(
+            "causal_attention is self-attention: q, k and v need the same length T, got "
+            f"{q.shape[1]}, {k.shape[1]}, {v.shape[1]} (decoding over a KV cache attends with "
+            "F.attention and its own mask)"
+        )
     if path == "cudnn":
         if dropout_rng is not None:  # the config forbids it; a direct caller may not
             raise ValueError("cuDNN attention has no dropout; use the xla or pallas path")
@@ -298,7 +305,9 @@ def linear_cross_entropy(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """LM head + cross-entropy: x (N, D), w (V, D), targets, weights (N,) ->
     (sum_i w_i loss_i, ce (N,), hit (N,)); see `F.linear_cross_entropy`. `chunk_mib`: the
-    fused kernel's logits per chunk of rows (model.loss_chunk_mib; 0: all rows at once)."""
+    fused kernel's logits per chunk of rows (model.loss_chunk_mib; 0: all rows at once).
+    A target outside [0, V) gives its row ce = OUT_OF_RANGE_CE (1e30: nothing at weight 0,
+    loud with a weight) and no hit, on every path."""
     if path in ("pallas", "pallas_mgpu"):
         if label_smoothing:  # ModelConfig refuses this pairing; a direct caller gets it here
             raise ValueError("label smoothing needs the xla loss path: the fused kernel has none")
@@ -313,7 +322,13 @@ def linear_cross_entropy(
         args = (x, w, targets, weights)
         parts, ce, hit = _per_shard(shard, kernel, args, (True, False, True, True), (True,) * 3)
         return jnp.sum(parts), ce, hit
-    return F.linear_cross_entropy(x, w, targets, weights, compute_dtype, label_smoothing)
+    ok = targets_in_range(targets, w.shape[0])
+    safe = jnp.where(ok, targets.astype(jnp.int32), 0)  # XLA's gather would clamp or NaN
+    loss, ce, hit = F.linear_cross_entropy(
+        x, w, safe, jnp.where(ok, weights, 0), compute_dtype, label_smoothing
+    )
+    loss = loss + OUT_OF_RANGE_CE * jnp.sum(jnp.where(ok, 0, weights))
+    return loss, jnp.where(ok, ce, OUT_OF_RANGE_CE), hit & ok
 
 
 def depthwise_conv1d(

@@ -201,6 +201,14 @@ def _over_chunks(one, rows: int, xc, targets, weights, carry=None):
     return carry, tuple(o.reshape(n_chunks * rows, *o.shape[2:])[:n] for o in outs)
 
 
+def targets_in_range(targets: jax.Array, vocab: int) -> jax.Array:
+    """(N,) bool: targets in [0, vocab), checked in their own integer dtype (a cast first
+    would wrap a 64-bit 2^32 + 1 to 1, a comparison with vocab in int8 would wrap vocab)."""
+    info = jnp.iinfo(targets.dtype)
+    ok = targets >= 0 if info.min < 0 else jnp.ones(targets.shape, bool)
+    return ok & (targets < vocab) if vocab <= info.max else ok
+
+
 def _flag_out_of_range(ce, hit, targets):
     """Rows whose target was outside [0, V) (now -1): ce OUT_OF_RANGE_CE, finite, so a weight-0
     row adds 0 to the loss and a weighted one shows up at once; never a hit."""
@@ -325,9 +333,7 @@ def linear_cross_entropy(
     # A target outside [0, V) becomes -1, which matches no column, and its row's ce OUT_OF_RANGE_CE
     # (_flag_out_of_range). In the padding columns [V, Vp) it would read a masked logit, which
     # float16 holds as -inf: ce = inf, and a weight-0 row would make the loss 0 * inf = NaN.
-    # int32 first: V and -1 must not wrap in a narrower (or unsigned) target dtype.
-    t32 = targets.astype(jnp.int32)
-    targets = jnp.where((t32 >= 0) & (t32 < w.shape[0]), t32, -1)
+    targets = jnp.where(targets_in_range(targets, w.shape[0]), targets.astype(jnp.int32), -1)
     n_cols = w.shape[0] + -w.shape[0] % _align(backend)
     rows = chunk_rows(x.shape[0], n_cols, jnp.dtype(compute_dtype).itemsize, max_chunk_bytes)
     loss, ce, hit = _linear_ce(

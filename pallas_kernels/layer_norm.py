@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -341,8 +342,9 @@ def _prepare(x, gamma, beta, out_dtype, config, backend: str, interpret, h_dtype
 
 def _apply(x, h, gamma, beta, eps, interpret, out_dtype, config, backend):
     """The public functions' common body: h None is the plain norm, beta None is RMSNorm."""
-    if not (isinstance(eps, int | float) and math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    # a Python or NumPy real (np.float32(1e-5) too), not an array: it is compiled in
+    if not (isinstance(eps, numbers.Real) and math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite real number >= 0 (not an array), got {eps!r}")
     out_dtype, cfgs, interpret = _prepare(
         x, gamma, beta, out_dtype, config, backend, interpret, None if h is None else h.dtype
     )

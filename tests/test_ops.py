@@ -178,3 +178,40 @@ def test_loss_chunk_mib_reaches_the_kernel_and_needs_the_fused_loss():
         assert ("f32[256,640]" in text) == (mib == 1) and ("f32[512,640]" in text) == (mib == 0)
     np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-6)
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5, atol=1e-7)
+
+
+def test_out_of_range_targets_give_the_same_loss_on_every_path():
+    """A target outside [0, V) (-1, V): ce 1e30 and no hit on the XLA path as in the kernel (the
+    XLA gather clamped -1 to the last column and gave NaN for V); weight 0 adds nothing,
+    a weight makes the loss huge."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxllm import ops
+
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(3, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(130, 8)), jnp.float32)
+    t = jnp.asarray([5, -1, 130], jnp.int32)
+    for weights, huge in (([1.0, 0.0, 0.0], False), ([1.0, 0.0, 0.5], True)):
+        outs = [ops.linear_cross_entropy(x, w, t, jnp.asarray(weights), jnp.float32, p)
+                for p in ("xla", "pallas")]  # fmt: skip
+        for loss, ce, hit in outs:
+            assert np.isfinite(float(loss)) and (float(loss) > 1e29) == huge
+            np.testing.assert_array_equal(np.asarray(ce[1:]), np.float32(1e30))
+            assert not hit[1:].any()
+        np.testing.assert_allclose(float(outs[0][0]), float(outs[1][0]), rtol=1e-5)
+        np.testing.assert_allclose(float(outs[0][1][0]), float(outs[1][1][0]), rtol=1e-5)
+
+
+def test_causal_attention_refuses_unequal_lengths():
+    """The paths would align the causal mask apart (the Pallas kernel bottom-right, XLA and
+    cuDNN top-left): self-attention only."""
+    import jax.numpy as jnp
+
+    from jaxllm import ops
+
+    q, k = jnp.ones((1, 2, 1, 4)), jnp.ones((1, 4, 1, 4))
+    for path in ("xla", "pallas", "cudnn"):
+        with pytest.raises(ValueError, match="same length T, got 2, 4, 4"):
+            ops.causal_attention(q, k, k, path)

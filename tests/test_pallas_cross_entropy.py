@@ -201,6 +201,17 @@ def test_targets_of_any_integer_dtype_give_the_int32_result(dtype):
     np.testing.assert_allclose(float(loss), float(want[0]), rtol=1e-6)  # weight 0: no change
 
 
+def test_wide_targets_out_of_range_are_not_wrapped_into_the_vocabulary():
+    """int64 2^32 + 1 and 2^33 would be 1 and 0 after a cast to int32: they are out of range."""
+    x, w, _, _ = make(3, 8, 130, seed=10)
+    with jax.enable_x64(True):
+        for dtype in (jnp.int64, jnp.uint64):
+            t = jnp.asarray([2**32 + 1, 2**33, 5], dtype)
+            _, ce, hit = linear_cross_entropy(x, w, t, jnp.asarray([0.0, 0.0, 1.0]), jnp.float32)
+            assert list(np.asarray(ce[:2])) == [np.float32(OUT_OF_RANGE_CE)] * 2
+            assert not hit[:2].any() and ce[2] < 1e3
+
+
 def test_jit_matches_eager():
     x, w, t, weights = make(10, 8, 130, seed=4)
     f = lambda x, w: linear_cross_entropy(x, w, t, weights, jnp.float32, config=SMALL)[0]  # noqa: E731

@@ -113,7 +113,8 @@ def test_bad_inputs_raise(x_shape, dtype, g_shape, match):
     "kw, match",
     [
         (dict(x=jnp.zeros((0, 8))), r"no rows to normalise: shape \(0, 8\)"),
-        (dict(eps=-1.0), "eps must be a finite number >= 0, got -1.0"),
+        (dict(eps=-1.0), r"eps must be a finite real number >= 0 \(not an array\), got -1.0"),
+        (dict(eps=jnp.float32(1e-5)), "eps must be a finite real number"),  # an array
         (dict(config=Config(4, 4, 0)), "config.programs must be >= 1"),
         (dict(config=Config(3, 4, 8)), "config.block_rows must be a power of two, got 3"),
     ],
@@ -124,6 +125,13 @@ def test_bad_settings_raise_before_the_kernel(kw, match):
     args = dict(x=jnp.zeros((4, 8)), gamma=jnp.ones(8), beta=jnp.zeros(8)) | kw
     with pytest.raises(ValueError, match=match):
         layer_norm(**args)
+
+
+def test_numpy_scalar_eps_is_taken():
+    """np.float32(1e-5) (a config read through NumPy) is a number like 1e-5."""
+    x, gamma, beta = make((4, 8), jnp.float32, seed=9)
+    got = layer_norm(x, gamma, beta, eps=np.float32(1e-5))
+    np.testing.assert_array_equal(got, layer_norm(x, gamma, beta, eps=float(np.float32(1e-5))))
 
 
 def test_float32_in_bfloat16_out(float64_ref):
