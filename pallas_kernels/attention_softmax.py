@@ -25,7 +25,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .triton_backend import check_backend, check_triton_config, compiler_params, resolve_interpret
+from .triton_backend import (
+    check_backend,
+    check_triton_config,
+    compiler_params,
+    first_order_rules,
+    resolve_interpret,
+)
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -221,7 +227,7 @@ def _softmax_bwd(cfg, scale, causal, lay, interpret, backend, res, dy):
     return _backward(y, dy, cfg, scale, lay.n_queries, interpret, backend), dmask
 
 
-_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+_softmax.defvjp(*first_order_rules("attention_softmax", 2, _softmax_fwd, _softmax_bwd))
 
 
 def _check(scores, mask, scale) -> jax.Array | None:

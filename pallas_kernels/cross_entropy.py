@@ -36,7 +36,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .triton_backend import check_backend, check_triton_config, compiler_params, resolve_interpret
+from .triton_backend import (
+    check_backend,
+    check_triton_config,
+    compiler_params,
+    first_order_rules,
+    resolve_interpret,
+)
 
 VOCAB_ALIGN = 128  # pad the vocabulary to a multiple of this for the GEMMs
 # finite: exp(MASK_VALUE - m) underflows to 0 without inf - inf = NaN. The same value as
@@ -258,7 +264,7 @@ def _linear_ce_bwd(compute_dtype, interpret, cfg, backend, rows, res, cts):
     return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None
 
 
-_linear_ce.defvjp(_linear_ce_fwd, _linear_ce_bwd)
+_linear_ce.defvjp(*first_order_rules("linear_cross_entropy", 4, _linear_ce_fwd, _linear_ce_bwd))
 
 
 def _check(x, w, targets, weights) -> None:

@@ -44,6 +44,7 @@ from .triton_backend import (
     check_triton_config,
     compiler_params,
     core_count,
+    first_order_rules,
     resolve_interpret,
 )
 
@@ -334,7 +335,7 @@ def _conv_bwd(mode, interpret, cfgs, backend, res, g):
     return du, dw.astype(w.dtype), db.astype(b.dtype)
 
 
-_conv.defvjp(_conv_fwd, _conv_bwd)
+_conv.defvjp(*first_order_rules("depthwise_conv1d", 3, _conv_fwd, _conv_bwd))
 
 
 def _check(u, w, b, mode: str, config: Config | None) -> None:

@@ -46,6 +46,7 @@ from .triton_backend import (
     check_triton_config,
     compiler_params,
     core_count,
+    first_order_rules,
     resolve_interpret,
 )
 
@@ -268,7 +269,7 @@ def _norm_bwd(eps, out_dtype, interpret, cfgs, backend, res, dy):
     return dx, _cast(dg, gamma), _cast(db, beta)
 
 
-_norm.defvjp(_norm_fwd, _norm_bwd)
+_norm.defvjp(*first_order_rules("layer_norm / rms_norm", 3, _norm_fwd, _norm_bwd))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
@@ -289,7 +290,9 @@ def _add_norm_bwd(eps, out_dtype, interpret, cfgs, backend, res, cts):
     return dx, dh, _cast(dg, gamma), _cast(db, beta)
 
 
-_add_norm.defvjp(_add_norm_fwd, _add_norm_bwd)
+_add_norm.defvjp(
+    *first_order_rules("add_layer_norm / add_rms_norm", 4, _add_norm_fwd, _add_norm_bwd)
+)
 
 
 def _check(x, gamma, beta) -> None:

@@ -29,6 +29,7 @@ caller's jit, where no narrower filter can reach it.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -37,6 +38,40 @@ from jax.experimental.pallas import triton as pltriton
 _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 
 BACKENDS = ("triton", "mosaic_gpu")
+
+
+def first_order_only(kernel: str, fn: Callable, *arrays: Any) -> Any:
+    """fn(*arrays), a kernel's gradient pass, as a function JAX may not differentiate again: a
+    second derivative through `kernel` (jax.hessian, grad of grad) raises this clear error
+    instead of failing deep inside Pallas, whose calls have no JVP rule. First derivatives
+    never differentiate the gradient pass, so they are unaffected."""
+    f = jax.custom_jvp(fn)
+
+    @f.defjvp
+    def _jvp(primals, tangents):
+        raise NotImplementedError(
+            f"{kernel}: the Pallas kernel has first derivatives only. For a second derivative "
+            "(jax.hessian, grad of grad) use its jnp reference (pallas_kernels.*_ref) or the "
+            "model's xla paths (model.kernels: xla, model.loss_impl: xla)"
+        )
+
+    return f(*arrays)
+
+
+def first_order_rules(kernel: str, n_diff: int, fwd: Callable, bwd: Callable):
+    """A custom VJP's (fwd, bwd) rules, each run through first_order_only: a second derivative
+    differentiates both (the forward's kernel makes the residuals the backward reads). The
+    function's first n_diff arguments are its arrays, the rest its nondiff_argnums."""
+
+    def fwd_rule(*args):
+        static = args[n_diff:]
+        return first_order_only(kernel, lambda *a: fwd(*a, *static), *args[:n_diff])
+
+    def bwd_rule(*args):  # (*nondiff arguments, residuals, cotangents)
+        static = args[:-2]
+        return first_order_only(kernel, lambda res, ct: bwd(*static, res, ct), *args[-2:])
+
+    return fwd_rule, bwd_rule
 
 
 def check_backend(backend: str, interpret: bool | None) -> str:

@@ -343,3 +343,39 @@ def test_cross_entropy_kernel_in_interpreter(float64_ref):
         assert np.isfinite(ce[5]) and ce[5] > 1e29 and not hit[5]  # finite: 0 x ce stays 0
         assert not np.any(np.asarray(dz[:, vocab:], np.float32))  # padding: no gradient
         np.testing.assert_allclose(np.asarray(dz, np.float32), ref_dz, atol=4e-3)  # bf16 dz
+
+
+@pytest.mark.parametrize("kernel", ["layer_norm", "add_layer_norm", "softmax", "conv", "loss"])
+def test_second_derivatives_raise_a_clear_error(kernel):
+    """grad of grad (and jax.hessian) through a kernel: one NotImplementedError naming it (it
+    failed deep inside Pallas: "Too few leaves for PyTreeDef", a bare AssertionError, "JVP with
+    aliasing"); first derivatives, under jit too, are unaffected."""
+    from pallas_kernels import (
+        add_layer_norm,
+        attention_softmax,
+        depthwise_conv1d,
+        layer_norm,
+        linear_cross_entropy,
+    )
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(4, 128)), jnp.float32)
+    g, b = jnp.ones(128), jnp.zeros(128)
+    w_head = jnp.asarray(rng.normal(size=(50, 8)), jnp.float32)
+    f = {
+        "layer_norm": lambda a: jnp.sum(layer_norm(a, g, b) ** 3),
+        "add_layer_norm": lambda a: jnp.sum(add_layer_norm(a, a, g, b)[1] ** 3),
+        "softmax": lambda a: jnp.sum(attention_softmax(a.reshape(1, 1, 4, 128), None) ** 3),
+        "conv": lambda a: jnp.sum(
+            depthwise_conv1d(a.reshape(1, 4, 128), jnp.ones((128, 3)), jnp.zeros(128)) ** 3
+        ),
+        "loss": lambda a: linear_cross_entropy(
+            a[:, :8], w_head, jnp.arange(4), jnp.ones(4) / 4, jnp.float32
+        )[0],
+    }[kernel]
+    first = jax.grad(f)(x)
+    assert np.isfinite(np.asarray(first)).all() and np.abs(np.asarray(first)).sum() > 0
+    np.testing.assert_allclose(jax.jit(jax.grad(f))(x), first, rtol=1e-5, atol=1e-6)
+    for second in (jax.grad(lambda a: jnp.sum(jax.grad(f)(a) ** 2)), jax.hessian(f)):
+        with pytest.raises(NotImplementedError, match="has first derivatives only"):
+            second(x)
