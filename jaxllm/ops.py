@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_kernels
 from jaxllm import functional as F
 from jaxllm.config import LOSS_CHUNK_MIB, ConfigError, ModelConfig
-from pallas_kernels.cross_entropy import OUT_OF_RANGE_CE, targets_in_range
+from pallas_kernels.cross_entropy import OUT_OF_RANGE_CE, mark_out_of_range, targets_in_range
 
 NormPath = Literal["xla", "pallas"]
 AttentionPath = Literal["xla", "pallas", "cudnn"]
@@ -327,8 +327,8 @@ def linear_cross_entropy(
     loss, ce, hit = F.linear_cross_entropy(
         x, w, safe, jnp.where(ok, weights, 0), compute_dtype, label_smoothing
     )
-    loss = loss + OUT_OF_RANGE_CE * jnp.sum(jnp.where(ok, 0, weights))
-    return loss, jnp.where(ok, ce, OUT_OF_RANGE_CE), hit & ok
+    loss = loss + OUT_OF_RANGE_CE * jnp.sum(jnp.where(ok, 0, weights))  # as the kernel's sum
+    return loss, *mark_out_of_range(ce, hit, ok)
 
 
 def depthwise_conv1d(

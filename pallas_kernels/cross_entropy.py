@@ -215,11 +215,11 @@ def targets_in_range(targets: jax.Array, vocab: int) -> jax.Array:
     return ok & (targets < vocab) if vocab <= info.max else ok
 
 
-def _flag_out_of_range(ce, hit, targets):
-    """Rows whose target was outside [0, V) (now -1): ce OUT_OF_RANGE_CE, finite, so a weight-0
-    row adds 0 to the loss and a weighted one shows up at once; never a hit."""
-    bad = targets < 0
-    return jnp.where(bad, OUT_OF_RANGE_CE, ce), jnp.where(bad, 0, hit)
+def mark_out_of_range(ce, hit, ok):
+    """ce, hit of the rows whose target was in range (ok, from targets_in_range); the others get
+    ce OUT_OF_RANGE_CE, finite, so a weight-0 row adds 0 to the loss and a weighted one shows up
+    at once, and are never a hit. Every loss path (this kernel, jaxllm.ops' XLA path) uses it."""
+    return jnp.where(ok, ce, OUT_OF_RANGE_CE), jnp.where(ok, hit, 0).astype(hit.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
@@ -232,7 +232,7 @@ def _linear_ce(x, w, targets, weights, compute_dtype, interpret, cfg, backend, r
         return carry, cross_entropy_from_logits(z, t, wt, w.shape[0], False, interpret, cfg)
 
     _, (ce, hit) = _over_chunks(one, rows, xc, targets, weights)
-    ce, hit = _flag_out_of_range(ce, hit, targets)
+    ce, hit = mark_out_of_range(ce, hit, targets >= 0)  # -1: out of range
     return jnp.sum(weights * ce), ce, hit
 
 
@@ -254,7 +254,7 @@ def _linear_ce_fwd(x, w, targets, weights, compute_dtype, interpret, cfg, backen
 
     dw0 = None if rows >= x.shape[0] else jnp.zeros(wc.shape, f32)
     dw, (ce, hit, dx) = _over_chunks(one, rows, xc, targets, weights, dw0)
-    ce, hit = _flag_out_of_range(ce, hit, targets)
+    ce, hit = mark_out_of_range(ce, hit, targets >= 0)  # -1: out of range
     return (jnp.sum(weights * ce), ce, hit), (dx, dw[:vocab].astype(w.dtype))
 
 
@@ -337,7 +337,7 @@ def linear_cross_entropy(
         cfg, interpret = config or default_config(), resolve_interpret(interpret)
     weights = jax.lax.stop_gradient(weights)  # the forward bakes them into dz
     # A target outside [0, V) becomes -1, which matches no column, and its row's ce OUT_OF_RANGE_CE
-    # (_flag_out_of_range). In the padding columns [V, Vp) it would read a masked logit, which
+    # (mark_out_of_range). In the padding columns [V, Vp) it would read a masked logit, which
     # float16 holds as -inf: ce = inf, and a weight-0 row would make the loss 0 * inf = NaN.
     targets = jnp.where(targets_in_range(targets, w.shape[0]), targets.astype(jnp.int32), -1)
     n_cols = w.shape[0] + -w.shape[0] % _align(backend)

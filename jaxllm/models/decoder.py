@@ -357,16 +357,9 @@ def lm_loss(
     safe = jnp.where(valid, targets.reshape(-1), 0)
     dtype = jnp.dtype(cfg.compute_dtype)
     loss, ce, hit = ops.linear_cross_entropy(
-        x.reshape(-1, d),
-        head,
-        safe,
-        weights,
-        dtype,
-        path,
-        label_smoothing,
-        shard,
-        cfg.loss_chunk_mib,
-    )
+        x.reshape(-1, d), head, safe, weights, dtype, path, label_smoothing, shard,
+        chunk_mib=cfg.loss_chunk_mib,
+    )  # fmt: skip
     return loss, {
         "loss_sum": jnp.sum(jnp.where(valid, ce, 0.0)),
         "correct": jnp.sum(valid & hit),
