@@ -71,7 +71,7 @@ case $PART in
     done
     ;;
   verify)
-    step pallas_tests 330 env JAX_PLATFORMS=cuda python3 -m pytest -q -rfE -n 0 -p no:benchmark \
+    step pallas_tests 330 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -rfE -n 0 -p no:benchmark \
       -p no:randomly tests/test_pallas_*.py tests/test_ops.py tests/test_kernel_switch.py
     # (the suite pins the CPU unless JAX_PLATFORMS says otherwise: tests/conftest.py)
     grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pallas_tests.log" | tail -15
@@ -131,6 +131,9 @@ print("det1 == plain:", c["det1"] == c["plain"])
 for d, v in c.items():
     print(d, v[:3], v[-1])
 PY
+    for run in det1 det2 plain; do  # keep the curves, not the checkpoints (few files come back)
+      mv "$OUT/$run/metrics.jsonl" "$OUT/ar_$run.metrics.jsonl" && rm -rf "${OUT:?}/$run"
+    done
     ;;
   kernels)
     # --quick: the full table (72 rows, 3 compiles each) takes more than one call

@@ -16,10 +16,11 @@ from jaxllm.xla_flags import add_xla_flags  # imports no jax: the flags must com
 # results at 1e-5 (a GPU's default TF32 matmuls miss that), count on the CPU's behaviour (Pallas
 # in interpret mode, cost analysis, no allocator statistics) or start CPU subprocesses. A whole
 # run on an H100 (2026-11-25, benchmarks/RESULTS.md) failed 18 such tests, no library bug found
-# among them (one difference between two processes' runs is open). JAX_PLATFORMS=cuda runs them
-# on the GPU instead: that is how the kernel tests are run compiled (`JAX_PLATFORMS=cuda pytest
-# -n 0 tests/test_pallas_*.py tests/test_ops.py tests/test_kernel_switch.py`; the Mosaic GPU
-# ones need a Hopper GPU and skip elsewhere). Children started by tests inherit the setting.
+# among them. JAX_PLATFORMS=cuda,cpu runs them on the GPU instead: that is how the kernel tests
+# are run compiled (`JAX_PLATFORMS=cuda,cpu pytest -n 0 tests/test_pallas_*.py tests/test_ops.py
+# tests/test_kernel_switch.py`; the Mosaic GPU ones need a Hopper GPU and skip elsewhere; `cpu`
+# too, because jax's Mosaic GPU interpreter runs its kernels on the CPU through io_callback).
+# Children started by tests inherit the setting.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Keep XLA from grabbing both cores' worth of threads per process. On a GPU reductions must not
 # use atomics: the tests check that a rerun with the same seed is bit-identical. Added to any

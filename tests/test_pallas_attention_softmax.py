@@ -1,6 +1,6 @@
 """pallas_kernels.attention_softmax against the float64 reference: values, gradients, jit, vmap.
 
-On CPU the kernels run in interpret mode; with JAX_PLATFORMS=cuda (tests/conftest.py pins the
+On CPU the kernels run in interpret mode; with JAX_PLATFORMS=cuda,cpu (tests/conftest.py pins the
 CPU otherwise) the same tests check the compiled kernels on a GPU.
 Tolerances: float32 outputs within 1e-5 (rel) + 1e-6 (abs) of float64; bfloat16/float16 outputs
 within one rounding of the 16-bit type (1e-2 rel + abs, probabilities are at most 1).

@@ -1,7 +1,7 @@
 """pallas_kernels.linear_cross_entropy against the float64 reference: loss, per-row ce, hits,
 gradients (including a cotangent != 1), ignored rows, vocab padding, multi-chunk rows, errors.
 
-On CPU the kernel runs in interpret mode; with JAX_PLATFORMS=cuda (tests/conftest.py pins the
+On CPU the kernel runs in interpret mode; with JAX_PLATFORMS=cuda,cpu (tests/conftest.py pins the
 CPU otherwise) the same tests check the compiled kernel on a GPU.
 """
 
@@ -251,7 +251,7 @@ def test_bad_settings_raise_before_the_kernel():
 
 @pytest.mark.skipif(
     not mosaic_gpu_capable(),
-    reason="compiles the Mosaic GPU kernel: needs a Hopper-class GPU and JAX_PLATFORMS=cuda "
+    reason="compiles the Mosaic GPU kernel: needs a Hopper-class GPU and JAX_PLATFORMS=cuda,cpu "
     "(CPU: test_pallas_backend runs it in the interpreter, whole row runs only)",
 )
 @pytest.mark.parametrize("n,v", [(1000, 2000), (70000, 2000), (300, 50257)])
@@ -298,7 +298,7 @@ def test_mosaic_kernel_with_ragged_row_runs_matches_triton(float64_ref, n, v):
 
 @pytest.mark.skipif(
     not mosaic_gpu_capable(),
-    reason="compiles the Mosaic GPU kernel: needs a Hopper-class GPU and JAX_PLATFORMS=cuda "
+    reason="compiles the Mosaic GPU kernel: needs a Hopper-class GPU and JAX_PLATFORMS=cuda,cpu "
     "(CPU: the chunking is checked on the Triton kernel in interpret mode)",
 )
 @pytest.mark.parametrize("backend", ["mosaic_gpu", "triton"])

@@ -1,6 +1,6 @@
 """pallas_kernels.depthwise_conv1d against the float64 reference: values, gradients, jit, vmap.
 
-On CPU the kernels run in interpret mode; with JAX_PLATFORMS=cuda (tests/conftest.py pins the
+On CPU the kernels run in interpret mode; with JAX_PLATFORMS=cuda,cpu (tests/conftest.py pins the
 CPU otherwise) the same tests check the compiled kernels on a GPU.
 Tolerances against float64 on the same (rounded) inputs, outputs of order 1:
   float32  out, du: 1e-5 (rel + abs);           dw, db: 1e-5 of max |ref|

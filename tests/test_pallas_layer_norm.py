@@ -1,7 +1,7 @@
 """pallas_kernels.layer_norm (and rms_norm, the same kernels without mean and beta) against the
 float64 references: values, gradients, jit, vmap.
 
-On CPU the kernels run in interpret mode; with JAX_PLATFORMS=cuda (tests/conftest.py pins the
+On CPU the kernels run in interpret mode; with JAX_PLATFORMS=cuda,cpu (tests/conftest.py pins the
 CPU otherwise) the same tests check the compiled kernels on a GPU.
 Tolerances: float32 within 1e-5 (rel and abs, on unit-scale outputs) of float64; bfloat16 outputs
 within about one bfloat16 rounding (2e-2 rel + abs).
