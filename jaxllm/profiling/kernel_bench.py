@@ -355,11 +355,15 @@ def conv_inputs(shape: tuple, k_size: int, dtype, seed: int = 0) -> tuple[jax.Ar
 
 
 def conv_sweep(shape: tuple, dtype, backward: bool) -> list[ConvConfig]:
-    """Tilings around the default, most promising first: more rows per step (loads in flight),
-    more or fewer programs (strip length), Triton pipelining, half or double the channel block."""
+    """Tilings around the default, most promising first: more threads on the same channel block
+    (fewer elements and registers per thread: 16-bit tilings hold 8 per thread), more rows per
+    step (loads in flight), more or fewer programs (strip length), Triton pipelining, half or
+    double the channel block."""
     base = conv_default_config(shape, dtype, backward=backward)
     programs = base.bwd_programs
     out = [
+        base._replace(num_warps=2 * base.num_warps),
+        base._replace(num_warps=4 * base.num_warps),
         base._replace(block_t=8),
         base._replace(bwd_programs=2 * programs, fwd_programs=2 * programs),
         base._replace(num_stages=3),
