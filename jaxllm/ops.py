@@ -67,6 +67,17 @@ class KernelShard:
     def describe(self) -> str:
         return f"Pallas per shard over {' x '.join(self.axes)} = {self.ways}"
 
+    def row_axes(self, rows: int) -> tuple[str, ...]:
+        """The axes `rows` leading rows split over: the longest leading run of `axes` whose
+        product divides them (none: every device runs all rows)."""
+        axes = self.axes
+        while axes and rows % math.prod(self.mesh.shape[a] for a in axes):
+            axes = axes[:-1]
+        return axes
+
+    def rows_per_device(self, rows: int) -> int:
+        return rows // math.prod(self.mesh.shape[a] for a in self.row_axes(rows))
+
 
 def _per_shard(
     shard: KernelShard | None,
@@ -84,9 +95,7 @@ def _per_shard(
     if shard is None:
         return kernel(*args)
     rows = next(a.shape[0] for a, b in zip(args, batched, strict=True) if b)
-    axes = shard.axes
-    while axes and rows % math.prod(shard.mesh.shape[a] for a in axes):
-        axes = axes[:-1]
+    axes = shard.row_axes(rows)
     split = P(axes) if axes else P()
     in_specs = tuple(split if b else P() for b in batched)
     out_specs = jax.tree.map(lambda b: split if b else P(), out_batched)
@@ -124,6 +133,25 @@ class OpPlan:
         if pallas and self.shard is not None:
             parts.append(f"({self.shard.describe()})")
         return "ops: " + " ".join(parts) + "".join(f"; {n}" for n in self.notes)
+
+    def loss_chunks(self, cfg: ModelConfig, rows: int) -> str | None:
+        """A line for the start of a run whose fused loss splits the batch's `rows` rows (B x T,
+        all devices) into chunks (model.loss_chunk_mib), e.g. 'loss: 98304 rows per device in
+        2 chunks of 49152 (model.loss_chunk_mib 8192)'; None where each device's rows go at
+        once or the loss is XLA's."""
+        if self.loss not in ("pallas", "pallas_mgpu"):
+            return None
+        rows = self.shard.rows_per_device(rows) if self.shard else rows
+        backend = "mosaic_gpu" if self.loss == "pallas_mgpu" else "triton"
+        per_chunk = pallas_kernels.head_chunk_rows(
+            rows, cfg.vocab_size, cfg.compute_dtype, backend, cfg.loss_chunk_mib * 2**20
+        )
+        if per_chunk >= rows:
+            return None
+        return (
+            f"loss: {rows} rows per device in {-(-rows // per_chunk)} chunks of {per_chunk} "
+            f"(model.loss_chunk_mib {cfg.loss_chunk_mib})"
+        )
 
 
 def plan_ops(

@@ -5,7 +5,7 @@ On a GPU they compile (Triton lowering); elsewhere `interpret=None` runs them in
 """
 
 from .attention_softmax import attention_softmax
-from .cross_entropy import linear_cross_entropy
+from .cross_entropy import head_chunk_rows, linear_cross_entropy
 from .depthwise_conv1d import depthwise_conv1d
 from .layer_norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .reference import (
@@ -28,6 +28,7 @@ __all__ = [
     "attention_softmax_ref",
     "depthwise_conv1d",
     "depthwise_conv1d_ref",
+    "head_chunk_rows",
     "layer_norm",
     "layer_norm_ref",
     "linear_cross_entropy",

@@ -187,6 +187,19 @@ def chunk_rows(n_rows: int, n_cols: int, itemsize: int, max_bytes: int) -> int:
     return min(n_rows, -(-rows // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE)
 
 
+def head_chunk_rows(
+    n_rows: int,
+    vocab: int,
+    compute_dtype,
+    backend: str = "triton",
+    max_chunk_bytes: int = LOGITS_CHUNK_BYTES,
+) -> int:
+    """Rows per chunk `linear_cross_entropy` takes for n_rows rows of a `vocab`-word head (the
+    vocabulary padded as `backend`'s kernel pads it); n_rows: one chunk."""
+    n_cols = vocab + -vocab % _align(backend)
+    return chunk_rows(n_rows, n_cols, jnp.dtype(compute_dtype).itemsize, max_chunk_bytes)
+
+
 def _over_chunks(one, rows: int, xc, targets, weights, carry=None):
     """one(x rows, targets, weights, carry) -> (carry, per-row outputs) over chunks of `rows`
     rows, one after the other (a lax.scan: one chunk's logits live at a time); the last chunk
@@ -340,8 +353,7 @@ def linear_cross_entropy(
     # (mark_out_of_range). In the padding columns [V, Vp) it would read a masked logit, which
     # float16 holds as -inf: ce = inf, and a weight-0 row would make the loss 0 * inf = NaN.
     targets = jnp.where(targets_in_range(targets, w.shape[0]), targets.astype(jnp.int32), -1)
-    n_cols = w.shape[0] + -w.shape[0] % _align(backend)
-    rows = chunk_rows(x.shape[0], n_cols, jnp.dtype(compute_dtype).itemsize, max_chunk_bytes)
+    rows = head_chunk_rows(x.shape[0], w.shape[0], compute_dtype, backend, max_chunk_bytes)
     loss, ce, hit = _linear_ce(
         x, w, targets, weights, jnp.dtype(compute_dtype), interpret, cfg, backend, rows
     )

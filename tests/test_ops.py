@@ -180,6 +180,33 @@ def test_loss_chunk_mib_reaches_the_kernel_and_needs_the_fused_loss():
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5, atol=1e-7)
 
 
+def test_the_start_line_names_the_loss_chunks_the_kernel_takes():
+    """A run whose fused loss splits its rows says so (train.py echoes OpPlan.loss_chunks): the
+    same chunks the kernel takes (512 rows x 640 float32 columns at 1 MiB: 2 of 256, as the
+    test above checks in the jaxpr), per device on a mesh, nothing where the rows go at once."""
+    from types import SimpleNamespace
+
+    from jaxllm.ops import KernelShard, OpPlan
+
+    cfg = tiny_config(loss_impl="pallas", vocab_size=600, loss_chunk_mib=1)
+    plan = OpPlan(loss="pallas")
+    assert plan.loss_chunks(cfg, 512) == (
+        "loss: 512 rows per device in 2 chunks of 256 (model.loss_chunk_mib 1)"
+    )
+    assert plan.loss_chunks(cfg, 400) is None  # 1,000 KiB of logits: one chunk
+    assert plan.loss_chunks(tiny_config(loss_impl="pallas", vocab_size=600), 512) is None
+    assert OpPlan().loss_chunks(cfg, 4096) is None  # XLA's loss: no chunks
+    # data 4 x pipeline 2: 8192 rows split 8 ways (1024 a device, 3 chunks of 352); 4100 rows do
+    # not split 8 ways, so over data only (1025 a device), as the kernel call splits them
+    mesh = SimpleNamespace(shape={"data": 4, "fsdp": 1, "pipeline": 2})
+    sharded = OpPlan(loss="pallas", shard=KernelShard(mesh, ("data", "fsdp", "pipeline")))
+    assert sharded.shard.rows_per_device(8192) == 1024
+    assert sharded.shard.rows_per_device(4100) == 1025
+    assert sharded.loss_chunks(cfg, 8192) == (
+        "loss: 1024 rows per device in 3 chunks of 352 (model.loss_chunk_mib 1)"
+    )
+
+
 def test_out_of_range_targets_give_the_same_loss_on_every_path():
     """A target outside [0, V) (-1, V): ce 1e30 and no hit on the XLA path as in the kernel (the
     XLA gather clamped -1 to the last column and gave NaN for V); weight 0 adds nothing,

@@ -212,6 +212,9 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
         save_config(cfg, run_dir / "config.yaml")
 
     log = MetricsLog(run_dir, enabled=primary)
+    # the fused loss's chunks of rows, if it splits them (with pipeline stages the loss runs per
+    # microbatch: not said)
+    chunks = plan.loss_chunks(cfg.model, example.size) if mesh.shape["pipeline"] == 1 else None
     layout = parallel.describe(mesh, microbatches, cfg.model.scan_layers, cfg.train.batch_size)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     log.write(
@@ -220,6 +223,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
             "step": start_step,
             "params": n_params,
             "ops": plan.describe(),
+            **({"loss_chunks": chunks} if chunks else {}),
             "parallel": layout,
             "state_bytes_per_device": parallel.state_bytes_per_device(state),
             **({"processes": group.describe()} if multi else {}),
@@ -241,6 +245,8 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
     if multi:
         echo(group.describe())
     echo(plan.describe())
+    if chunks:
+        echo(chunks)
     state_mib = parallel.state_bytes_per_device(state) / 2**20
     echo(f"{layout}; params + optimizer state {state_mib:.1f} MiB per device")
     if per_epoch:
