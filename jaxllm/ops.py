@@ -135,10 +135,11 @@ class OpPlan:
         return "ops: " + " ".join(parts) + "".join(f"; {n}" for n in self.notes)
 
     def loss_chunks(self, cfg: ModelConfig, rows: int) -> str | None:
-        """A line for the start of a run whose fused loss splits the batch's `rows` rows (B x T,
-        all devices) into chunks (model.loss_chunk_mib), e.g. 'loss: 98304 rows per device in
-        2 chunks of 49152 (model.loss_chunk_mib 8192)'; None where each device's rows go at
-        once or the loss is XLA's."""
+        """A line for the start of a run whose fused loss splits a full batch's `rows` rows
+        (batch x context, all devices) into chunks (model.loss_chunk_mib), e.g. 'loss: a full
+        batch's 98304 rows per device in 2 chunks of 49152 (model.loss_chunk_mib 8192)'; None
+        where each device's rows go at once or the loss is XLA's. (Shorter batches, e.g.
+        translation's length buckets, may take fewer chunks.)"""
         if self.loss not in ("pallas", "pallas_mgpu"):
             return None
         rows = self.shard.rows_per_device(rows) if self.shard else rows
@@ -149,7 +150,8 @@ class OpPlan:
         if per_chunk >= rows:
             return None
         return (
-            f"loss: {rows} rows per device in {-(-rows // per_chunk)} chunks of {per_chunk} "
+            f"loss: a full batch's {rows} rows per device in {-(-rows // per_chunk)} chunks of "
+            f"{per_chunk} "
             f"(model.loss_chunk_mib {cfg.loss_chunk_mib})"
         )
 

@@ -77,7 +77,7 @@ class Config(NamedTuple):
 # beat the entry by >= 10 %. Thirteenth session (2026-11-25, benchmarks/logs/conv1d_2026-11-25_s13/:
 # `--dirs bwd --dtypes bfloat16,float16 --sweep 9`, the sweep now also trying 2x and 4x the warps
 # on the same channel block): the eight 16-bit backward entries of u >= 32 MiB set to that run's
-# best where it beat the default by > 2 % (5-11 %), then re-timed alone in a second call.
+# best where it beat the default by > 2 % (4.6-12.5 %), then re-timed alone in a second call.
 _TUNED: dict[tuple[str, str, int, int], tuple[int, int, int, int, int]] = {
     ("fwd", "float32", 8192, 768): (8, 256, 2, 4, 1),
     ("fwd", "float32", 1024, 1024): (8, 512, 4, 8, 3),

@@ -181,30 +181,37 @@ def test_loss_chunk_mib_reaches_the_kernel_and_needs_the_fused_loss():
 
 
 def test_the_start_line_names_the_loss_chunks_the_kernel_takes():
-    """A run whose fused loss splits its rows says so (train.py echoes OpPlan.loss_chunks): the
-    same chunks the kernel takes (512 rows x 640 float32 columns at 1 MiB: 2 of 256, as the
-    test above checks in the jaxpr), per device on a mesh, nothing where the rows go at once."""
+    """A run whose fused loss splits a full batch says so (train.py echoes OpPlan.loss_chunks):
+    512 rows x 640 float32 columns at 1 MiB take 2 chunks of 256 (the jaxpr check above), per
+    device on a mesh, with the Mosaic kernel's wider padding; nothing where the rows go at once."""
     from types import SimpleNamespace
 
     from jaxllm.ops import KernelShard, OpPlan
 
     cfg = tiny_config(loss_impl="pallas", vocab_size=600, loss_chunk_mib=1)
     plan = OpPlan(loss="pallas")
-    assert plan.loss_chunks(cfg, 512) == (
-        "loss: 512 rows per device in 2 chunks of 256 (model.loss_chunk_mib 1)"
-    )
+    line = "loss: a full batch's {} rows per device in {} chunks of {} (model.loss_chunk_mib 1)"
+    assert plan.loss_chunks(cfg, 512) == line.format(512, 2, 256)
     assert plan.loss_chunks(cfg, 400) is None  # 1,000 KiB of logits: one chunk
     assert plan.loss_chunks(tiny_config(loss_impl="pallas", vocab_size=600), 512) is None
     assert OpPlan().loss_chunks(cfg, 4096) is None  # XLA's loss: no chunks
-    # data 4 x pipeline 2: 8192 rows split 8 ways (1024 a device, 3 chunks of 352); 4100 rows do
-    # not split 8 ways, so over data only (1025 a device), as the kernel call splits them
+    # bf16: Triton pads 600 to 640 columns (800 rows = 1,000 KiB: one chunk), Mosaic GPU to 1024
+    # (1 MiB holds 512 rows: 800 take 2 chunks of 416, whole 32-row runs)
+    bf16 = tiny_config(
+        loss_impl="pallas", vocab_size=600, loss_chunk_mib=1, compute_dtype="bfloat16"
+    )
+    assert OpPlan(loss="pallas").loss_chunks(bf16, 800) is None
+    assert OpPlan(loss="pallas_mgpu").loss_chunks(bf16, 800) == line.format(800, 2, 416)
+    # data 4 x fsdp 1 x pipeline 2: 8192 rows split 8 ways (1024 a device, 3 chunks of 352);
+    # 4100 rows do not split 8 ways, so over data only (1025 a device), as the kernel call does;
+    # data 2 x fsdp 2: 4 ways
     mesh = SimpleNamespace(shape={"data": 4, "fsdp": 1, "pipeline": 2})
     sharded = OpPlan(loss="pallas", shard=KernelShard(mesh, ("data", "fsdp", "pipeline")))
     assert sharded.shard.rows_per_device(8192) == 1024
     assert sharded.shard.rows_per_device(4100) == 1025
-    assert sharded.loss_chunks(cfg, 8192) == (
-        "loss: 1024 rows per device in 3 chunks of 352 (model.loss_chunk_mib 1)"
-    )
+    assert sharded.loss_chunks(cfg, 8192) == line.format(1024, 3, 352)
+    fsdp = SimpleNamespace(shape={"data": 2, "fsdp": 2, "pipeline": 1})
+    assert KernelShard(fsdp, ("data", "fsdp", "pipeline")).rows_per_device(8192) == 2048
 
 
 def test_out_of_range_targets_give_the_same_loss_on_every_path():

@@ -125,6 +125,23 @@ def test_ar_training_smoke(tmp_path):
     assert train(cfg_b).losses == res.losses
 
 
+def test_a_run_names_its_loss_chunks(tmp_path, capsys):
+    """A run whose fused loss splits a full batch says how, on the console and in the start
+    record (128 x 17 rows of 128 float32 columns = 1.06 MiB at a 1 MiB budget: 2 chunks)."""
+    cfg = _tiny_cfg(tmp_path)
+    cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, loss_impl="pallas", loss_chunk_mib=1),
+        train=dataclasses.replace(cfg.train, batch_size=128, steps=2, eval_every=100),
+        optim=dataclasses.replace(cfg.optim, warmup_steps=1),
+    )
+    train(cfg)
+    line = "loss: a full batch's 2176 rows per device in 2 chunks of 1088 (model.loss_chunk_mib 1)"
+    assert line in "".join(capsys.readouterr())  # (tqdm's write: stdout)
+    start = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["loss_chunks"] == line
+
+
 def test_cli_rejects_bad_override(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "--model.n_layer=3"],

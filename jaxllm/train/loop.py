@@ -212,9 +212,9 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
         save_config(cfg, run_dir / "config.yaml")
 
     log = MetricsLog(run_dir, enabled=primary)
-    # the fused loss's chunks of rows, if it splits them (with pipeline stages the loss runs per
-    # microbatch: not said)
-    chunks = plan.loss_chunks(cfg.model, example.size) if mesh.shape["pipeline"] == 1 else None
+    # the fused loss's chunks of rows for a full batch, if it splits them (the loss runs outside
+    # any pipeline, on the rows of the whole batch split over the mesh: plan.shard)
+    chunks = plan.loss_chunks(cfg.model, tc.batch_size * cfg.model.context_length)
     layout = parallel.describe(mesh, microbatches, cfg.model.scan_layers, cfg.train.batch_size)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     log.write(
