@@ -58,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         longest = max(len(tokenizer.encode(t)) for t in args.prompt)
         max_new = min(args.max_new_tokens, budget - longest)
         if max_new < 1:
-            raise ValueError(f"the prompt ({longest} tokens) fills the context ({budget})")
+            raise ValueError(
+                f"the prompt ({longest} tokens) fills the context ({budget}): a prompt may take "
+                f"at most {budget - 1} tokens"
+            )
         if max_new < args.max_new_tokens:
             print(f"note: max-new-tokens cut to {max_new} (context {budget})", file=sys.stderr)
         model = build_model(cfg.model)

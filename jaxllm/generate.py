@@ -16,6 +16,7 @@ layout with beam_width rows per prompt; `sequence_logprob` scores a continuation
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,21 +54,27 @@ def sample_next(
     restricted to the top_k most likely tokens (None: all), then to the nucleus: the smallest
     set of most likely tokens whose renormalized probability sums to >= top_p. The most likely
     token is always kept. The knobs may be traced arrays, so changing them does not recompile;
-    concrete ones are range-checked (temperature >= 0, top_k >= 1, 0 < top_p <= 1).
+    concrete ones (Python, NumPy or jax scalars) are range-checked (temperature >= 0,
+    top_k >= 1, 0 < top_p <= 1).
     """
     for name, value, ok, allowed in (
         ("temperature", temperature, lambda x: x >= 0, ">= 0"),
         ("top_k", top_k, lambda x: x >= 1, ">= 1 or None"),
         ("top_p", top_p, lambda x: 0 < x <= 1, "in (0, 1]"),
     ):
-        if isinstance(value, int | float) and not ok(value):  # traced knobs: not checkable
+        concrete = _concrete_scalar(value)
+        if concrete is not None and not ok(concrete):  # traced knobs: not checkable
             raise ValueError(f"{name} must be {allowed}, got {value}")
     logits = logits.astype(jnp.float32)
     v = logits.shape[-1]
     temperature = jnp.asarray(temperature, jnp.float32)
     top_k = jnp.asarray(v if top_k is None else top_k, jnp.int32)
     top_p = jnp.asarray(top_p, jnp.float32)
-    z = logits / jnp.where(temperature > 0, temperature, 1.0)
+    # Shifted so the largest is 0 before dividing: a tiny temperature then sends the others to
+    # -inf, never several to +inf (a tie that the lowest id would win).
+    z = (logits - jnp.max(logits, axis=-1, keepdims=True)) / jnp.where(
+        temperature > 0, temperature, 1.0
+    )
     # Work in rank order; argsort is stable, so ties rank the lower id first, as argmax does.
     order = jnp.argsort(-z, axis=-1)  # (B, V) token ids, most likely first
     z_sorted = jnp.where(
@@ -82,6 +89,25 @@ def sample_next(
     return jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
+def _concrete_scalar(value: Any) -> float | None:
+    """value as a float if it is a concrete scalar (Python, NumPy, jax), else None (None, a
+    traced value, an array)."""
+    if value is None or np.ndim(value) != 0:
+        return None
+    try:
+        return float(value)
+    except TypeError:  # jax's ConcretizationTypeError is one: a traced knob
+        return None
+
+
+def mask_vocab(logits: jax.Array, vocab_limit: int | jax.Array | None) -> jax.Array:
+    """logits (..., V) with the ids >= vocab_limit set to -inf (never drawn): a vocabulary
+    padded past its tokenizer's (GPT-2's 50304 > 50257). None: unchanged."""
+    if vocab_limit is None:
+        return logits
+    return jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
+
+
 @dataclass(frozen=True)
 class Sampling(Section):
     """How the next token is chosen (see `sample_next`), validated on construction."""
@@ -92,6 +118,9 @@ class Sampling(Section):
     top_k: int | None = spec(None, ge=1)  # None: the whole vocabulary
     top_p: float = spec(1.0, gt=0.0, le=1.0)  # nucleus mass
     eos_id: int | None | Literal["auto"] = spec("auto", ge=0)  # "auto": see resolve_eos_id
+    # ids >= this are never drawn (None: every id of the model's vocabulary); `generate_text`
+    # sets it to the tokenizer's size where the model's vocabulary is padded past it
+    vocab_limit: int | None = spec(None, ge=1)
 
 
 GREEDY = Sampling(temperature=0.0)
@@ -188,7 +217,26 @@ def _request(
 
 
 def _as_key(seed: Seed) -> jax.Array:
-    return jax.random.PRNGKey(seed) if isinstance(seed, (int, np.integer)) else seed
+    """A PRNG key from an int seed in [0, 2^63), or the key itself."""
+    if isinstance(seed, (jax.Array, np.ndarray)):
+        if jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key) or seed.ndim:
+            return seed  # a key: typed, or raw uint32 key data
+        seed = seed.item()  # a 0-d array: its value is the seed
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2^63 - 1] or a PRNG key, got {seed!r}")
+    return jax.random.PRNGKey(seed)
+
+
+def _vocab_limit(cfg: ModelConfig, sampling: Sampling) -> int:
+    """The id bound sampling draws below: sampling.vocab_limit, checked, or the vocab size."""
+    if sampling.vocab_limit is None:
+        return cfg.vocab_size
+    if sampling.vocab_limit > cfg.vocab_size:
+        raise ValueError(
+            f"sampling.vocab_limit must be in [1, {cfg.vocab_size}] (the model's vocab size), "
+            f"got {sampling.vocab_limit}"
+        )
+    return sampling.vocab_limit
 
 
 def _until_eos(tokens: Sequence[int], eos_id: int | None) -> list[int]:
@@ -216,11 +264,12 @@ def _decoder(model: Decoder, max_new_tokens: int) -> Callable[..., jax.Array]:
     """Jitted prefill + decode loop for one model and output length (cached, so repeat calls
     with new prompts of the same padded shape, seeds or sampling knobs do not recompile)."""
 
-    def run(params, tokens, pad_len, key, temperature, top_k, top_p, eos_id) -> jax.Array:
+    def run(params, tokens, pad_len, key, temperature, top_k, top_p, eos_id, limit) -> jax.Array:
         b, p = tokens.shape  # tokens (B, P) left-padded; pad_len (B,)
         logits, cache, key_mask = _prefill(model, params, tokens, pad_len, max_new_tokens)
 
         def sample(logits: jax.Array, step: jax.Array | int) -> jax.Array:
+            logits = mask_vocab(logits, limit)
             return sample_next(logits, jax.random.fold_in(key, step), temperature, top_k, top_p)
 
         tok = sample(logits[:, -1], 0)  # (B,)
@@ -275,6 +324,7 @@ def generate(
         np.int32(top_k),
         np.float32(sampling.top_p),
         np.int32(-1 if eos is None else eos),
+        np.int32(_vocab_limit(cfg, sampling)),
     )
     return [_until_eos(row, eos) for row in np.asarray(out)]
 
@@ -294,7 +344,7 @@ def generate_uncached(
     cfg = model.cfg
     arrays = _check_request(cfg, prompts, max_new_tokens)
     eos = resolve_eos_id(cfg, sampling.eos_id)
-    key = _as_key(seed)
+    key, limit = _as_key(seed), _vocab_limit(cfg, sampling)
     lengths = np.array([a.size for a in arrays])
     tokens = np.zeros((len(arrays), lengths.max() + max_new_tokens - 1), np.int32)  # (B, L)
     for row, a in zip(tokens, arrays, strict=True):
@@ -307,8 +357,8 @@ def generate_uncached(
         last = logits[rows, lengths + step - 1]  # (B, V) at each sequence's last token
         toks = np.asarray(
             sample_next(
-                last, jax.random.fold_in(key, step), sampling.temperature, sampling.top_k,
-                sampling.top_p,
+                mask_vocab(last, limit), jax.random.fold_in(key, step), sampling.temperature,
+                sampling.top_k, sampling.top_p,
             )
         )  # fmt: skip
         for out, t in zip(new, toks, strict=True):
@@ -329,9 +379,15 @@ def generate_text(
     sampling: Sampling = Sampling(),
     seed: Seed = 0,
 ) -> list[str]:
-    """Text in, text out: encode each prompt, `generate`, decode the new tokens (no prompt)."""
+    """Text in, text out: encode each prompt, `generate`, decode the new tokens (no prompt).
+    Where the model's vocabulary is padded past the tokenizer's `n_vocab` (GPT-2's 50304 >
+    50257) and sampling.vocab_limit is unset, the padding ids are never drawn: the tokenizer
+    could not decode them."""
     if isinstance(prompts, str):
         raise ValueError("prompts must be a list of strings, got a single str")
+    n_vocab = getattr(tokenizer, "n_vocab", None)
+    if sampling.vocab_limit is None and n_vocab is not None and n_vocab < model.cfg.vocab_size:
+        sampling = dataclasses.replace(sampling, vocab_limit=n_vocab)
     ids = [tokenizer.encode(p) for p in prompts]
     for i, t in enumerate(ids):
         if not t:

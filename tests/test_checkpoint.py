@@ -150,6 +150,35 @@ def test_rerunning_a_finished_run_reports_its_evaluation(tmp_path, capsys):
     assert "already holds the finished run (step 10 of 10)" in capsys.readouterr().out
 
 
+def test_load_run_builds_the_model_the_checkpoint_was_trained_as(tmp_path):
+    """generate.py's loader: a config.yaml edited after training (n_heads: the same parameter
+    shapes, another model) loaded silently into another model (logits 0.015 off); now the
+    checkpoint's recorded model config wins, with a warning naming the edit, while config.yaml's
+    execution fields (kernels) still apply."""
+    import warnings
+
+    from jaxllm.train.checkpoint import CheckpointConfigWarning, load_run
+
+    args = [*ARGS, "--train.steps=10", "--model.n_heads=4", f"--train.run_dir={tmp_path}"]
+    train(load_config(ROOT / "configs/ar.yaml", args))
+    cfg, variables, step = load_run(tmp_path)
+    tokens = jnp.arange(12, dtype=jnp.int32)[None] % cfg.model.vocab_size
+    want = build_model(cfg.model).apply(variables, tokens)
+    yaml = tmp_path / "config.yaml"
+    text = yaml.read_text()
+    assert "n_heads: 4" in text and "kernels: xla" in text
+    edit = text.replace("n_heads: 4", "n_heads: 2").replace("kernels: xla", "kernels: pallas")
+    yaml.write_text(edit)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        edited, variables2, step2 = load_run(tmp_path)
+    assert [type(w.message) for w in seen] == [CheckpointConfigWarning]
+    assert "(n_heads: 4 -> 2): the checkpoint's is used" in str(seen[0].message)
+    assert (edited.model.n_heads, edited.model.kernels, step2) == (4, "pallas", step)
+    got = build_model(edited.model).apply(variables2, tokens)  # Pallas norms, interpreted
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     args = [
         *ARGS,

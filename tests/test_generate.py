@@ -146,6 +146,65 @@ def test_sample_next_greedy_breaks_ties_like_argmax():
     assert int(sample_next(logits, jax.random.PRNGKey(0), temperature=0.0)[0]) == 1
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=np.float32(-1.0)),
+        dict(top_k=np.int32(0)),
+        dict(top_p=np.float32(0.0)),
+        dict(temperature=jnp.float32(-1.0)),
+    ],
+)
+def test_sample_next_checks_numpy_and_jax_scalars_too(kw):
+    """A NumPy or concrete jax scalar out of range was not checked and decoded greedily."""
+    with pytest.raises(ValueError, match="must be"):
+        sample_next(jnp.zeros((1, 4)), jax.random.PRNGKey(0), **kw)
+
+
+def test_a_tiny_temperature_still_takes_the_most_likely_token():
+    """logits / 2e-38 overflowed to +inf for several ids; the tie went to the lowest id."""
+    logits = jnp.array([[20.0, 30.0, -1.0]])
+    for seed in range(3):
+        assert int(sample_next(logits, jax.random.PRNGKey(seed), temperature=2e-38)[0]) == 1
+
+
+def test_vocab_limit_masks_the_padding_ids(lm):
+    """sampling.vocab_limit: ids at or above it are never drawn (a vocabulary padded past its
+    tokenizer's), hot sampling included, the cached and uncached paths alike; generate_text
+    sets it from a tokenizer's n_vocab (a GPT-2 run with vocab 50304 sampled an id tiktoken
+    cannot decode: KeyError)."""
+    hot = dict(temperature=5.0, top_k=None, vocab_limit=20)
+    out = run(lm, seed=3, **hot)
+    assert max(max(r) for r in out) < 20 and sum(map(len, out)) == 3 * N
+    assert run(lm, seed=3, temperature=5.0) != out  # without the limit: higher ids come up
+    assert max(max(r) for r in run(lm, seed=3, temperature=5.0)) >= 20
+    assert uncached(lm, seed=3, **hot) == out
+
+    class SmallTokenizer(CharTokenizer):
+        n_vocab = 20
+
+        def decode(self, tokens):
+            if max(tokens, default=0) >= self.n_vocab:
+                raise KeyError(f"Invalid token for decoding: {max(tokens)}")
+            return super().decode(tokens)
+
+    texts = generate_text(*lm, SmallTokenizer(), ["bcdef", "h"], N, Sampling(temperature=5.0))
+    assert all(len(t) == N for t in texts)
+    with pytest.raises(ValueError, match=r"vocab_limit must be in \[1, 61\]"):
+        run(lm, vocab_limit=62)
+
+
+@pytest.mark.parametrize("seed", [2**64, -1, 1.5, True])
+def test_bad_seeds_are_refused(lm, seed):
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\^63 - 1\]"):
+        run(lm, seed=seed)
+
+
+def test_a_zero_d_array_seed_is_a_seed_and_a_key_is_a_key(lm):
+    assert run(lm, seed=np.int64(5)) == run(lm, seed=5) == run(lm, seed=jnp.int32(5))
+    assert run(lm, seed=jax.random.PRNGKey(5)) == run(lm, seed=5)
+
+
 # ----------------------------------------------------------------------------- decoding
 
 
