@@ -19,7 +19,6 @@ from pathlib import Path
 from jaxllm import distributed
 from jaxllm.config import ConfigError, load_config
 from jaxllm.console import use_one_line_warnings
-from jaxllm.train.checkpoint import CheckpointSaveError
 from jaxllm.train.loop import NonFiniteLossError, train
 from jaxllm.train.run_lock import RunDirLockedError
 
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         ImportError,  # an optional extra a preset needs (e.g. `datasets` for IWSLT14's hub data)
         ValueError,
         RunDirLockedError,
-        CheckpointSaveError,
+        OSError,  # e.g. a read-only or impossible run dir; also CheckpointSaveError (disk full)
     ) as e:
         parser.exit(2, f"error: {_who()}{e}\n")  # bad data or settings, a busy run dir: one line
     except NonFiniteLossError as e:

@@ -70,6 +70,31 @@ def test_resume_with_other_settings_is_refused_with_the_differences(tmp_path):
     assert longer.start_step == 20 and longer.final_step == 40
 
 
+def test_without_config_yaml_a_resume_checks_against_the_checkpoints_config(tmp_path):
+    """config.yaml gone: the resume checked nothing and took the new lr (an audit's finding);
+    the newest checkpoint's recorded config is the reference then."""
+    train(ar(tmp_path, "--train.steps=20"))
+    (tmp_path / "config.yaml").unlink()
+    with pytest.raises(ResumeConfigError, match=r"optim.lr: 0.001 -> 0.003"):
+        train(ar(tmp_path, "--train.steps=20", "--optim.lr=3e-3"))
+
+
+def test_a_fresh_start_refuses_a_best_checkpoint_left_by_an_earlier_run(tmp_path):
+    """checkpoints/ emptied, best/ kept: the new run trained from step 0 and none of its best
+    saves replaced the old best (orbax keeps only newer steps), without a word."""
+    train(ar(tmp_path, "--train.steps=20"))
+    shutil.rmtree(tmp_path / "checkpoints")
+    with pytest.raises(FileExistsError, match=r"best holds checkpoint 20 of an earlier run"):
+        train(ar(tmp_path, "--train.steps=20", "--optim.lr=3e-3"))
+
+
+def test_an_impossible_run_dir_is_one_error_line(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    out = cli("train.py", *TINY, "--train.steps=20", f"--train.run_dir={tmp_path / 'afile/run'}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr
+
+
 def test_a_longer_run_with_a_constant_schedule_may_resume(tmp_path):
     flat = ["--optim.min_lr=1e-3", "--optim.warmup_steps=0"]  # lr constant: same schedule
     train(ar(tmp_path, "--train.steps=20", *flat))

@@ -58,6 +58,8 @@ class AtomicTokenFile:
             self.max_id = max(self.max_id, int(ids.max()))
 
     def commit(self, meta: dict) -> dict:
+        self.file.flush()
+        os.fsync(self.file.fileno())  # on disk before the rename: a power cut keeps old or new
         self.file.close()
         meta = meta | {"num_tokens": self.num_tokens, "num_documents": self.num_documents}
         meta |= {"max_id": self.max_id, "tokens_sha256": self.sha.hexdigest()}

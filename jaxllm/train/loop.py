@@ -21,7 +21,14 @@ from tqdm.auto import tqdm
 
 from jaxllm import distributed, parallel
 from jaxllm.atomic_file import write_text_atomic
-from jaxllm.config import Config, ConfigError, config_changes, load_config, save_config
+from jaxllm.config import (
+    Config,
+    ConfigError,
+    config_changes,
+    from_dict,
+    load_config,
+    save_config,
+)
 from jaxllm.data.sources import BatchSource, make_source
 from jaxllm.models import build_model
 from jaxllm.profiling.trace import StepRangeTrace
@@ -130,6 +137,15 @@ def check_resume(old: Config, new: Config, old_total: int, new_total: int) -> No
         )
 
 
+def _recorded_config(ckpt: Checkpointer) -> dict | None:
+    """The config the newest checkpoint recorded, or None (none recorded, or unreadable: then
+    `Checkpointer.restore` falls back past it or reports it)."""
+    try:
+        return ckpt.read_meta()["config"]
+    except Exception:  # noqa: BLE001 - any read failure here is restore()'s to report
+        return None
+
+
 def total_steps(cfg: Config, source: BatchSource) -> int:
     """train.steps, or train.epochs x the source's batches per epoch."""
     if cfg.train.steps is not None:
@@ -190,18 +206,29 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
 
     ckpt = Checkpointer(run_dir, tc.keep_checkpoints)
     start_step, best_eval = 0, math.inf
+    if ckpt.latest_step() is None and (stale := ckpt.best.latest_step()) is not None:
+        # A new run's best saves would never replace it (orbax keeps only newer steps).
+        raise FileExistsError(
+            f"{run_dir / 'best'} holds checkpoint {stale} of an earlier run, but "
+            f"{run_dir / 'checkpoints'} is empty: remove {run_dir / 'best'} or choose another "
+            "--train.run_dir"
+        )
     if ckpt.latest_step() is not None:
         if not tc.resume:
             raise FileExistsError(
                 f"{run_dir} already holds checkpoints (latest step {ckpt.latest_step()}); "
                 "pass --train.resume=true to continue it or choose another --train.run_dir"
             )
-        saved = run_dir / "config.yaml"
-        if saved.is_file():
-            try:
+        saved, old = run_dir / "config.yaml", None
+        try:  # the run's config: config.yaml, else the one its newest checkpoint recorded
+            if saved.is_file():
                 old = load_config(saved)
-            except ConfigError as e:  # e.g. written by another version: name the file
-                raise ConfigError(f"{saved} (the run's saved config): {e}") from None
+            elif (recorded := _recorded_config(ckpt)) is not None:
+                saved = f"checkpoint {ckpt.latest_step()}'s recorded config (no {saved})"
+                old = from_dict(Config, recorded)
+        except ConfigError as e:  # e.g. written by another version: name the file
+            raise ConfigError(f"{saved} (the run's saved config): {e}") from None
+        if old is not None:
             check_resume(old, cfg, total_steps(old, source), total)
         state, meta = ckpt.restore(state)
         start_step, best_eval = int(state.step), meta.get("best_score", math.inf)
