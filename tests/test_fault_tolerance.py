@@ -95,6 +95,38 @@ def test_an_impossible_run_dir_is_one_error_line(tmp_path):
     assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr
 
 
+def _token_file(path, ids):
+    """A valid token file + sidecar without the BPE files (what `prepare` writes)."""
+    from jaxllm.data import token_file as tf
+
+    out = tf.AtomicTokenFile(path)
+    out.write(np.asarray(ids, np.uint16), 1)
+    out.commit({"format": tf.FORMAT, "version": tf.FORMAT_VERSION, "tokenizer": tf.TOKENIZER_NAME,
+                "bpe_sha256": tf.BPE_SHA256, "dtype": "uint16"})  # fmt: skip
+
+
+def test_a_resume_on_remade_token_files_is_refused(tmp_path):
+    """`prepare` re-run over the same paths with other text: the resume trained on the new
+    tokens without a word (an audit's finding); the checkpoint records the files' sha256."""
+    rng = np.random.default_rng(0)
+    for name in ("train.bin", "val.bin"):
+        _token_file(tmp_path / name, rng.integers(0, 64, 4000))
+    args = ["--model.context_length=16", "--model.d_model=32",
+            "--model.d_ff=64", "--model.n_layers=1", "--model.n_heads=2", "--train.batch_size=4",
+            "--train.eval_batches=1", f"--data.tokens.train_path={tmp_path / 'train.bin'}",
+            f"--data.tokens.val_path={tmp_path / 'val.bin'}"]  # fmt: skip
+    run = tmp_path / "run"
+    cfg = lambda *extra: load_config(  # noqa: E731
+        ROOT / "configs/tinystories.yaml", [*TINY, *args, f"--train.run_dir={run}", *extra]
+    )
+    train(cfg("--train.steps=20"))
+    train(cfg("--train.steps=20"))  # the same files: resumes (nothing left to run)
+    _token_file(tmp_path / "train.bin", rng.integers(0, 64, 4000))
+    with pytest.raises(ResumeConfigError, match=r"data.tokens.train_path: sha256 \w{12}\.\.\."):
+        train(cfg("--train.steps=20"))
+    assert train(cfg("--train.steps=20", "--train.allow_config_change=true")).final_step == 20
+
+
 def test_a_longer_run_with_a_constant_schedule_may_resume(tmp_path):
     flat = ["--optim.min_lr=1e-3", "--optim.warmup_steps=0"]  # lr constant: same schedule
     train(ar(tmp_path, "--train.steps=20", *flat))

@@ -29,7 +29,7 @@ from jaxllm.atomic_file import write_text_atomic
 from jaxllm.config import Config, TranslationConfig
 from jaxllm.data import associative_recall as ar
 from jaxllm.data import translation as mt
-from jaxllm.data.token_file import load_tokens
+from jaxllm.data.token_file import load_tokens, recorded_sha256
 
 DATA_DIR_ENV = "JAXLLM_DATA_DIR"
 
@@ -69,6 +69,9 @@ class TokenSource:
     context_length: int
     eval_batches_count: int
     seed: int
+    # What the files held when opened ({config key: the sidecar's tokens_sha256}): a checkpoint
+    # records it, and a resume on other data is refused (jaxllm.train.loop).
+    fingerprint: dict[str, str | None] | None = None
     steps_per_epoch = None
 
     def train_batch(self, step: int, rows: slice | None = None) -> Batch:
@@ -344,12 +347,13 @@ def make_source(cfg: Config) -> BatchSource:
         train, test = ar.make_splits(cfg.data.associative_recall)
         return RecallSource(train, test, cfg.train.batch_size, cfg.train.seed)
     tc, vocab = cfg.data.tokens, cfg.model.vocab_size  # ids >= vocab: refused on open
-    files = {}
+    files, fingerprint = {}, {}
     for key in ("train_path", "val_path"):
         name = getattr(tc, key)
         path = resolve_data_path(name)
         with _where_relative_paths_point(name):
             files[key] = load_tokens(path, vocab_size=vocab)
+        fingerprint[f"data.tokens.{key}"] = recorded_sha256(path)
         need = cfg.model.context_length + 1  # one window; checked now, not at the first eval
         if files[key].shape[0] < need:
             raise ValueError(
@@ -364,4 +368,5 @@ def make_source(cfg: Config) -> BatchSource:
         cfg.model.context_length,
         cfg.train.eval_batches,
         cfg.train.seed,
+        fingerprint,
     )

@@ -84,6 +84,15 @@ def file_max_id(tokens: np.ndarray, chunk: int = 1 << 26) -> int:
     return max(int(tokens[i : i + chunk].max()) for i in range(0, tokens.size, chunk))
 
 
+def recorded_sha256(path: str | Path) -> str | None:
+    """The tokens_sha256 a token file's sidecar recorded (what `prepare` hashed), or None."""
+    try:
+        meta = json.loads(sidecar_path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta.get("tokens_sha256") if isinstance(meta, dict) else None
+
+
 def load_tokens(
     path: str | Path,
     expect_tokenizer: str = TOKENIZER_NAME,

@@ -137,6 +137,24 @@ def check_resume(old: Config, new: Config, old_total: int, new_total: int) -> No
         )
 
 
+def check_same_data(was: dict | None, now: dict | None, run_dir: Path) -> None:
+    """Refuse (ResumeConfigError) a resume whose token files hold other tokens than the ones
+    the checkpoint trained on (the same paths, re-made: `prepare` over them), by the sha256
+    their sidecars recorded. Runs without a record (other data kinds, older checkpoints) pass."""
+    if not was or not now:
+        return
+    changed = [
+        f"{k}: sha256 {str(was.get(k))[:12]}... -> {str(v)[:12]}..."
+        for k, v in now.items()
+        if was.get(k) is not None and v is not None and was.get(k) != v
+    ]
+    if changed:
+        raise ResumeConfigError(
+            f"{run_dir} was trained on other token files: {'; '.join(changed)}. Choose another "
+            "--train.run_dir, or pass --train.allow_config_change=true to continue on the new data"
+        )
+
+
 def _recorded_config(ckpt: Checkpointer) -> dict | None:
     """The config the newest checkpoint recorded, or None (none recorded, or unreadable: then
     `Checkpointer.restore` falls back past it or reports it)."""
@@ -232,6 +250,8 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
             check_resume(old, cfg, total_steps(old, source), total)
         state, meta = ckpt.restore(state)
         start_step, best_eval = int(state.step), meta.get("best_score", math.inf)
+        if not tc.allow_config_change:
+            check_same_data(meta.get("data"), getattr(source, "fingerprint", None), run_dir)
         if primary:
             print(f"resuming from step {start_step} ({meta['restored_from']})", file=sys.stderr)
     if primary:
@@ -322,6 +342,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
             stop_if_diverged(step)
         meta = {
             "config": cfg.to_dict(),
+            "data": getattr(source, "fingerprint", None),  # the token files' sha256
             "sampler": {"seed": tc.seed, "next_step": step},
             "best_score": best_eval,  # lower is better: eval loss, or -BLEU (translation)
         }
