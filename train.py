@@ -13,16 +13,24 @@ from jaxllm.xla_flags import apply_default_xla_flags
 apply_default_xla_flags()  # before jax is imported: XLA reads its flags then
 
 import argparse
+import errno
 import sys
 from pathlib import Path
 
 from jaxllm import distributed
 from jaxllm.config import ConfigError, load_config
 from jaxllm.console import use_one_line_warnings
+from jaxllm.train.checkpoint import CheckpointSaveError
 from jaxllm.train.loop import NonFiniteLossError, train
 from jaxllm.train.run_lock import RunDirLockedError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "ar.yaml"
+# OSErrors about a path the user gave (read-only, not a directory, no permission, no space):
+# one error line; any other OSError keeps its traceback.
+USER_ERRNOS = frozenset(
+    {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.ENOSPC,
+     errno.ENAMETOOLONG, errno.ENOENT, errno.EEXIST}
+)  # fmt: skip
 
 
 def _who() -> str:
@@ -55,9 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         ImportError,  # an optional extra a preset needs (e.g. `datasets` for IWSLT14's hub data)
         ValueError,
         RunDirLockedError,
-        OSError,  # e.g. a read-only or impossible run dir; also CheckpointSaveError (disk full)
+        CheckpointSaveError,
     ) as e:
         parser.exit(2, f"error: {_who()}{e}\n")  # bad data or settings, a busy run dir: one line
+    except OSError as e:  # the run dir or a data path the machine refuses: one line too
+        if e.errno not in USER_ERRNOS:
+            raise  # anything else keeps its traceback
+        parser.exit(2, f"error: {_who()}{e}\n")
     except NonFiniteLossError as e:
         parser.exit(1, f"error: {_who()}{e}\n")
     if not distributed.is_primary():

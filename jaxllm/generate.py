@@ -217,14 +217,26 @@ def _request(
 
 
 def _as_key(seed: Seed) -> jax.Array:
-    """A PRNG key from an int seed in [0, 2^63), or the key itself."""
+    """A PRNG key from an int seed in [0, 2^32) (jax's keys take 32 bits: 2^32 + 7 would draw
+    as 7), or the key itself (typed, or raw uint32 data of shape (2,))."""
     if isinstance(seed, (jax.Array, np.ndarray)):
-        if jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key) or seed.ndim:
-            return seed  # a key: typed, or raw uint32 key data
-        seed = seed.item()  # a 0-d array: its value is the seed
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
-        raise ValueError(f"seed must be an int in [0, 2^63 - 1] or a PRNG key, got {seed!r}")
+        if jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key):
+            return seed
+        if seed.shape == (2,) and seed.dtype == np.uint32:
+            return seed
+        if seed.ndim == 0:
+            seed = seed.item()  # a 0-d array: its value is the seed
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+        raise ValueError(
+            f"seed must be an int in [0, 2^32 - 1] or a PRNG key, got {_shown_seed(seed)}"
+        )
     return jax.random.PRNGKey(seed)
+
+
+def _shown_seed(seed: Any) -> str:
+    if isinstance(seed, (jax.Array, np.ndarray)):
+        return f"an array of shape {seed.shape} and dtype {seed.dtype}"
+    return repr(seed)
 
 
 def _vocab_limit(cfg: ModelConfig, sampling: Sampling) -> int:

@@ -177,6 +177,17 @@ def test_load_run_builds_the_model_the_checkpoint_was_trained_as(tmp_path):
     assert (edited.model.n_heads, edited.model.kernels, step2) == (4, "pallas", step)
     got = build_model(edited.model).apply(variables2, tokens)  # Pallas norms, interpreted
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # training-only fields (dropout: 0.1 in ARGS) follow config.yaml: no warning, no refusal
+    yaml.write_text(text.replace("dropout: 0.1", "dropout: 0.0"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert load_run(tmp_path)[0].model.dropout == 0.0
+    assert not [w for w in seen if w.category is CheckpointConfigWarning]
+    # an unreadable newest record: the older checkpoint is restored, as restore() does
+    yaml.write_text(text)
+    garble_meta(tmp_path / "checkpoints" / str(step))
+    with pytest.warns(CheckpointFallbackWarning):  # (it was a raw JSON error)
+        load_run(tmp_path)
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):

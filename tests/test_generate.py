@@ -194,15 +194,19 @@ def test_vocab_limit_masks_the_padding_ids(lm):
         run(lm, vocab_limit=62)
 
 
-@pytest.mark.parametrize("seed", [2**64, -1, 1.5, True])
+@pytest.mark.parametrize("seed", [2**32 + 7, 2**64, -1, 1.5, True, np.zeros(2, np.float32)])
 def test_bad_seeds_are_refused(lm, seed):
-    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\^63 - 1\]"):
+    """2^64 was an OverflowError, 2^32 + 7 drew as seed 7, a float array failed deep in jax."""
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\^32 - 1\]"):
         run(lm, seed=seed)
 
 
 def test_a_zero_d_array_seed_is_a_seed_and_a_key_is_a_key(lm):
     assert run(lm, seed=np.int64(5)) == run(lm, seed=5) == run(lm, seed=jnp.int32(5))
     assert run(lm, seed=jax.random.PRNGKey(5)) == run(lm, seed=5)
+    assert run(lm, seed=2**32 - 1) != run(lm, seed=0)
+    typed = jax.random.key(5)
+    assert run(lm, seed=typed) == run(lm, seed=jax.random.key_data(typed))
 
 
 # ----------------------------------------------------------------------------- decoding

@@ -64,7 +64,10 @@ class AtomicTokenFile:
         meta = meta | {"num_tokens": self.num_tokens, "num_documents": self.num_documents}
         meta |= {"max_id": self.max_id, "tokens_sha256": self.sha.hexdigest()}
         sidecar, sidecar_tmp = sidecar_path(self.path), sidecar_path(self.tmp)
-        sidecar_tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        with sidecar_tmp.open("w") as f:
+            f.write(json.dumps(meta, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         # Old sidecar goes first: a crash in between leaves a token file without a sidecar,
         # which load_tokens refuses, never a new file described by an old sidecar.
         sidecar.unlink(missing_ok=True)

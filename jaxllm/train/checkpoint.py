@@ -78,11 +78,13 @@ class CheckpointConfigWarning(UserWarning):
     """A run dir's config.yaml describes another model than its checkpoint was trained as."""
 
 
-# How a model runs, not what it computes from its parameters: config.yaml's values apply when a
-# checkpoint is loaded for use (e.g. XLA paths on a CPU for a run trained with Pallas kernels).
+# How a model runs (or trains), not what its parameters compute at inference: config.yaml's
+# values apply when a checkpoint is loaded for use (e.g. XLA paths on a CPU for a run trained
+# with Pallas kernels; dropout and label smoothing act in training only, and some execution
+# paths refuse them).
 EXECUTION_FIELDS = frozenset(
     {"compute_dtype", "residual_dtype", "kernels", "attention_impl", "loss_impl",
-     "loss_backend", "loss_chunk_mib", "remat"}
+     "loss_backend", "loss_chunk_mib", "remat", "dropout", "label_smoothing"}
 )  # fmt: skip
 
 
@@ -617,7 +619,11 @@ def load_run(run_dir: str | Path, which: str = "latest") -> tuple[Any, Any, int]
         newest = (ckpt.latest if which == "latest" else ckpt.best).latest_step()
         if newest is None:
             raise FileNotFoundError(f"no {which} checkpoint in {run_dir}")
-        model_cfg, diffs = trained_model_config(cfg.model, ckpt.read_meta(newest, which))
+        try:
+            recorded = ckpt.read_meta(newest, which)
+        except Exception:  # noqa: BLE001 - unreadable: restore() falls back past it and says so
+            recorded = {}
+        model_cfg, diffs = trained_model_config(cfg.model, recorded)
         if diffs:
             warnings.warn(
                 f"{run_dir / 'config.yaml'} describes another model than {which} checkpoint "
