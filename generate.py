@@ -21,6 +21,21 @@ from jaxllm.models import build_model
 from jaxllm.train.checkpoint import load_run
 
 
+class PromptTokenizer:
+    """GPT-2's tokenizer for prompts typed on a command line: `<|endoftext|>` in a prompt is the
+    document separator the model was trained with (tiktoken refuses special tokens in text by
+    default, with advice a CLI user cannot follow)."""
+
+    def __init__(self, encoding):
+        self.encoding, self.n_vocab = encoding, encoding.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode(text, allowed_special={"<|endoftext|>"})
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.encoding.decode(tokens)
+
+
 def main(argv: list[str] | None = None) -> int:
     use_one_line_warnings()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -54,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             eos_id=EOT_ID)  # fmt: skip
         budget = cfg.model.context_length
-        tokenizer = load_gpt2_tokenizer(args.bpe_dir or cfg.data.tokens.bpe_dir)
+        tokenizer = PromptTokenizer(load_gpt2_tokenizer(args.bpe_dir or cfg.data.tokens.bpe_dir))
         longest = max(len(tokenizer.encode(t)) for t in args.prompt)
         max_new = min(args.max_new_tokens, budget - longest)
         if max_new < 1:

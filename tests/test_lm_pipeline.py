@@ -68,6 +68,8 @@ def test_tokens_train_generate(tmp_path, monkeypatch):
             str(run),
             "--prompt",
             "Once upon a time",
+            "--prompt",  # the document separator typed in a prompt (tiktoken refused it)
+            "<|endoftext|>Once upon a time",
             "--temperature",
             "0",
             "--max-new-tokens",
@@ -81,6 +83,7 @@ def test_tokens_train_generate(tmp_path, monkeypatch):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("Once upon a time") and "there was" in out.stdout
+    assert "\n<|endoftext|>Once upon a time" in out.stdout
     bad = subprocess.run(
         [sys.executable, str(ROOT / "generate.py"), "--run-dir", str(tmp_path), "--prompt", "x"],
         capture_output=True,

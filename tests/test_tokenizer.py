@@ -121,6 +121,8 @@ def test_lookup_order_explicit_env_cache(tmp_path, monkeypatch):
     found = tok.find_gpt2_bpe_files(explicit)
     assert (found.source, found.tiktoken) == ("explicit", explicit / "gpt2.tiktoken")
 
-    # A location without a complete set is skipped, not an error.
-    found = tok.find_gpt2_bpe_files(tmp_path / "does_not_exist")
+    # A location without a complete set is skipped, not an error, but a directory given
+    # explicitly that holds none is said out loud (a switch never falls back silently).
+    with pytest.warns(tok.BPEFilesFallbackWarning, match="does_not_exist .the directory given"):
+        found = tok.find_gpt2_bpe_files(tmp_path / "does_not_exist")
     assert found.source == "env"

@@ -9,6 +9,7 @@ them on a machine with internet). A directory may hold `gpt2.tiktoken` (same byt
 import hashlib
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,10 @@ _ENCODER_JSON_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/
 
 class BPEFilesNotFoundError(FileNotFoundError):
     """No location holds the GPT-2 BPE files."""
+
+
+class BPEFilesFallbackWarning(UserWarning):
+    """The BPE directory given held no complete set; another location's files are used."""
 
 
 class BPEHashMismatchError(ValueError):
@@ -84,8 +89,9 @@ def _files_in(directory: Path, source: str) -> BPEFiles | None:
 def find_gpt2_bpe_files(bpe_dir: str | Path | None = None) -> BPEFiles:
     """Locate the GPT-2 BPE files: `bpe_dir`, then $JAXLLM_BPE_DIR, then tiktoken's cache.
 
-    The first location holding a complete set wins. Raises BPEFilesNotFoundError listing every
-    location tried when none does.
+    The first location holding a complete set wins; where that is not the directory given, a
+    BPEFilesFallbackWarning says so. Raises BPEFilesNotFoundError listing every location tried
+    when none does.
     """
     candidates = []
     if bpe_dir is not None:
@@ -98,6 +104,13 @@ def find_gpt2_bpe_files(bpe_dir: str | Path | None = None) -> BPEFiles:
     for source, directory in candidates:
         found = _files_in(directory, source)
         if found is not None:
+            if bpe_dir is not None and source != "explicit":
+                warnings.warn(
+                    f"no GPT-2 BPE files in {bpe_dir} (the directory given): using {directory} "
+                    f"({'$' + BPE_DIR_ENV if source == 'env' else source})",
+                    BPEFilesFallbackWarning,
+                    stacklevel=2,
+                )
             return found
     tried = "\n".join(f"  {source}: {directory}" for source, directory in candidates)
     raise BPEFilesNotFoundError(
