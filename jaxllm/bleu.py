@@ -26,3 +26,9 @@ def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> tuple[f
     bleu = BLEU()
     score = bleu.corpus_score(list(hypotheses), [list(references)])  # one reference stream
     return score.score, str(bleu.get_signature())  # signature needs a scored corpus first
+
+
+def hypotheses_text(hyps: list[str]) -> str:
+    """The hypotheses as a file's text, one per line: a newline inside one (a decoded newline
+    token) becomes a space, so that line i stays hypothesis i (BLEU treats both as whitespace)."""
+    return "".join(h.replace("\r", " ").replace("\n", " ") + "\n" for h in hyps)

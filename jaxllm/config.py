@@ -264,7 +264,7 @@ class TranslationConfig(Section):
     test_limit: int | None = spec(None, gt=0)  # score only the first N test pairs (course: 100)
     pad_multiple: int = spec(16, gt=0)  # batch length rounded up: few shapes, few recompiles
     beam_width: int = spec(1, ge=1)  # 1: greedy
-    length_penalty: float = spec(1.0, ge=0.0)  # GNMT's alpha for beam search
+    length_penalty: float = spec(1.0, ge=0.0, le=10.0)  # GNMT's alpha for beam search (<= 10)
     bleu_split: Literal["valid", "test"] = "valid"  # scored with BLEU after every epoch
 
 

@@ -239,16 +239,16 @@ def _shown_seed(seed: Any) -> str:
     return repr(seed)
 
 
-def _vocab_limit(cfg: ModelConfig, sampling: Sampling) -> int:
-    """The id bound sampling draws below: sampling.vocab_limit, checked, or the vocab size."""
-    if sampling.vocab_limit is None:
+def _vocab_limit(cfg: ModelConfig, settings: Sampling | BeamSearch) -> int:
+    """The id bound decoding draws below: settings.vocab_limit, checked, or the vocab size."""
+    if settings.vocab_limit is None:
         return cfg.vocab_size
-    if sampling.vocab_limit > cfg.vocab_size:
+    if settings.vocab_limit > cfg.vocab_size:
         raise ValueError(
-            f"sampling.vocab_limit must be in [1, {cfg.vocab_size}] (the model's vocab size), "
-            f"got {sampling.vocab_limit}"
+            f"{settings.PATH}.vocab_limit must be in [1, {cfg.vocab_size}] (the model's vocab "
+            f"size), got {settings.vocab_limit}"
         )
-    return sampling.vocab_limit
+    return settings.vocab_limit
 
 
 def _until_eos(tokens: Sequence[int], eos_id: int | None) -> list[int]:
@@ -411,15 +411,20 @@ def generate_text(
 # ----------------------------------------------------------------------------- beam search
 
 
+MAX_LENGTH_PENALTY = 10.0  # ((5 + len) / 6) ** alpha stays finite for any context length
+
+
 @dataclass(frozen=True)
 class BeamSearch(Section):
     """Beam search settings (see `beam_search`), validated on construction."""
 
     PATH: ClassVar[str] = "beam_search"
 
-    beam_width: int = spec(4, ge=1)  # 1 = greedy; at most the vocab size
-    length_penalty: float = spec(1.0, ge=0.0)  # GNMT alpha; 0 = rank by the raw log-prob sum
+    beam_width: int = spec(4, ge=1)  # 1 = greedy; at most the vocab size (or vocab_limit)
+    # GNMT alpha; 0 = rank by the raw log-prob sum; at most 10 (the penalty is a power)
+    length_penalty: float = spec(1.0, ge=0.0, le=MAX_LENGTH_PENALTY)
     eos_id: int | None | Literal["auto"] = spec("auto", ge=0)  # "auto": see resolve_eos_id
+    vocab_limit: int | None = spec(None, ge=1)  # ids >= this never extend a beam (Sampling's)
 
 
 class Beam(NamedTuple):
@@ -454,9 +459,10 @@ def _beam_decoder(model: Decoder, max_new_tokens: int, beam_width: int) -> Calla
     `_decoder`; eos_id is traced). Returns tokens (B, K, N), log-prob sums (B, K), done (B, K)."""
     n, k = max_new_tokens, beam_width
 
-    def run(params, tokens, pad_len, eos_id) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def run(params, tokens, pad_len, eos_id, limit) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, p = tokens.shape  # tokens (B, P) left-padded; pad_len (B,)
         logits, cache, key_mask = _prefill(model, params, tokens, pad_len, n)
+        logits = mask_vocab(logits, limit)
         # All K beams of a prompt start identical: beams 1..K-1 at -inf, so the first expansion
         # takes the K best first tokens of beam 0 (K <= V keeps them all finite).
         scores = jnp.full((b, k), -jnp.inf, jnp.float32).at[:, 0].set(0.0)
@@ -480,7 +486,9 @@ def _beam_decoder(model: Decoder, max_new_tokens: int, beam_width: int) -> Calla
                 params, tok.reshape(-1, 1), cache, slot, (slot - pad_len)[:, None], key_mask,
                 method="decode",
             )  # fmt: skip
-            scores, parent, tok, done = _expand(scores, done, logits[:, 0], eos_id)
+            scores, parent, tok, done = _expand(
+                scores, done, mask_vocab(logits[:, 0], limit), eos_id
+            )
             src = (prompt_row * k + parent).reshape(-1)  # (B*K,) each new beam's parent row
             cache = jax.tree.map(lambda c: jnp.take(c, src, axis=ax), cache)
             out = out[prompt_row, parent].at[:, :, i].set(tok)  # (B, K, N)
@@ -505,13 +513,12 @@ def beam_search_nbest(
     """Like `beam_search`, but every prompt's beam_width final beams, best score first."""
     cfg = model.cfg
     tokens, pad_len, eos = _request(model, prompts, max_new_tokens, search.eos_id, pad_to)
-    k = search.beam_width
-    if k > cfg.vocab_size:
-        raise ValueError(
-            f"beam_search.beam_width must be in [1, {cfg.vocab_size}] (the vocab size), got {k}"
-        )
+    k, limit = search.beam_width, _vocab_limit(cfg, search)
+    if k > limit:
+        what = "the vocab size" if search.vocab_limit is None else "beam_search.vocab_limit"
+        raise ValueError(f"beam_search.beam_width must be in [1, {limit}] ({what}), got {k}")
     out, logprob, done = _beam_decoder(model, int(max_new_tokens), k)(
-        params, tokens, pad_len, np.int32(-1 if eos is None else eos)
+        params, tokens, pad_len, np.int32(-1 if eos is None else eos), np.int32(limit)
     )
     out, logprob, done = np.asarray(out), np.asarray(logprob, np.float64), np.asarray(done)
     result = []

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxllm.atomic_file import write_text_atomic
-from jaxllm.bleu import corpus_bleu
+from jaxllm.bleu import corpus_bleu, hypotheses_text
 from jaxllm.config import TranslationConfig
 from jaxllm.console import use_one_line_warnings
 from jaxllm.data import translation as mt
@@ -52,6 +52,8 @@ def translate(
             f"{len(too_long)} source sentences (e.g. #{too_long[0]}) fill the context of {ctx} "
             "tokens; filter them or raise model.context_length"
         )
+    # a tokenizer that learned fewer ids than model.vocab_size could not decode the others
+    limit = tok.vocab_size if tok.vocab_size < model.cfg.vocab_size else None
     order = np.argsort([len(p) for p in prompts], kind="stable")
     out: list[str] = [""] * len(prompts)
     for start in range(0, len(order), batch_size):
@@ -63,10 +65,10 @@ def translate(
         max_new = ctx - pad_to
         batch += [batch[0]] * (min(batch_size, len(prompts)) - len(batch))  # filler rows
         if beam_width == 1:
-            sampling = Sampling(temperature=0.0, eos_id=tok.eos_tgt_id)
+            sampling = Sampling(temperature=0.0, eos_id=tok.eos_tgt_id, vocab_limit=limit)
             ids = generate(model, params, batch, max_new, sampling, pad_to=pad_to)
         else:
-            search = BeamSearch(beam_width, length_penalty, tok.eos_tgt_id)
+            search = BeamSearch(beam_width, length_penalty, tok.eos_tgt_id, limit)
             ids = beam_search(model, params, batch, max_new, search, pad_to=pad_to)
         for i, row in zip(idx, ids, strict=False):  # the filler rows' outputs are dropped
             out[i] = tok.decode(row)
@@ -128,18 +130,22 @@ def main(argv: list[str] | None = None) -> int:
         pairs = filter_translation_pairs(pairs, args.split, cfg, tok)[: args.limit]
         model = build_model(cfg.model)
         print(model.plan.describe(), file=sys.stderr)
-        metrics, hyps = score_translations(
-            model, params, tok, pairs, tc,
-            cfg.train.batch_size if args.batch_size is None else args.batch_size,
-        )  # fmt: skip
+        batch_size = cfg.train.batch_size if args.batch_size is None else args.batch_size
+        metrics, hyps = score_translations(model, params, tok, pairs, tc, batch_size)
     except (FileNotFoundError, ValueError, ConfigError) as e:
         p.error(str(e))
     run_dir = Path(args.run_dir)
     first = f"_first{args.limit}" if args.limit is not None else ""
-    name = f"{args.split}{first}_step{step}_beam{tc.beam_width}"
-    write_text_atomic(run_dir / f"hyps_{name}.txt", "\n".join(hyps) + "\n")
+    alpha = f"_lp{tc.length_penalty:g}" if tc.beam_width > 1 else ""  # alpha ranks beams only
+    name = f"{args.split}{first}_step{step}_beam{tc.beam_width}{alpha}"
     record = {"split": args.split, "step": step, "checkpoint": args.checkpoint, **metrics}
-    write_text_atomic(run_dir / f"bleu_{name}.json", json.dumps(record, indent=2) + "\n")
+    record |= {"beam_width": tc.beam_width, "length_penalty": tc.length_penalty}
+    record |= {"batch_size": batch_size}  # a batch's longest prompt caps unfinished outputs
+    try:
+        write_text_atomic(run_dir / f"hyps_{name}.txt", hypotheses_text(hyps))
+        write_text_atomic(run_dir / f"bleu_{name}.json", json.dumps(record, indent=2) + "\n")
+    except OSError as e:  # e.g. a read-only run dir: one line, as for the inputs
+        p.error(f"cannot write the results into {run_dir}: {e}")
     print(f"BLEU {metrics['bleu']:.2f} on {len(pairs)} {args.split} pairs (step {step}, "
           f"beam {tc.beam_width})\n{metrics['bleu_signature']}")  # fmt: skip
     return 0

@@ -162,6 +162,9 @@ def test_load_run_builds_the_model_the_checkpoint_was_trained_as(tmp_path):
     args = [*ARGS, "--train.steps=10", "--model.n_heads=4", f"--train.run_dir={tmp_path}"]
     train(load_config(ROOT / "configs/ar.yaml", args))
     cfg, variables, step = load_run(tmp_path)
+    moved = tmp_path.parent / (tmp_path.name + "_moved")  # config.yaml names the old dir
+    shutil.copytree(tmp_path, moved, ignore=shutil.ignore_patterns(".lock"))
+    assert load_run(moved)[0].train.run_dir == str(moved)  # (translate read its tokenizer there)
     tokens = jnp.arange(12, dtype=jnp.int32)[None] % cfg.model.vocab_size
     want = build_model(cfg.model).apply(variables, tokens)
     yaml = tmp_path / "config.yaml"

@@ -194,6 +194,17 @@ def test_vocab_limit_masks_the_padding_ids(lm):
         run(lm, vocab_limit=62)
 
 
+def test_beam_search_vocab_limit(lm):
+    """ids >= vocab_limit never extend a beam (translation's tokenizer may hold fewer ids than
+    the model: decoding one crashed), and the width must fit under the limit."""
+    search = BeamSearch(beam_width=4, length_penalty=0.0, eos_id=None, vocab_limit=6)
+    for row in beam_search(*lm, PROMPTS, N, search):
+        assert len(row) == N and max(row) < 6
+    assert max(max(r) for r in beam_search(*lm, PROMPTS, N, BeamSearch(eos_id=None))) >= 6
+    with pytest.raises(ValueError, match=r"beam_width must be in \[1, 6\] \(beam_search.vocab"):
+        beam_search(*lm, PROMPTS, N, dataclasses.replace(search, beam_width=7))
+
+
 @pytest.mark.parametrize("seed", [2**32 + 7, 2**64, -1, 1.5, True, np.zeros(2, np.float32)])
 def test_bad_seeds_are_refused(lm, seed):
     """2^64 was an OverflowError, 2^32 + 7 drew as seed 7, a float array failed deep in jax."""
@@ -476,7 +487,7 @@ def test_sequence_logprob_of_greedy_matches_width_1_beam(lm):
     [
         (dict(beam_width=0), "beam_search.beam_width must be >= 1, got 0"),
         (dict(beam_width=2.0), "beam_search.beam_width must be an integer"),
-        (dict(length_penalty=-0.5), "beam_search.length_penalty must be >= 0"),
+        (dict(length_penalty=-0.5), r"beam_search.length_penalty must be in \[0, 10\]"),
         (dict(length_penalty=float("inf")), "beam_search.length_penalty must be a finite number"),
         (dict(eos_id=-1), "beam_search.eos_id must be >= 0"),
     ],

@@ -173,16 +173,18 @@ def test_each_batch_may_fill_the_context_after_its_own_prompts(monkeypatch):
     calls = []
 
     def fake_generate(model, params, batch, max_new, sampling, pad_to):
-        calls.append((len(batch), max(map(len, batch)), pad_to, max_new))
+        calls.append((len(batch), max(map(len, batch)), pad_to, max_new, sampling.vocab_limit))
         return [[5] for _ in batch]
 
     monkeypatch.setattr(tr, "generate", fake_generate)
     tok = SimpleNamespace(encode=lambda s: [7] * len(s.split()), eos_src_id=0, eos_tgt_id=1,
-                          decode=lambda ids: "x")  # fmt: skip
-    model = SimpleNamespace(cfg=SimpleNamespace(context_length=40))
+                          decode=lambda ids: "x", vocab_size=50)  # fmt: skip
+    model = SimpleNamespace(cfg=SimpleNamespace(context_length=40, vocab_size=64))
     sources = ["w " * 30, "w " * 4, "w " * 5, "w " * 2]  # prompts of 31, 5, 6 and 3 tokens
     assert tr.translate(model, None, tok, sources, batch_size=2) == ["x"] * 4
-    assert calls == [(2, 5, 8, 32), (2, 31, 32, 8)]  # the short batch may write 32 tokens
+    # the short batch may write 32 tokens; a tokenizer of 50 ids: the model's 14 others are
+    # never decoded (they crashed the BLEU evaluation and the CLI: "ids outside [0, 50)")
+    assert calls == [(2, 5, 8, 32, 50), (2, 31, 32, 8, 50)]
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         tr.translate(model, None, tok, sources, batch_size=0)
 
@@ -195,3 +197,36 @@ def test_cli_refuses_a_bad_count_before_loading_anything(tmp_path, capsys, flag)
         translate.main(["--run-dir", str(tmp_path / "none"), flag, "0"])
     assert e.value.code == 2
     assert f"error: {flag} must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_hypothesis_files_keep_one_line_per_hypothesis():
+    """A decoded newline token inside a hypothesis split it over two lines of the file."""
+    from jaxllm.bleu import hypotheses_text
+
+    text = hypotheses_text(["a cat.", "two\nlines", "cr\rhere", ""])
+    assert text.split("\n")[:-1] == ["a cat.", "two lines", "cr here", ""]
+
+
+def test_parallel_files_bom_lone_cr_and_bad_bytes(tmp_path):
+    """A UTF-8 BOM was kept in the first sentence, a lone CR split a line in two, and bytes
+    that are not UTF-8 gave a codec error naming no file or line."""
+    from jaxllm.data.translation import load_parallel_files
+
+    (tmp_path / "a.de").write_bytes("\ufeffZwei Hunde.\nein\rHaus.\n".encode())
+    (tmp_path / "a.en").write_bytes(b"Two dogs.\na house.\n")
+    assert load_parallel_files(tmp_path / "a.de", tmp_path / "a.en") == [
+        ("Zwei Hunde.", "Two dogs."), ("ein\rHaus.", "a house."),
+    ]  # fmt: skip
+    (tmp_path / "b.de").write_bytes(b"gut\nschlecht \xff\n")
+    with pytest.raises(ValueError, match=r"b.de is not UTF-8: line 2, byte 13"):
+        load_parallel_files(tmp_path / "b.de", tmp_path / "a.en")
+
+
+def test_length_penalty_is_bounded():
+    """alpha 1000 overflowed ((5 + len) / 6) ** alpha: a traceback at the end of each epoch."""
+    from jaxllm.generate import BeamSearch
+
+    with pytest.raises(ValueError, match="length_penalty"):
+        BeamSearch(length_penalty=1000.0)
+    with pytest.raises(ConfigError, match="length_penalty"):
+        load_config(ROOT / "configs/multi30k.yaml", ["--data.translation.length_penalty=11"])

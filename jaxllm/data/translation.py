@@ -35,7 +35,12 @@ Example = tuple[np.ndarray, np.ndarray]  # (inputs, targets), each (L - 1,) int3
 def _read_lines(path: Path) -> list[str]:
     if not path.is_file():
         raise FileNotFoundError(f"parallel text file not found: {path}")
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    try:  # bytes: no newline translation (a lone "\r" stays text); -sig: a leading BOM goes
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path} is not UTF-8: line {line}, byte {e.start}: {e.reason}") from None
     if not text.strip():
         raise ValueError(f"{path} is empty")
     # Split on "\n" only: str.splitlines() also splits on U+2028, U+0085, ..., which can occur

@@ -631,7 +631,9 @@ def load_run(run_dir: str | Path, which: str = "latest") -> tuple[Any, Any, int]
                 CheckpointConfigWarning,
                 stacklevel=2,
             )
-        cfg = dataclasses.replace(cfg, model=model_cfg)
+        # the dir it was loaded from (config.yaml names where it was trained: it may have moved)
+        run = dataclasses.replace(cfg.train, run_dir=str(run_dir))
+        cfg = dataclasses.replace(cfg, model=model_cfg, train=run)
         model = build_model(cfg.model)
         example = jnp.zeros((1, 1), jnp.int32)
         # The optimizer state's structure does not depend on the schedule's length.

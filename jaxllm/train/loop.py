@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from jaxllm import distributed, parallel
 from jaxllm.atomic_file import write_text_atomic
+from jaxllm.bleu import hypotheses_text
 from jaxllm.config import (
     Config,
     ConfigError,
@@ -403,7 +404,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
                     result = {"epoch": epoch, "step": done, "validation_loss": ev["loss"]}
                     result |= scores | {"hypotheses": hyp_file.name}
                     if primary:
-                        write_text_atomic(hyp_file, "\n".join(hyps) + "\n")
+                        write_text_atomic(hyp_file, hypotheses_text(hyps))
                         write_text_atomic(
                             run_dir / f"eval_results_epoch{epoch}.json",
                             json.dumps(result, indent=2),
