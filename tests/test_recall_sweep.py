@@ -16,8 +16,22 @@ def test_sweep_writes_results_and_plot(tmp_path, capsys):
     assert 0.0 <= rec["accuracy"] <= 1.0
     assert (out / "accuracy_vs_layers.png").stat().st_size > 1000
     assert "width 16: smallest depth with every run >= 90%" in capsys.readouterr().out
+    # the same command again resumes the sweep: the finished run reports its result (it was a
+    # FileExistsError traceback: every run forced resume=false)
+    assert recall_sweep.main([*args, "--short-conv"]) == 0
+    again = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert again == [rec | {"seconds": again[0]["seconds"]}]
 
 
 def test_sweep_rejects_bad_arguments(tmp_path):
     with pytest.raises(SystemExit):
         recall_sweep.main(["--out", str(tmp_path), "--steps", "50"])
+
+
+def test_sweep_checks_every_run_before_training_any(tmp_path, capsys):
+    """Width 30 with the preset's 4 heads: it trained the other runs first, then a traceback."""
+    with pytest.raises(SystemExit) as e:
+        recall_sweep.main(["--out", str(tmp_path / "s"), "--layers", "1", "--widths", "32", "30",
+                           "--seeds", "0", "--steps", "101"])  # fmt: skip
+    assert e.value.code == 2 and "n_heads" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()  # nothing trained, nothing written

@@ -7,7 +7,9 @@ widths and seeds on the AR preset, plot test accuracy against the number of laye
 Writes OUT/results.jsonl (one line per run), OUT/accuracy_vs_layers.png (seed mean per width,
 every run as a dot, the 90% line) and prints a Markdown table and, per width, the smallest
 depth whose every run reaches 90%. Each run is `configs/ar.yaml` with n_layers, d_model, init_std =
-1/sqrt(d_model) (what ar.yaml uses at d 64) and the seed overridden, in its own process.
+1/sqrt(d_model) (what ar.yaml uses at d 64) and the seed overridden, in its own process; every
+run's settings are checked before the first trains. Rerunning the command resumes the sweep:
+finished runs report their results, an interrupted one continues from its checkpoint.
 """
 
 from __future__ import annotations
@@ -28,10 +30,9 @@ PRESET = Path(__file__).resolve().parents[2] / "configs" / "ar.yaml"
 TARGET = 0.9
 
 
-def run_one(layers: int, width: int, seed: int, steps: int, short_conv: bool, out: str) -> dict:
-    """Train one AR model; returns its settings and test accuracy."""
+def run_config(layers: int, width: int, seed: int, steps: int, short_conv: bool, out: str):
+    """The Config of one run (ConfigError for settings the preset cannot take)."""
     from jaxllm.config import load_config
-    from jaxllm.train.loop import train
 
     name = f"L{layers}_d{width}_s{seed}" + ("_conv" if short_conv else "")
     overrides = [
@@ -43,10 +44,18 @@ def run_one(layers: int, width: int, seed: int, steps: int, short_conv: bool, ou
         f"--train.steps={steps}",
         f"--train.eval_every={steps}",
         "--train.progress=false",
-        "--train.resume=false",
+        # a rerun of the sweep resumes: a finished run reports its result, a cut one goes on
+        "--train.resume=true",
         f"--train.run_dir={Path(out) / 'runs' / name}",
     ]
-    result = train(load_config(PRESET, overrides))
+    return load_config(PRESET, overrides)
+
+
+def run_one(layers: int, width: int, seed: int, steps: int, short_conv: bool, out: str) -> dict:
+    """Train one AR model (or report a finished one); returns its settings and test accuracy."""
+    from jaxllm.train.loop import train
+
+    result = train(run_config(layers, width, seed, steps, short_conv, out))
     return {
         "layers": layers, "width": width, "seed": seed, "short_conv": short_conv,
         "steps": steps, "accuracy": result.eval_accuracy, "seconds": result.wall_time_s,
@@ -102,20 +111,32 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--layers, --widths and --workers must be >= 1")
     if args.steps <= 100:
         p.error(f"--steps must be > 100 (the preset's warm-up), got {args.steps}")
+    from jaxllm.config import ConfigError
+    from jaxllm.train.loop import ResumeConfigError
+
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     # each value once (a repeated one would train into the same run dir twice)
     cells = itertools.product(*(dict.fromkeys(v) for v in (args.layers, args.widths, args.seeds)))
     jobs = [(n, w, s, args.steps, args.short_conv, str(out)) for n, w, s in cells]
+    try:  # every run's settings checked before the first one trains
+        for job in jobs:
+            run_config(*job)
+        out.mkdir(parents=True, exist_ok=True)
+    except (ConfigError, OSError) as e:
+        p.error(str(e))
     context = multiprocessing.get_context("spawn")  # fork + JAX threads can deadlock
     results = []
-    with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
-        for r in pool.map(run_one, *zip(*jobs, strict=True)):
-            results.append(r)
-            print(json.dumps(r), flush=True)
-            # rewritten after every run: a later failure keeps what finished
-            write_text_atomic(out / "results.jsonl", "".join(json.dumps(x) + "\n" for x in results))
-    plot(results, out / "accuracy_vs_layers.png")
+    try:
+        with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
+            for r in pool.map(run_one, *zip(*jobs, strict=True)):
+                results.append(r)
+                print(json.dumps(r), flush=True)
+                # rewritten after every run: a later failure keeps what finished
+                text = "".join(json.dumps(x) + "\n" for x in results)
+                write_text_atomic(out / "results.jsonl", text)
+        plot(results, out / "accuracy_vs_layers.png")
+    except (ResumeConfigError, ValueError, OSError) as e:  # e.g. --out holds another sweep
+        p.error(f"{e} ({len(results)} of {len(jobs)} runs done, in {out / 'results.jsonl'})")
     print("\n| layers | width | short conv | accuracy per seed | mean |\n|---|---|---|---|---|")
     by_cell: dict[tuple[int, int], list[float]] = {}
     for r in results:
