@@ -1,6 +1,7 @@
 import hashlib
 import json
 import multiprocessing
+import re
 import sys
 import types
 import warnings
@@ -181,10 +182,14 @@ def test_cli_says_how_to_split_a_file_without_separators(tmp_path, capsys, monke
     src = _write(tmp_path / "stories.txt", "".join(f"Story {i} is here.\n" for i in range(20)))
     out = tmp_path / "train.bin"
     args = [str(src), "--out", str(out), "--bpe-dir", str(BPE_DIR), "--workers", "1"]
-    with pytest.raises(SystemExit, match=r"no validation documents out of 1; use a larger "
-                       r"fraction, or check .* \(--doc-split is separator\)"):  # fmt: skip
+    with pytest.raises(SystemExit) as e:
         prepare.main([*args, "--val-fraction", "0.1"])
-    warned = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and re.search(
+        r"error: .*no validation documents out of 1; use a larger fraction, or check .* "
+        r"\(--doc-split is separator\)", err
+    )  # fmt: skip
+    warned = [ln for ln in err.splitlines() if "warning" in ln]
     assert len(warned) == 1 and warned[0].startswith("warning: ")  # one line, no source line
     assert "stories.txt: no '<|endoftext|>'" in warned[0]
     prepare.main([*args, "--val-fraction", "0.1", "--doc-split", "single-newline"])
@@ -359,13 +364,40 @@ def test_cli(tmp_path, capsys):
     assert "8 documents" in printed and "2 documents" in printed
     val = token_file.load_tokens(out.parent / "val.bin")
     assert _decode(val) == _joined([DOCS[4], DOCS[9]])
-    with pytest.raises(SystemExit, match="no documents"):
+    with pytest.raises(SystemExit) as e:
         prepare.main([str(_write(tmp_path / "ws.txt", " \n")), *args[1:]])
+    assert e.value.code == 2 and "ws.txt: no documents" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         prepare.main(["--out", str(out)])  # neither files nor --hf-dataset
     with pytest.raises(SystemExit):
         prepare.main([*args[:-1], "0"])  # --workers 0
     assert "error: --workers must be >= 1, got 0" in capsys.readouterr().err
+    # options that cannot apply are refused, not ignored
+    for extra, says in (
+        (["--separator", "XYZ", "--doc-split", "single-newline"], "--separator applies only"),
+        (["--hf-split", "test"], "--hf-split and --hf-text-field apply only with --hf-dataset"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            prepare.main([*args, *extra])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+@needs_bpe
+def test_outputs_are_checked_first_and_renamed_as_a_pair(tmp_path, capsys):
+    """--val-out an existing directory: train.bin was replaced, then the rename of val failed
+    (no val.bin); a val path that cannot open left the train temp file behind."""
+    src = _tinystories_v2(tmp_path / "stories.txt", DOCS[:10])
+    out = tmp_path / "train.bin"
+    args = [str(src), "--out", str(out), "--bpe-dir", str(BPE_DIR), "--workers", "1"]
+    prepare.main([*args, "--val-fraction", "0.2"])
+    before = out.read_bytes()
+    (tmp_path / "vdir").mkdir()
+    for val in ("vdir", "stories.txt/v.bin"):
+        with pytest.raises(SystemExit) as e:
+            prepare.main([*args, "--val-fraction", "0.5", "--val-out", str(tmp_path / val)])
+        assert e.value.code == 2 and "error: " in capsys.readouterr().err
+        assert out.read_bytes() == before  # the old pair stands
+        assert not list(tmp_path.glob(".*.tmp*"))  # no temp file left
 
 
 @needs_bpe

@@ -11,7 +11,6 @@ import argparse
 import functools
 import multiprocessing
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -91,9 +90,9 @@ def _encode_chunks(
     mp_context: BaseContext | None,
 ) -> Iterator[tuple[int, int, np.ndarray]]:
     """(split, number of documents, token ids) per chunk, in input order."""
-    head = list(islice(chunks, 2))
-    chunks = chain(head, chunks)
-    if workers == 1 or len(head) < 2:  # one chunk: starting processes would only cost time
+    head = list(islice(chunks, workers))  # no more processes than there are chunks to encode
+    chunks, workers = chain(head, chunks), min(workers, len(head))
+    if workers <= 1:  # one chunk: starting processes would only cost time
         encoding = gpt2_encoding(files)
         for split, docs in chunks:
             yield split, len(docs), _encode_docs(encoding, docs)
@@ -138,10 +137,14 @@ def write_token_files(
     paths = [Path(out_path)] + ([Path(val_out_path)] if val_out_path is not None else [])
     if len(set(p.resolve() for p in paths)) != len(paths):
         raise ValueError(f"train and validation outputs are the same file: {out_path}")
+    for p in paths:  # before any tokenizing: the renames at the end must succeed
+        if p.is_dir():
+            raise ValueError(f"output {p} is a directory; give a file path such as {p}/train.bin")
     files = find_gpt2_bpe_files(bpe_dir)  # fail on missing/corrupt BPE before reading any text
     outputs: list[AtomicTokenFile] = []
     try:
-        outputs += [AtomicTokenFile(p) for p in paths]
+        for p in paths:  # one at a time: a second that fails to open leaves no first temp file
+            outputs.append(AtomicTokenFile(p))
         chunks = _chunks(documents, val_fraction, chunk_chars)
         with (
             closing(_encode_chunks(chunks, files, workers, mp_context)) as encoded,
@@ -172,7 +175,11 @@ def write_token_files(
             "val_fraction": val_fraction,
         } | source_meta
         names = ["train", "val"] if len(outputs) == 2 else ["all"]
-        return [o.commit(meta | {"split": n}) for o, n in zip(outputs, names, strict=True)]
+        # both files complete on disk before either is renamed into place: a pair stays a pair
+        metas = [o.finish(meta | {"split": n}) for o, n in zip(outputs, names, strict=True)]
+        for output in outputs:
+            output.publish()
+        return metas
     except BaseException:
         for output in outputs:
             output.discard()
@@ -272,6 +279,13 @@ def main(argv: list[str] | None = None) -> None:
         _parser().error("give either input files or --hf-dataset (exactly one)")
     if args.workers < 1:
         _parser().error(f"--workers must be >= 1, got {args.workers}")
+    # options that cannot apply are errors, not ignored
+    if args.separator != EOT_TEXT and (args.hf_dataset or args.doc_split != "separator"):
+        _parser().error("--separator applies only to input files with --doc-split separator")
+    if args.hf_dataset and args.doc_split != "separator":
+        _parser().error("--doc-split applies to input files, not --hf-dataset (a row a document)")
+    if not args.hf_dataset and (args.hf_split != "train" or args.hf_text_field != "text"):
+        _parser().error("--hf-split and --hf-text-field apply only with --hf-dataset")
     val_out = args.val_out
     if args.val_fraction > 0 and val_out is None:
         val_out = args.out.parent / "val.bin"
@@ -296,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.inputs, args.out, doc_split=args.doc_split, separator=args.separator, **kwargs
             )
     except (ValueError, OSError, ImportError) as e:
-        sys.exit(f"error: {e}")
+        _parser().exit(2, f"error: {e}\n")
     seconds = time.perf_counter() - start
     outs = [args.out] + ([val_out] if val_out is not None else [])
     for out, meta in zip(outs, metas, strict=True):

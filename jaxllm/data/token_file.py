@@ -58,22 +58,31 @@ class AtomicTokenFile:
             self.max_id = max(self.max_id, int(ids.max()))
 
     def commit(self, meta: dict) -> dict:
+        """finish, then publish: the file and its sidecar in place; returns the sidecar."""
+        meta = self.finish(meta)
+        self.publish()
+        return meta
+
+    def finish(self, meta: dict) -> dict:
+        """Complete the temp file and its temp sidecar on disk (nothing renamed yet)."""
         self.file.flush()
         os.fsync(self.file.fileno())  # on disk before the rename: a power cut keeps old or new
         self.file.close()
         meta = meta | {"num_tokens": self.num_tokens, "num_documents": self.num_documents}
         meta |= {"max_id": self.max_id, "tokens_sha256": self.sha.hexdigest()}
-        sidecar, sidecar_tmp = sidecar_path(self.path), sidecar_path(self.tmp)
-        with sidecar_tmp.open("w") as f:
+        with sidecar_path(self.tmp).open("w") as f:
             f.write(json.dumps(meta, indent=2) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        return meta
+
+    def publish(self) -> None:
+        """Rename the finished temp file and sidecar into place."""
         # Old sidecar goes first: a crash in between leaves a token file without a sidecar,
         # which load_tokens refuses, never a new file described by an old sidecar.
-        sidecar.unlink(missing_ok=True)
+        sidecar_path(self.path).unlink(missing_ok=True)
         os.replace(self.tmp, self.path)
-        os.replace(sidecar_tmp, sidecar)
-        return meta
+        os.replace(sidecar_path(self.tmp), sidecar_path(self.path))
 
     def discard(self) -> None:
         self.file.close()
