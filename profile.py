@@ -20,6 +20,7 @@ import importlib.util
 import os
 import sys
 import sysconfig
+from pathlib import Path
 
 if __name__ == "profile":
     # Imported as `profile`, not run: the repo root is on sys.path (cwd, for `python -m cProfile`
@@ -256,6 +257,9 @@ def _trace(args: argparse.Namespace) -> int:
         f"jax {jax.__version__}",
         flush=True,
     )
+    from jaxllm.ops import plan_ops
+
+    print(plan_ops(cfg.model).describe(), flush=True)  # which paths run (e.g. Pallas interpreted)
     res = trace.trace_train_steps(cfg, args.out, args.warmup, args.steps, args.nvtx, args.top)
     if args.nvtx:
         src = trace.nvtx_source()
@@ -381,6 +385,23 @@ def _add_memory(sub) -> None:
     m.set_defaults(func=_memory)
 
 
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse output paths the run could not write, before it measures anything (a --jsonl in a
+    missing directory failed after the first row): --jsonl a file in an existing directory,
+    --out a directory or a path that can become one."""
+    jsonl = getattr(args, "jsonl", None)
+    if jsonl is not None:
+        path = Path(jsonl)
+        if path.is_dir() or not path.parent.is_dir():
+            why = "is a directory" if path.is_dir() else f"directory {path.parent} does not exist"
+            raise SystemExit(f"profile.py {args.command}: --jsonl {path}: {why}")
+    out = getattr(args, "out", None)
+    if out is not None:
+        first = next(p for p in (Path(out), *Path(out).parents) if p.exists() or p == Path("."))
+        if first.exists() and not first.is_dir():
+            raise SystemExit(f"profile.py {args.command}: --out {out}: {first} is not a directory")
+
+
 def main(argv: list[str] | None = None) -> int:
     from jaxllm.console import use_one_line_warnings
 
@@ -404,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "overrides_ok", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
+    check_outputs(args)
     try:
         return args.func(args)
     except Exception as e:  # out of memory: one line, not XLA's traceback

@@ -33,6 +33,10 @@ def save_figure_atomic(fig: Any, path: str | os.PathLike, **savefig_kwargs: Any)
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
+    if path.is_dir():
+        raise IsADirectoryError(f"cannot write {path}: it is a directory (give a file name)")
+    if not path.suffix:  # matplotlib would take the temp name's ".tmp" as the format
+        raise ValueError(f"cannot write {path}: give a file extension for the format, e.g. .png")
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
     try:
         fig.savefig(tmp, **savefig_kwargs)

@@ -24,7 +24,15 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir} (is it a train.py run dir?)")
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    recs = []
+    for i, line in enumerate(lines, 1):
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines):  # the last line of a killed run, cut mid-write: skipped
+                break  # (resuming drops it too: metrics_log.truncate_metrics)
+            raise ValueError(f"{path} line {i} is not JSON ({e})") from None
     train = [r for r in recs if "loss" in r and "split" not in r]
     evals = [r for r in recs if r.get("split") == "eval"]
     if not train:
@@ -73,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         print(plot_run(args.run_dir, args.out))
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
+    except OSError as e:  # e.g. an --out the machine will not write
+        parser.error(f"cannot write {args.out}: {e}")
     return 0
 
 

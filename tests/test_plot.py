@@ -17,3 +17,20 @@ def test_plot_writes_png(tmp_path):
 def test_plot_errors(tmp_path):
     with pytest.raises(SystemExit):
         main([str(tmp_path)])
+
+
+def test_plot_a_killed_run_and_bad_outputs(tmp_path, capsys):
+    """The last line of a killed run's log, cut mid-write, was an error naming no file; an --out
+    without an extension said "Format 'tmp' is not supported"."""
+    recs = [{"step": s, "loss": 3.0 / s, "wall_time": 0.1 * s} for s in range(1, 5)]
+    text = "".join(json.dumps(r) + "\n" for r in recs)
+    (tmp_path / "metrics.jsonl").write_text(text + '{"step": 5, "lo')
+    assert plot_run(tmp_path).is_file()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lo\n' + text)
+    with pytest.raises(ValueError, match=r"metrics.jsonl line 1 is not JSON"):
+        plot_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text(text)
+    for out, says in ((tmp_path / "curve", "give a file extension"), (tmp_path, "directory")):
+        with pytest.raises(SystemExit) as e:
+            main([str(tmp_path), "--out", str(out)])
+        assert e.value.code == 2 and says in capsys.readouterr().err

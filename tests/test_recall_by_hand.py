@@ -115,3 +115,12 @@ def test_cli_rejects_bad_arguments(args, message, capsys):
         rbh.main(args)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_limits_what_would_not_fit_in_memory(capsys):
+    """--vocab-size 20000 ended in a NumPy MemoryError (72 GiB of one-hot-wide weights)."""
+    from jaxllm.tasks import recall_by_hand
+
+    with pytest.raises(SystemExit) as e:
+        recall_by_hand.main(["--vocab-size", "20000"])
+    assert e.value.code == 2 and "--vocab-size must be <= 2,048" in capsys.readouterr().err

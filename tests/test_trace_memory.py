@@ -85,6 +85,21 @@ def test_trace_cli_rejects_bad_overrides(tmp_path):
         profile_cli().main(["roofline", "--model.n_layers=2"])
 
 
+def test_outputs_the_run_cannot_write_are_refused_before_it_measures(tmp_path):
+    """A --jsonl in a missing directory failed after the first measured row; an --out that is
+    a file failed at the end of a trace."""
+    (tmp_path / "afile").write_text("x")
+    cases = [
+        (["bench", "--jsonl", str(tmp_path / "none" / "b.jsonl")], "directory .*none does not"),
+        (["bench", "--jsonl", str(tmp_path)], "is a directory"),
+        (["trace", "--out", str(tmp_path / "afile" / "t"), "--config", str(AR)], "not a dir"),
+        (["memory", "--out", str(tmp_path / "afile")], "afile is not a directory"),
+    ]
+    for argv, says in cases:
+        with pytest.raises(SystemExit, match=says):
+            profile_cli().main(argv)
+
+
 def test_scope_of_and_hlo_scopes():
     f = trace.scope_of
     assert f("jit(train_step)/transpose(jvp(GPT2.loss))/block_3/attn/qkv/dot_general") == (

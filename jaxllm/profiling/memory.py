@@ -65,6 +65,7 @@ import jax
 
 from jaxllm.atomic_file import save_figure_atomic
 from jaxllm.models import build_model
+from jaxllm.ops import plan_ops
 from jaxllm.profiling.bench import SIZES, BenchArgError, build_config, is_oom
 from jaxllm.profiling.harness import random_batch, time_calls
 from jaxllm.profiling.isolate import Child, stdin_turn
@@ -400,8 +401,9 @@ def run(
     if bad or not remats:
         raise BenchArgError(f"--remat: unknown value(s) {bad}; allowed: {', '.join(REMATS)}")
     # the model's context: the size's, or an override's (--set model.context_length=N)
-    limit = build_config(size, arch=arch, vocab=vocab, dtype=dtype, batch=batch,
-                         overrides=overrides).model.context_length  # fmt: skip
+    model_cfg = build_config(size, arch=arch, vocab=vocab, dtype=dtype, batch=batch,
+                             overrides=overrides).model  # fmt: skip
+    limit = model_cfg.context_length
     if not contexts or min(contexts) < 1 or max(contexts) > limit:
         raise BenchArgError(
             f"--contexts must be in 1..{limit} for size {size}, got {contexts} (raise the limit "
@@ -428,6 +430,7 @@ def run(
         + "; step ms: median train step",
         flush=True,
     )
+    print(plan_ops(model_cfg).describe(), flush=True)  # which paths run, as bench says
     print(header(allocator), flush=True)
     cases = [Case(size, t, m, dtype, batch, vocab, arch, tuple(overrides))
              for t in contexts for m in remats]  # fmt: skip

@@ -285,6 +285,9 @@ def test_split(ar: AssociativeRecallConfig) -> RecallSplit:
 test_split.__test__ = False  # not a pytest test, despite the name
 
 
+MAX_VOCAB, MAX_TEST, MAX_TRAIN = 2048, 100_000, 10_000_000  # the CLI's limits (memory)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jaxllm.tasks.recall_by_hand",
@@ -300,6 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
     args = p.parse_args(argv)
+    # the hand-set model is as wide as the vocabulary (one-hot codes): its matrices grow with
+    # its square (20,000 ids asked for 72 GiB); the test split is evaluated in one batch
+    for flag, value, most in (("--vocab-size", args.vocab_size, MAX_VOCAB),
+                              ("--num-test", args.num_test, MAX_TEST),
+                              ("--num-train", args.num_train, MAX_TRAIN)):  # fmt: skip
+        if value > most:
+            p.error(f"{flag} must be <= {most:,} here, got {value:,}")
     try:
         ar = AssociativeRecallConfig(
             vocab_size=args.vocab_size, num_pairs=args.num_pairs, num_train=args.num_train,
