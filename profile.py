@@ -390,7 +390,7 @@ def check_outputs(args: argparse.Namespace) -> None:
     missing directory failed after the first row): --jsonl a file in an existing directory,
     --out a directory or a path that can become one."""
     jsonl = getattr(args, "jsonl", None)
-    if jsonl is not None:
+    if jsonl:  # "" means none, as the runners read it
         path = Path(jsonl)
         if path.is_dir() or not path.parent.is_dir():
             why = "is a directory" if path.is_dir() else f"directory {path.parent} does not exist"

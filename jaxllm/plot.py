@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         print(plot_run(args.run_dir, args.out))
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
-    except OSError as e:  # e.g. an --out the machine will not write
-        parser.error(f"cannot write {args.out}: {e}")
+    except OSError as e:  # e.g. an --out the machine will not write (the message names it)
+        parser.error(str(e))
     return 0
 
 

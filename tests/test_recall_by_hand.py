@@ -123,4 +123,4 @@ def test_cli_limits_what_would_not_fit_in_memory(capsys):
 
     with pytest.raises(SystemExit) as e:
         recall_by_hand.main(["--vocab-size", "20000"])
-    assert e.value.code == 2 and "--vocab-size must be <= 2,048" in capsys.readouterr().err
+    assert e.value.code == 2 and "--vocab-size must be <= 1,024" in capsys.readouterr().err

@@ -21,6 +21,12 @@ def test_sweep_writes_results_and_plot(tmp_path, capsys):
     assert recall_sweep.main([*args, "--short-conv"]) == 0
     again = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert again == [rec | {"seconds": again[0]["seconds"]}]
+    # other settings into the same --out: refused up front, naming the flag that helps
+    with pytest.raises(SystemExit) as e:
+        recall_sweep.main([*args[:-1], "300", "--short-conv"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "holds a sweep with other settings" in err
+    assert "train.steps: 150 -> 300" in err and "use another --out" in err
 
 
 def test_sweep_rejects_bad_arguments(tmp_path):

@@ -220,6 +220,9 @@ def test_parallel_files_bom_lone_cr_and_bad_bytes(tmp_path):
     (tmp_path / "b.de").write_bytes(b"gut\nschlecht \xff\n")
     with pytest.raises(ValueError, match=r"b.de is not UTF-8: line 2, byte 13"):
         load_parallel_files(tmp_path / "b.de", tmp_path / "a.en")
+    (tmp_path / "c.de").write_bytes(b"\xef\xbb\xbfab\nc\xff\n")  # counted past the BOM too
+    with pytest.raises(ValueError, match=r"c.de is not UTF-8: line 2, byte 7"):
+        load_parallel_files(tmp_path / "c.de", tmp_path / "a.en")
 
 
 def test_length_penalty_is_bounded():

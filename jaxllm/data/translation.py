@@ -15,6 +15,7 @@ At test time the prompt is `src <eos_src>` and decoding stops at `<eos_tgt>`.
 
 from __future__ import annotations
 
+import codecs
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -38,9 +39,10 @@ def _read_lines(path: Path) -> list[str]:
     data = path.read_bytes()
     try:  # bytes: no newline translation (a lone "\r" stays text); -sig: a leading BOM goes
         text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"{path} is not UTF-8: line {line}, byte {e.start}: {e.reason}") from None
+    except UnicodeDecodeError as e:  # -sig counts from after a BOM
+        at = e.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)
+        line = data.count(b"\n", 0, at) + 1
+        raise ValueError(f"{path} is not UTF-8: line {line}, byte {at}: {e.reason}") from None
     if not text.strip():
         raise ValueError(f"{path} is empty")
     # Split on "\n" only: str.splitlines() also splits on U+2028, U+0085, ..., which can occur

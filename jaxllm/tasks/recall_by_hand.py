@@ -285,7 +285,7 @@ def test_split(ar: AssociativeRecallConfig) -> RecallSplit:
 test_split.__test__ = False  # not a pytest test, despite the name
 
 
-MAX_VOCAB, MAX_TEST, MAX_TRAIN = 2048, 100_000, 10_000_000  # the CLI's limits (memory)
+MAX_VOCAB, MAX_PAIRS, MAX_TEST, MAX_TRAIN = 1024, 64, 100_000, 10_000_000  # limits (memory)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,9 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
     args = p.parse_args(argv)
-    # the hand-set model is as wide as the vocabulary (one-hot codes): its matrices grow with
-    # its square (20,000 ids asked for 72 GiB); the test split is evaluated in one batch
+    # the hand-set model is as wide as its one-hot codes of ids and positions: its matrices grow
+    # with the square of vocabulary + context (20,000 ids asked for 72 GiB), its activations
+    # with both (batches of 1000 examples)
     for flag, value, most in (("--vocab-size", args.vocab_size, MAX_VOCAB),
+                              ("--num-pairs", args.num_pairs, MAX_PAIRS),
                               ("--num-test", args.num_test, MAX_TEST),
                               ("--num-train", args.num_train, MAX_TRAIN)):  # fmt: skip
         if value > most:

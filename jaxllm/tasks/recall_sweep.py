@@ -111,16 +111,25 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--layers, --widths and --workers must be >= 1")
     if args.steps <= 100:
         p.error(f"--steps must be > 100 (the preset's warm-up), got {args.steps}")
-    from jaxllm.config import ConfigError
-    from jaxllm.train.loop import ResumeConfigError
+    from jaxllm.config import ConfigError, config_changes, load_config
+    from jaxllm.train.loop import ResumeConfigError, check_resume
 
     out = Path(args.out)
     # each value once (a repeated one would train into the same run dir twice)
     cells = itertools.product(*(dict.fromkeys(v) for v in (args.layers, args.widths, args.seeds)))
     jobs = [(n, w, s, args.steps, args.short_conv, str(out)) for n, w, s in cells]
-    try:  # every run's settings checked before the first one trains
+    try:  # every run's settings checked before the first one trains, resumability included
         for job in jobs:
-            run_config(*job)
+            cfg = run_config(*job)
+            saved = Path(cfg.train.run_dir) / "config.yaml"
+            if saved.is_file():
+                old = load_config(saved)
+                try:
+                    check_resume(old, cfg, old.train.steps, cfg.train.steps)
+                except ResumeConfigError:
+                    changes = "; ".join(config_changes(old, cfg))
+                    p.error(f"--out {out} holds a sweep with other settings (run "
+                            f"{saved.parent.name}: {changes}): use another --out")  # fmt: skip
         out.mkdir(parents=True, exist_ok=True)
     except (ConfigError, OSError) as e:
         p.error(str(e))
@@ -135,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 text = "".join(json.dumps(x) + "\n" for x in results)
                 write_text_atomic(out / "results.jsonl", text)
         plot(results, out / "accuracy_vs_layers.png")
-    except (ResumeConfigError, ValueError, OSError) as e:  # e.g. --out holds another sweep
+    except (ConfigError, OSError) as e:  # bad data or settings, a disk problem: one line
         p.error(f"{e} ({len(results)} of {len(jobs)} runs done, in {out / 'results.jsonl'})")
     print("\n| layers | width | short conv | accuracy per seed | mean |\n|---|---|---|---|---|")
     by_cell: dict[tuple[int, int], list[float]] = {}
