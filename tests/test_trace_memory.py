@@ -283,8 +283,15 @@ def test_train_trace_steps_writes_a_trace_in_the_run_dir(tmp_path):
         steps = [e for e in json.load(f)["traceEvents"] if e.get("name") == "train"]
     assert len(steps) == 2  # updates 3 and 4
     log = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    said = [r["message"] for r in log if r.get("event") == "trace"]
-    assert said[0].startswith("trace: recording steps 3..4") and "wrote steps 3..4" in said[1]
+    said = [(r["step"], r["message"]) for r in log if r.get("event") == "trace"]
+    assert said[0][1].startswith("trace: recording steps 3..4") and "wrote steps 3..4" in said[1][1]
+    # each record carries its step: a resume from an earlier checkpoint drops it (it stayed)
+    assert [step for step, _ in said] == [3, 4]
+    from jaxllm.train.metrics_log import truncate_metrics
+
+    truncate_metrics(tmp_path / "metrics.jsonl", 2)
+    left = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in left if r.get("event") == "trace"]
 
 
 def test_trace_steps_validation_and_resume():

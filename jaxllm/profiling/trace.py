@@ -764,13 +764,13 @@ class StepRangeTrace:
     is a StepTraceAnnotation, so TensorBoard's profile plugin shows per-step times."""
 
     def __init__(
-        self, steps: tuple[int, ...] | None, log_dir: Path, say: Callable[[str], None]
+        self, steps: tuple[int, ...] | None, log_dir: Path, say: Callable[[str, int], None]
     ) -> None:
         self.start, self.end = steps if steps else (0, 0)
-        self.log_dir, self.say = log_dir, say
+        self.log_dir, self.say = log_dir, say  # say(message, the update it is about)
         self.active = False
         self._step: jax.profiler.StepTraceAnnotation | None = None
-        self._first = 0
+        self._first = self._last = 0
 
     def before_step(self, n: int) -> None:
         """Call before update n (1-based)."""
@@ -779,9 +779,11 @@ class StepRangeTrace:
             self.active, self._first = True, n
             self.say(
                 f"trace: recording steps {n}..{self.end - 1} with jax.profiler into "
-                f"{self.log_dir} (tensorboard --logdir {self.log_dir})"
+                f"{self.log_dir} (tensorboard --logdir {self.log_dir})",
+                n,
             )
         if self.active:
+            self._last = n
             self._step = jax.profiler.StepTraceAnnotation("train", step_num=n)
             self._step.__enter__()
 
@@ -804,7 +806,10 @@ class StepRangeTrace:
         self.active = False
         jax.profiler.stop_trace()
         upto = f"..{last}" if last is not None else " until the run stopped"
-        self.say(f"trace: wrote steps {self._first}{upto} to {latest_profile_dir(self.log_dir)}")
+        self.say(
+            f"trace: wrote steps {self._first}{upto} to {latest_profile_dir(self.log_dir)}",
+            self._last if last is None else last,
+        )
 
 
 # ----------------------------------------------------------------------------- offline

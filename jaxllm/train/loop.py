@@ -309,9 +309,10 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
     start = last_time = time.perf_counter()
     last_step = start_step
 
-    def say(message: str) -> None:  # on the console and in metrics.jsonl
+    def say(message: str, step: int) -> None:  # on the console and in metrics.jsonl
         echo(message)
-        log.write({"event": "trace", "message": message})
+        # the step: a resume from an earlier checkpoint drops it with the rest of that attempt
+        log.write({"event": "trace", "step": step, "message": message})
 
     # train.trace_steps: a jax.profiler trace of those updates in RUN_DIR/trace (else a no-op);
     # of process 0 only.
