@@ -385,6 +385,17 @@ def _add_memory(sub) -> None:
     m.set_defaults(func=_memory)
 
 
+class UsageError(SystemExit):
+    """A one-line error: exit status 2 (as train.py and prepare), the message as its str."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse output paths the run could not write, before it measures anything (a --jsonl in a
     missing directory failed after the first row): --jsonl a file in an existing directory,
@@ -425,9 +436,14 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "overrides_ok", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
-    check_outputs(args)
     try:
+        check_outputs(args)
         return args.func(args)
+    except SystemExit as e:  # the subcommands' one-line errors: "error: ..." and status 2
+        if not isinstance(e.code, str):
+            raise
+        print(f"error: {e.code}", file=sys.stderr)
+        raise UsageError(e.code) from None
     except Exception as e:  # out of memory: one line, not XLA's traceback
         from jaxllm.profiling.bench import is_oom
 
@@ -435,10 +451,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         hint = " (e.g. --config configs/ar.yaml)" if args.command in ("trace", "nsys") else ""
-        raise SystemExit(
+        message = (
             f"profile.py {args.command}: out of memory ({first[:200]}); use a smaller model or "
             f"batch{hint}"
-        ) from None
+        )
+        print(f"error: {message}", file=sys.stderr)
+        raise UsageError(message) from None
 
 
 if __name__ == "__main__":

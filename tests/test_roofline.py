@@ -303,8 +303,8 @@ def test_cli_answers_the_conv_question(capsys):
 def test_cli_refuses_bad_input_in_one_line(extra, message):
     with pytest.raises(SystemExit) as e:
         load_cli().main(["roofline", *extra])
-    text = str(e.value.code)
-    assert message in text and "\n" not in text
+    text = str(e.value)
+    assert e.value.code == 2 and message in text and "\n" not in text
 
 
 def test_streams_reference_moves_the_rows_traffic_and_stays_bounded():
