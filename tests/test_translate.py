@@ -233,3 +233,12 @@ def test_length_penalty_is_bounded():
         BeamSearch(length_penalty=1000.0)
     with pytest.raises(ConfigError, match="length_penalty"):
         load_config(ROOT / "configs/multi30k.yaml", ["--data.translation.length_penalty=11"])
+
+
+def test_a_truncated_tokenizer_file_is_one_error(tmp_path):
+    """A cut tokenizer.json raised tokenizers' bare `Exception: EOF while parsing`."""
+    from jaxllm.data.translation import TranslationTokenizer
+
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "trunc')
+    with pytest.raises(ValueError, match=r"tokenizer.json is not a readable tokenizer file"):
+        TranslationTokenizer.load(tmp_path / "tokenizer.json")

@@ -189,7 +189,13 @@ class TranslationTokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {path}")
-        tok = Tokenizer.from_file(str(path))
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception (e.g. EOF)
+            raise ValueError(
+                f"{path} is not a readable tokenizer file ({e}); delete it and the run retrains "
+                "it from the same data"
+            ) from None
         src, tgt = (tok.id_to_token(i) for i in (0, 1))
         if not (src and tgt and src.startswith("<eos_") and tgt.startswith("<eos_")):
             raise ValueError(f"{path}: ids 0, 1 are {src!r}, {tgt!r}, not <eos_xx> tokens")
