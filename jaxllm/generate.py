@@ -437,14 +437,16 @@ class Beam(NamedTuple):
 
 
 def _expand(
-    scores: jax.Array, done: jax.Array, logits: jax.Array, eos_id: jax.Array
+    scores: jax.Array, done: jax.Array, logits: jax.Array, eos_id: jax.Array, limit: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One beam step. scores, done (B, K); logits (B*K, V), or (B, V) when every beam of a
-    prompt shares them -> new (scores, parent, token, done), each (B, K). A finished beam's only
-    continuation is eos at +0, so it keeps its score; top_k ranks ties by the lower index."""
+    prompt shares them; ids >= limit never extend a beam -> new (scores, parent, token, done),
+    each (B, K). A finished beam's only continuation is eos at +0, so it keeps its score; top_k
+    ranks ties by the lower index."""
     b, k = scores.shape
     v = logits.shape[-1]
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(b, -1, v)
+    logits = mask_vocab(logits.astype(jnp.float32), limit)
+    logp = jax.nn.log_softmax(logits, axis=-1).reshape(b, -1, v)
     frozen = jnp.where(jnp.arange(v) == eos_id, 0.0, -jnp.inf)  # (V,)
     logp = jnp.where(done[..., None], frozen, logp)  # (B, K, V)
     scores, idx = jax.lax.top_k((scores[..., None] + logp).reshape(b, k * v), k)  # (B, K)
@@ -462,11 +464,12 @@ def _beam_decoder(model: Decoder, max_new_tokens: int, beam_width: int) -> Calla
     def run(params, tokens, pad_len, eos_id, limit) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, p = tokens.shape  # tokens (B, P) left-padded; pad_len (B,)
         logits, cache, key_mask = _prefill(model, params, tokens, pad_len, n)
-        logits = mask_vocab(logits, limit)
         # All K beams of a prompt start identical: beams 1..K-1 at -inf, so the first expansion
         # takes the K best first tokens of beam 0 (K <= V keeps them all finite).
         scores = jnp.full((b, k), -jnp.inf, jnp.float32).at[:, 0].set(0.0)
-        scores, _, tok, done = _expand(scores, jnp.zeros((b, k), bool), logits[:, -1], eos_id)
+        scores, _, tok, done = _expand(
+            scores, jnp.zeros((b, k), bool), logits[:, -1], eos_id, limit
+        )
         out = jnp.zeros((b, k, n), jnp.int32).at[:, :, 0].set(tok)
         # Row b * K + j holds beam j of prompt b.
         ax = cache_batch_axis(model.cfg)  # (B, S, H, Dh) per layer, or (L, B, S, H, Dh)
@@ -486,9 +489,7 @@ def _beam_decoder(model: Decoder, max_new_tokens: int, beam_width: int) -> Calla
                 params, tok.reshape(-1, 1), cache, slot, (slot - pad_len)[:, None], key_mask,
                 method="decode",
             )  # fmt: skip
-            scores, parent, tok, done = _expand(
-                scores, done, mask_vocab(logits[:, 0], limit), eos_id
-            )
+            scores, parent, tok, done = _expand(scores, done, logits[:, 0], eos_id, limit)
             src = (prompt_row * k + parent).reshape(-1)  # (B*K,) each new beam's parent row
             cache = jax.tree.map(lambda c: jnp.take(c, src, axis=ax), cache)
             out = out[prompt_row, parent].at[:, :, i].set(tok)  # (B, K, N)

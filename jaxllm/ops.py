@@ -149,9 +149,9 @@ class OpPlan:
         )
         if per_chunk >= rows:
             return None
+        chunks = -(-rows // per_chunk)
         return (
-            f"loss: a full batch's {rows} rows per device in {-(-rows // per_chunk)} chunks of "
-            f"{per_chunk} "
+            f"loss: a full batch's {rows} rows per device in {chunks} chunks of {per_chunk} "
             f"(model.loss_chunk_mib {cfg.loss_chunk_mib})"
         )
 

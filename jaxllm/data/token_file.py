@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxllm.atomic_file import write_synced
 from jaxllm.data.documents import sha256_file
 from jaxllm.data.tokenizer import BPE_SHA256, N_VOCAB, TOKENIZER_NAME
 
@@ -70,10 +71,7 @@ class AtomicTokenFile:
         self.file.close()
         meta = meta | {"num_tokens": self.num_tokens, "num_documents": self.num_documents}
         meta |= {"max_id": self.max_id, "tokens_sha256": self.sha.hexdigest()}
-        with sidecar_path(self.tmp).open("w") as f:
-            f.write(json.dumps(meta, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(sidecar_path(self.tmp), (json.dumps(meta, indent=2) + "\n").encode())
         return meta
 
     def publish(self) -> None:

@@ -375,11 +375,7 @@ class Checkpointer:
         for step in sorted(self.latest.all_steps(), reverse=True):
             if best_step is not None and step <= best_step:
                 return
-            try:
-                meta = self.read_meta(step)
-            except Exception:  # unreadable: restore will say so
-                continue
-            if not meta.get("is_best"):
+            if not self.recorded_meta(step).get("is_best"):
                 continue
             target = self._path(self.best, step)
             tmp = target.with_name(f"{step}.{TMP_MARK}-repair")
@@ -480,6 +476,14 @@ class Checkpointer:
             raise FileNotFoundError(f"no checkpoint in {mngr.directory}")
         with _quiet_orbax():
             return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def recorded_meta(self, step: int | None = None, which: str = "latest") -> dict:
+        """`read_meta`, or {} where that checkpoint's record is missing or unreadable (`restore`
+        falls back past such a checkpoint and says so: callers that only peek need not)."""
+        try:
+            return self.read_meta(step, which)
+        except Exception:  # noqa: BLE001 - orbax and JSON raise many kinds; restore() reports
+            return {}
 
     def restore(
         self, state: TrainState, step: int | None = None, which: str = "latest"
@@ -619,11 +623,7 @@ def load_run(run_dir: str | Path, which: str = "latest") -> tuple[Any, Any, int]
         newest = (ckpt.latest if which == "latest" else ckpt.best).latest_step()
         if newest is None:
             raise FileNotFoundError(f"no {which} checkpoint in {run_dir}")
-        try:
-            recorded = ckpt.read_meta(newest, which)
-        except Exception:  # noqa: BLE001 - unreadable: restore() falls back past it and says so
-            recorded = {}
-        model_cfg, diffs = trained_model_config(cfg.model, recorded)
+        model_cfg, diffs = trained_model_config(cfg.model, ckpt.recorded_meta(newest, which))
         if diffs:
             warnings.warn(
                 f"{run_dir / 'config.yaml'} describes another model than {which} checkpoint "

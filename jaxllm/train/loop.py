@@ -156,15 +156,6 @@ def check_same_data(was: dict | None, now: dict | None, run_dir: Path) -> None:
         )
 
 
-def _recorded_config(ckpt: Checkpointer) -> dict | None:
-    """The config the newest checkpoint recorded, or None (none recorded, or unreadable: then
-    `Checkpointer.restore` falls back past it or reports it)."""
-    try:
-        return ckpt.read_meta()["config"]
-    except Exception:  # noqa: BLE001 - any read failure here is restore()'s to report
-        return None
-
-
 def total_steps(cfg: Config, source: BatchSource) -> int:
     """train.steps, or train.epochs x the source's batches per epoch."""
     if cfg.train.steps is not None:
@@ -242,7 +233,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
         try:  # the run's config: config.yaml, else the one its newest checkpoint recorded
             if saved.is_file():
                 old = load_config(saved)
-            elif (recorded := _recorded_config(ckpt)) is not None:
+            elif (recorded := ckpt.recorded_meta().get("config")) is not None:
                 saved = f"checkpoint {ckpt.latest_step()}'s recorded config (no {saved})"
                 old = from_dict(Config, recorded)
         except ConfigError as e:  # e.g. written by another version: name the file
