@@ -18,7 +18,7 @@ from jaxllm.console import use_one_line_warnings
 from jaxllm.data.tokenizer import EOT_ID, load_gpt2_tokenizer
 from jaxllm.generate import Sampling, generate_text
 from jaxllm.models import build_model
-from jaxllm.train.checkpoint import load_run
+from jaxllm.runs import load_run
 
 
 class PromptTokenizer:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if max_new < args.max_new_tokens:
             print(f"note: max-new-tokens cut to {max_new} (context {budget})", file=sys.stderr)
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, cfg.execution)
         print(model.plan.describe(), file=sys.stderr)
         texts = generate_text(model, params, tokenizer, args.prompt, max_new, sampling, args.seed)
     except (FileNotFoundError, ValueError, ConfigError) as e:

@@ -145,14 +145,14 @@ def _add_bench(sub) -> None:
     b.add_argument("--arch", default="gpt2", help="gpt2 or transformer_lm")
     b.add_argument("--batch", type=int, default=4)
     b.add_argument("--vocab", type=int, default=10_000, help="vocabulary size (CS336: 10000)")
-    b.add_argument("--kernels", default="xla", help="xla or pallas (model.kernels)")
+    b.add_argument("--kernels", default="xla", help="xla or pallas (execution.kernels)")
     b.add_argument("--warmup", type=int, default=5, help="untimed calls before the timed ones")
     b.add_argument("--steps", type=int, default=10, help="timed samples, each closed by a sync")
     group_help = "calls per timed sample, back to back (1: every call synced, CS336's recipe)"
     b.add_argument("--group", type=int, default=1, help=group_help)
     workers_help = "threads compiling a size's executables ahead of time (1: one at a time)"
     b.add_argument("--compile-workers", type=int, default=8, help=workers_help)
-    set_help = "a config override, e.g. model.attention_impl=dot_product_attention (repeatable)"
+    set_help = "a config override, e.g. execution.attention_impl=dot_product_attention (repeatable)"
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=set_help)
     torch_help = "also time the same model in PyTorch, eager and torch.compile (needs CUDA)"
     b.add_argument("--torch", action="store_true", help=torch_help)
@@ -214,11 +214,11 @@ def _add_breakdown(sub) -> None:
     d.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
     d.add_argument("--batch", type=int, default=4)
     d.add_argument("--arch", default="gpt2", help="gpt2 or transformer_lm")
-    d.add_argument("--kernels", default="xla", help="xla or pallas (model.kernels)")
+    d.add_argument("--kernels", default="xla", help="xla or pallas (execution.kernels)")
     d.add_argument("--warmup", type=int, default=3, help="untimed calls per piece")
     d.add_argument("--steps", type=int, default=10, help="back-to-back calls per sample")
     d.add_argument("--repeats", type=int, default=5, help="samples; the median is reported")
-    set_help = "a config override, e.g. model.attention_impl=dot_product_attention (repeatable)"
+    set_help = "a config override, e.g. execution.attention_impl=dot_product_attention (repeatable)"
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=set_help)
     d.add_argument("--jsonl", default=None, help="append one JSON line per piece here")
     d.set_defaults(func=_breakdown)
@@ -259,7 +259,9 @@ def _trace(args: argparse.Namespace) -> int:
     )
     from jaxllm.ops import plan_ops
 
-    print(plan_ops(cfg.model).describe(), flush=True)  # which paths run (e.g. Pallas interpreted)
+    print(
+        plan_ops(cfg.model, cfg.execution).describe(), flush=True
+    )  # which paths run (e.g. Pallas interpreted)
     res = trace.trace_train_steps(cfg, args.out, args.warmup, args.steps, args.nvtx, args.top)
     if args.nvtx:
         src = trace.nvtx_source()
@@ -369,11 +371,11 @@ def _add_memory(sub) -> None:
     m.add_argument("--size", default="large", help="tiny, small, medium, large, xl or 2.7B")
     m.add_argument("--contexts", default="128,256,512", help="context lengths")
     m.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
-    m.add_argument("--remat", default="none,block", help="model.remat values to compare")
+    m.add_argument("--remat", default="none,block", help="execution.remat values to compare")
     m.add_argument("--batch", type=int, default=4)
     m.add_argument("--vocab", type=int, default=10_000, help="vocabulary size (CS336: 10000)")
     m.add_argument("--arch", default="gpt2", help="gpt2 or transformer_lm")
-    set_help = "a config override, e.g. model.attention_impl=dot_product_attention (repeatable)"
+    set_help = "a config override, e.g. execution.attention_impl=dot_product_attention (repeatable)"
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=set_help)
     m.add_argument("--out", default="runs/memory", help="PNG and pprof files go here")
     m.add_argument("--jsonl", default=None, help="append one JSON line per config here")

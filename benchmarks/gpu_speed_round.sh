@@ -6,13 +6,13 @@
 # PART=kernels: the Mosaic GPU vs Triton kernel table and the depthwise conv1d at the CS229S
 # shapes; PART=verify: the Pallas kernel tests compiled on the GPU (incl. the Mosaic GPU
 # cross-entropy at ragged row runs) and the cross-entropy bench's check at 1000 rows;
-# PART=residual: model.residual_dtype float32 vs bfloat16, GPT-2 at batch 16 and 64 (vocabulary
+# PART=residual: execution.residual_dtype float32 vs bfloat16, GPT-2 at batch 16 and 64 (vocabulary
 # 50304), both in this call, and the loss-curve pin of every fast path against all-XLA float32;
 # PART=torch_residual: GPT-2 at batch 16 and 64 (vocabulary 50304) against torch.compile, both
 # sides with the bf16 residual stream; PART=mfu: GPT-2 at batch 96 and 128 (vocabulary 50304),
 # float32 and bfloat16 residual streams, for MFU at our best batch, and the PyTorch-reference
 # tests (they skip in CI: no torch there); PART=chunks: the fused loss's rows in chunks
-# (model.loss_chunk_mib 0 = all at once, 2048, 4096, 1024; the default 8192 keeps batch 64 in one
+# (execution.loss_chunk_mib 0 = all at once, 2048, 4096, 1024; the default 8192 keeps batch 64 in one
 # chunk: these runs chose it), GPT-2 at batch 64 and
 # 16 (vocabulary 50304), the unchunked run repeated last; PART=determinism: the associative-
 # recall preset trained in separate processes, twice with XLA_FLAGS=--xla_gpu_deterministic_ops=
@@ -41,7 +41,7 @@ step() {  # step NAME SECONDS CMD...: run, keep its log, print its table rows
 }
 BENCH="python3 profile.py bench --dtypes bfloat16 --modes train_step --torch --no-progress \
   --steps 5 --group 10"
-FAST="--kernels pallas --set model.loss_impl=pallas --set model.attention_impl=dot_product_attention"
+FAST="--kernels pallas --set execution.loss_impl=pallas --set execution.attention_impl=dot_product_attention"
 TS="--set model.d_model=512 --set model.d_ff=1344 --set model.n_layers=4 --set model.n_heads=16"
 residual_grid() {  # residual_grid SECONDS BATCH...: GPT-2 (vocabulary 50304), no torch, one
   local secs=$1 b r  # process per batch x residual stream dtype
@@ -49,7 +49,7 @@ residual_grid() {  # residual_grid SECONDS BATCH...: GPT-2 (vocabulary 50304), n
   for b in "$@"; do
     for r in float32 bfloat16; do
       step "gpt2_b${b}_residual_$r" "$secs" ${BENCH/ --torch/} --contexts 1024 --sizes small \
-        --vocab 50304 --batch "$b" $FAST --set model.residual_dtype=$r --jsonl "$OUT/bench.jsonl"
+        --vocab 50304 --batch "$b" $FAST --set execution.residual_dtype=$r --jsonl "$OUT/bench.jsonl"
     done
   done
 }
@@ -85,7 +85,7 @@ case $PART in
   torch_residual)
     for b in 16 64; do
       step "gpt2_b${b}_residual_bf16_torch" $((b == 16 ? 140 : 200)) $BENCH --contexts 1024 \
-        --sizes small --vocab 50304 --batch $b $FAST --set model.residual_dtype=bfloat16 \
+        --sizes small --vocab 50304 --batch $b $FAST --set execution.residual_dtype=bfloat16 \
         --jsonl "$OUT/bench.jsonl"
     done
     ;;
@@ -99,17 +99,17 @@ case $PART in
     for run in 0 2048 4096 1024 0_again; do
       mib=${run%_again}
       step "gpt2_b64_chunk_${run}" 100 ${BENCH/ --torch/} --contexts 1024 --sizes small \
-        --vocab 50304 --batch 64 $FAST --set model.loss_chunk_mib=$mib --jsonl "$OUT/bench.jsonl"
+        --vocab 50304 --batch 64 $FAST --set execution.loss_chunk_mib=$mib --jsonl "$OUT/bench.jsonl"
     done
     for mib in 0 1024; do
       step "gpt2_b16_chunk_${mib}" 70 ${BENCH/ --torch/} --contexts 1024 --sizes small \
-        --vocab 50304 --batch 16 $FAST --set model.loss_chunk_mib=$mib --jsonl "$OUT/bench.jsonl"
+        --vocab 50304 --batch 16 $FAST --set execution.loss_chunk_mib=$mib --jsonl "$OUT/bench.jsonl"
     done
     ;;
   determinism)
     echo "XLA_FLAGS in this environment: '${XLA_FLAGS:-}'"
     AR="--model.n_layers=1 --train.batch_size=16 --data.associative_recall.num_train=640
-      --data.associative_recall.num_test=64 --model.dropout=0.1 --train.steps=60
+      --data.associative_recall.num_test=64 --execution.dropout=0.1 --train.steps=60
       --train.log_every=5 --train.eval_every=30 --train.checkpoint_every=20
       --optim.warmup_steps=5 --train.progress=false"
     for run in det1 det2 plain; do

@@ -8,8 +8,8 @@ export JAXLLM_DATA_DIR=$PWD/.gpu_data JAXLLM_BPE_DIR=$PWD/.gpu_data/gpt2_bpe PYT
 runs=/tmp/ts_runs
 rm -rf "$runs"
 i=0
-for args in "--optim.lr=1e-3 --model.dropout=0.1" "--optim.lr=3e-3 --model.dropout=0.1" \
-            "--optim.lr=1e-3 --model.dropout=0.0" "--optim.lr=2e-3 --model.dropout=0.2 --train.batch_size=64"; do
+for args in "--optim.lr=1e-3 --execution.dropout=0.1" "--optim.lr=3e-3 --execution.dropout=0.1" \
+            "--optim.lr=1e-3 --execution.dropout=0.0" "--optim.lr=2e-3 --execution.dropout=0.2 --train.batch_size=64"; do
   i=$((i+1))
   echo "== run $i: $args"
   # shellcheck disable=SC2086

@@ -1,7 +1,7 @@
 """Pin a fast path's loss curve to the all-XLA float32 model: same init, same batches.
 
     PYTHONPATH=$PWD python3 benchmarks/loss_curve_pin.py --jsonl $OUT/pin.jsonl          # GPU
-    ... --variant "bf16 residual=model.residual_dtype=bfloat16"  # add a variant (repeatable)
+    ... --variant "bf16 residual=execution.residual_dtype=bfloat16"  # add a variant (repeatable)
     ... --set model.n_layers=1 --set model.d_model=32 --steps 3 --batch 2 --context 16  # CPU
 
 Every variant trains the preset's model (default GPT-2 124M, `configs/gpt2_124m.yaml`, with its
@@ -9,7 +9,7 @@ fast paths) for --steps steps from the same initial parameters on the same batch
 learnable synthetic stream (next token = 7 x previous + 13 mod 1000, 20% of the tokens random
 over the whole vocabulary), and prints the loss at a few steps and its largest distance from the
 reference run (all-XLA ops in float32), as RESULTS.md's correctness pins report it. Variants:
-"shipped" (the preset as is), "bf16 residual" (model.residual_dtype=bfloat16), "all-XLA bf16"
+"shipped" (the preset as is), "bf16 residual" (execution.residual_dtype=bfloat16), "all-XLA bf16"
 (kernels, loss and attention on XLA), the reference; --variant adds "NAME=KEY=VALUE[,KEY=VALUE]".
 """
 
@@ -29,13 +29,13 @@ from jaxllm.config import ConfigError, load_config  # noqa: E402
 from jaxllm.profiling.harness import make_state  # noqa: E402
 from jaxllm.train.state import train_step  # noqa: E402
 
-ALL_XLA = ["model.kernels=xla", "model.loss_impl=xla", "model.attention_impl=xla"]
+ALL_XLA = ["execution.kernels=xla", "execution.loss_impl=xla", "execution.attention_impl=xla"]
 VARIANTS = {
     "shipped": [],
-    "bf16 residual": ["model.residual_dtype=bfloat16"],
+    "bf16 residual": ["execution.residual_dtype=bfloat16"],
     "all-XLA bf16": ALL_XLA,
 }
-REFERENCE = ("all-XLA f32", [*ALL_XLA, "model.compute_dtype=float32"])
+REFERENCE = ("all-XLA f32", [*ALL_XLA, "execution.compute_dtype=float32"])
 
 
 def synthetic_batches(steps: int, batch: int, context: int, vocab: int, seed: int = 0):

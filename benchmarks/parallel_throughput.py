@@ -4,7 +4,7 @@
         --per-device-batch 32 --variants single,single_scan,dp,fsdp,pp --jsonl out.jsonl
 
 Every variant is a Config (the YAML preset, `--set` overrides, then the variant's own
-parallel.* / model.scan_layers / train.batch_size) run through the library's multi-device path,
+parallel.* / execution.scan_layers / train.batch_size) run through the library's multi-device path,
 as train.py wires it: `parallel.make_mesh` over `jax.devices()[:n]`, the state initialised in
 place (`parallel.create_sharded`), the step `parallel.jit_train_step(train_step, ...)`, the
 batch placed by `parallel.shard_batch`. It is timed with the one recipe of
@@ -14,7 +14,7 @@ back-to-back steps closed by a device sync.
 
 Variants (N = --devices, default all visible):
   single       1 device, batch = per-device batch.
-  single_scan  1 device, model.scan_layers=true: the baseline of fsdp (which needs it).
+  single_scan  1 device, execution.scan_layers=true: the baseline of fsdp (which needs it).
   dp           parallel.data=N, global batch N x per-device batch; compared with `single`.
   fsdp         parallel.fsdp=N, scan_layers (weights gathered per layer), global batch
                N x per-device batch; compared with `single_scan`.
@@ -37,7 +37,7 @@ the backend keeps no stats, e.g. CPU). It is a high-water mark since the process
 one variant's own peak run it alone (`--variants fsdp`), one process per variant.
 
 `--big`: train a few steps of a (large) model with fsdp over N devices, scan_layers and
-remat=block (unless --set gives model.remat), printing each step's loss; `--devices 1` runs the
+remat=block (unless --set gives execution.remat), printing each step's loss; `--devices 1` runs the
 same on one device, where an out-of-memory error becomes a row "OOM: <first line>".
 """
 
@@ -107,14 +107,14 @@ class BenchError(Exception):
 def base_overrides(args: argparse.Namespace) -> list[str]:
     """--kernels / --loss, then the --set items, as `--key=value` overrides."""
     sets = [s if s.startswith("--") else f"--{s}" for s in args.set]
-    return [f"--model.kernels={args.kernels}", f"--model.loss_impl={args.loss}", *sets]
+    return [f"--execution.kernels={args.kernels}", f"--execution.loss_impl={args.loss}", *sets]
 
 
 def make_variants(args: argparse.Namespace, names: list[str], n: int) -> list[Variant]:
     """The rows of `names` (in VARIANTS order, pp once per microbatch count)."""
     b = args.per_device_batch
     one = ["--parallel.data=1", "--parallel.fsdp=1", "--parallel.pipeline=1"]
-    plain, scan = "--model.scan_layers=false", "--model.scan_layers=true"
+    plain, scan = "--execution.scan_layers=false", "--execution.scan_layers=true"
     out = []
     for name in (v for v in VARIANTS if v in names):
         if name == "single":
@@ -163,7 +163,7 @@ def check_devices(name: str, n: int, visible: list[jax.Device]) -> None:
 
 def build(cfg: Config, devices: list[jax.Device]) -> tuple[Any, jax.sharding.Mesh]:
     """The model and its mesh, checked as train does (ConfigError naming the fix)."""
-    return build_model(cfg.model), parallel.make_mesh(cfg, devices)
+    return build_model(cfg.model, cfg.execution), parallel.make_mesh(cfg, devices)
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -191,7 +191,7 @@ class Run:
         self.cfg = cfg
         model, self.mesh = build(cfg, devices)
         micro = cfg.parallel.microbatches
-        scan = cfg.model.scan_layers
+        scan = cfg.execution.scan_layers
         self.plan_line = parallel.kernel_model(model, self.mesh).plan.describe()
         self.parallel_line = parallel.describe(self.mesh, micro, scan, cfg.train.batch_size)
         print(f"{label}: {self.plan_line}")
@@ -397,9 +397,9 @@ def run_big(args: argparse.Namespace, visible: list[jax.Device]) -> int:
     check_devices("big", n, visible)
     b = n * args.per_device_batch
     sets = base_overrides(args)
-    remat = [] if any(s.startswith("--model.remat") for s in sets) else ["--model.remat=block"]
+    remat = [] if any(s.startswith("--execution.remat") for s in sets) else ["--execution.remat=block"]
     mesh = ("--parallel.data=1", f"--parallel.fsdp={n}", "--parallel.pipeline=1")
-    v = Variant("big", n, b, (*mesh, "--model.scan_layers=true", *remat))
+    v = Variant("big", n, b, (*mesh, "--execution.scan_layers=true", *remat))
     cfg = variant_config(args, v)
     devices = visible[:n]
     build(cfg, devices)  # config errors before anything runs
@@ -434,7 +434,7 @@ def run_big(args: argparse.Namespace, visible: list[jax.Device]) -> int:
         row["status"] = f"OOM: {first_line(e)}"
         row["peak_bytes"] = peak_bytes(devices)
     free()
-    row.update(setup=setup_key(args, visible), jax=jax.__version__, remat=cfg.model.remat)
+    row.update(setup=setup_key(args, visible), jax=jax.__version__, remat=cfg.execution.remat)
     append_row(args.jsonl, row)
     gib = 2**30
     print(
@@ -468,8 +468,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pp: comma-separated microbatch counts, one row each",
     )
     p.add_argument("--devices", type=int, default=None, help="N for dp/fsdp/pp/big (all)")
-    p.add_argument("--kernels", default="pallas", choices=["xla", "pallas"], help="model.kernels")
-    p.add_argument("--loss", default="pallas", choices=["xla", "pallas"], help="model.loss_impl")
+    p.add_argument("--kernels", default="pallas", choices=["xla", "pallas"], help="execution.kernels")
+    p.add_argument("--loss", default="pallas", choices=["xla", "pallas"], help="execution.loss_impl")
     p.add_argument(
         "--set",
         action="extend",

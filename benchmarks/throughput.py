@@ -54,8 +54,8 @@ def main() -> None:
     p.add_argument("--config", default="configs/gpt2_124m.yaml")
     p.add_argument("--batch", type=int, nargs="+", default=[16, 64, 96])
     p.add_argument("--attention", nargs="+", default=["dot_product_attention"])
-    p.add_argument("--kernels", nargs="+", default=["pallas"], help="model.kernels")
-    p.add_argument("--loss", nargs="+", default=["pallas"], help="model.loss_impl")
+    p.add_argument("--kernels", nargs="+", default=["pallas"], help="execution.kernels")
+    p.add_argument("--loss", nargs="+", default=["pallas"], help="execution.loss_impl")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
@@ -65,15 +65,15 @@ def main() -> None:
     variants = itertools.product(args.batch, args.attention, args.kernels, args.loss)
     configs = []
     for b, attn, kern, loss in variants:  # every variant checked before anything is timed
-        overrides = [f"--train.batch_size={b}", f"--model.attention_impl={attn}",
-                     f"--model.kernels={kern}", f"--model.loss_impl={loss}"]  # fmt: skip
+        overrides = [f"--train.batch_size={b}", f"--execution.attention_impl={attn}",
+                     f"--execution.kernels={kern}", f"--execution.loss_impl={loss}"]  # fmt: skip
         try:
             configs.append(((b, attn, kern, loss), load_config(args.config, overrides)))
         except ConfigError as e:
             p.error(str(e))
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     for (b, attn, kern, loss), cfg in configs:
-        print(f"batch {b} {attn} {kern} {loss}: {build_model(cfg.model).plan.describe()}")
+        print(f"batch {b} {attn} {kern} {loss}: {build_model(cfg.model, cfg.execution).plan.describe()}")
         try:
             r = bench(cfg, b, args.steps, args.repeats)
         except Exception as e:  # report OOM etc. in the table, keep going

@@ -84,13 +84,16 @@ def _check_range(path: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
     raise ConfigError(f"{path} must be {allowed}, got {value}")
 
 
-# model.loss_chunk_mib's default: pallas_kernels.cross_entropy.LOGITS_CHUNK_BYTES in MiB (a test
+# execution.loss_chunk_mib's default: pallas_kernels.cross_entropy.LOGITS_CHUNK_BYTES in MiB (a test
 # keeps the two equal; this module imports no kernels)
 LOSS_CHUNK_MIB = 8192
 
 
 @dataclass(frozen=True)
 class ModelConfig(Section):
+    """What the model is: its architecture and sizes, recorded in every checkpoint (a resume or a
+    load takes it from there). How a run computes it is `ExecutionConfig`."""
+
     PATH: ClassVar[str] = "model"
 
     arch: Literal["gpt2", "transformer_lm"] = "gpt2"  # a file in jaxllm/models/
@@ -100,9 +103,6 @@ class ModelConfig(Section):
     n_layers: int = spec(12, gt=0)
     n_heads: int = spec(12, gt=0)
     d_ff: int | None = spec(None, gt=0)  # None: 4 * d_model
-    dropout: float = spec(0.0, ge=0.0, lt=1.0)
-    # Training targets (1 - e) onehot + e / V; evaluation losses stay plain cross-entropy.
-    label_smoothing: float = spec(0.0, ge=0.0, lt=1.0)
     bias: bool = True  # biases of the linear layers and LayerNorms (gpt2 only)
     qkv_bias: bool = True  # bias of the fused q/k/v projection (gpt2 only)
     tie_embeddings: bool = True  # LM head shares the token embedding matrix
@@ -115,39 +115,6 @@ class ModelConfig(Section):
     # each position sees its short_conv_size - 1 predecessors before attention does.
     short_conv: bool = False
     short_conv_size: int = spec(3, ge=2, le=7)  # the Pallas conv kernel takes K <= 7
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # matmul dtype; params stay f32
-    # The residual stream x (B, T, D) between blocks, and so its gradient: "float32" as under
-    # torch autocast (every residual add and norm input exact to float32), or "bfloat16" (needs
-    # compute_dtype bfloat16) as MaxText keeps activations: each add + norm moves a third less,
-    # each residual add rounds to 8 bits of mantissa. Norm statistics stay float32 either way.
-    residual_dtype: Literal["float32", "bfloat16"] = "float32"
-    # Which implementation runs is decided in jaxllm/ops.py (`plan_ops`), which says it out loud:
-    kernels: Literal["xla", "pallas"] = "xla"  # norms + attention softmax via pallas_kernels
-    attention_impl: Literal["xla", "dot_product_attention"] = "xla"  # the latter: cuDNN on GPU
-    # Training loss: "xla" = logits, then softmax_loss; "pallas" = the fused LM head +
-    # cross-entropy kernel (pallas_kernels.linear_cross_entropy), which never keeps the logits.
-    loss_impl: Literal["xla", "pallas"] = "xla"
-    # The fused loss kernel's lowering: "auto" = Mosaic GPU on a Hopper-class GPU for bfloat16
-    # logits whose rows fit (faster; it holds dz beside the logits: more memory), else Triton.
-    loss_backend: Literal["auto", "triton", "mosaic_gpu"] = "auto"
-    # The fused loss makes the logits for at most this many MiB of rows at a time (at least 32
-    # rows), chunk after chunk, per device (GPT-2's logits at batch 64 take 6.7 GB; the Mosaic
-    # kernel holds dz beside a chunk's logits: twice this at the peak); 0: all rows at once.
-    # Same loss and gradients up to GEMM rounding; 0.7-1.2% slower a step with 2-4 chunks
-    # (benchmarks/RESULTS.md).
-    loss_chunk_mib: int = spec(LOSS_CHUNK_MIB, ge=0)
-    # Activation rematerialisation: "block" wraps every decoder block in jax.checkpoint (saving
-    # nothing inside it), so the backward pass recomputes each block's forward from its input:
-    # activation memory drops from O(layers x block internals) to O(layers x D) per token, for
-    # about one more forward pass of compute. Same loss and gradients. "none": autodiff keeps
-    # what it needs.
-    remat: Literal["none", "block"] = "none"
-    # Run the blocks as one jax.lax.scan over their stacked parameters (params["blocks"], each
-    # leaf with a leading n_layers axis) instead of n_layers unrolled copies: compile time no
-    # longer grows with depth (the CS336 large/xl/2.7B sizes compile in seconds). The same
-    # function of the same parameters (a checkpoint's layout differs: see
-    # jaxllm.models.stack_blocks); named scopes read blocks/attn/... without a layer index.
-    scan_layers: bool = False
 
     @property
     def ffn_dim(self) -> int:
@@ -173,35 +140,81 @@ class ModelConfig(Section):
                 raise ConfigError(
                     "transformer_lm needs an even head dim (d_model / n_heads) for RoPE"
                 )
+
+
+@dataclass(frozen=True)
+class ExecutionConfig(Section):
+    """How this run computes the model: dtypes, which implementation runs each op, memory
+    trade-offs, training-only regularisation. Taken from the command line (or the run's
+    config.yaml) on every start, resume and load; the parameters do not depend on it, except
+    that scan_layers stacks the blocks' parameters (`jaxllm.models.stack_blocks`)."""
+
+    PATH: ClassVar[str] = "execution"
+
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # matmul dtype; params stay f32
+    # The residual stream x (B, T, D) between blocks, and so its gradient: "float32" as under
+    # torch autocast (every residual add and norm input exact to float32), or "bfloat16" (needs
+    # compute_dtype bfloat16) as MaxText keeps activations: each add + norm moves a third less,
+    # each residual add rounds to 8 bits of mantissa. Norm statistics stay float32 either way.
+    residual_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Which implementation runs is decided in jaxllm/ops.py (`plan_ops`), which says it out loud:
+    kernels: Literal["xla", "pallas"] = "xla"  # norms + attention softmax via pallas_kernels
+    attention_impl: Literal["xla", "dot_product_attention"] = "xla"  # the latter: cuDNN on GPU
+    # Training loss: "xla" = logits, then softmax_loss; "pallas" = the fused LM head +
+    # cross-entropy kernel (pallas_kernels.linear_cross_entropy), which never keeps the logits.
+    loss_impl: Literal["xla", "pallas"] = "xla"
+    # The fused loss kernel's lowering: "auto" = Mosaic GPU on a Hopper-class GPU for bfloat16
+    # logits whose rows fit (faster; it holds dz beside the logits: more memory), else Triton.
+    loss_backend: Literal["auto", "triton", "mosaic_gpu"] = "auto"
+    # The fused loss makes the logits for at most this many MiB of rows at a time (at least 32
+    # rows), chunk after chunk, per device (the Mosaic kernel holds dz beside a chunk's logits:
+    # twice this at the peak); 0: all rows at once. Same loss and gradients up to GEMM rounding.
+    loss_chunk_mib: int = spec(LOSS_CHUNK_MIB, ge=0)
+    # Activation rematerialisation: "block" wraps every decoder block in jax.checkpoint (saving
+    # nothing inside it), so the backward pass recomputes each block's forward from its input:
+    # activation memory drops from O(layers x block internals) to O(layers x D) per token, for
+    # about one more forward pass of compute. Same loss and gradients.
+    remat: Literal["none", "block"] = "none"
+    # Run the blocks as one jax.lax.scan over their stacked parameters (params["blocks"], each
+    # leaf with a leading n_layers axis) instead of n_layers unrolled copies: compile time no
+    # longer grows with depth. The same function of the same parameters, stacked
+    # (jaxllm.models.stack_blocks); named scopes read blocks/attn/... without a layer index.
+    scan_layers: bool = False
+    dropout: float = spec(0.0, ge=0.0, lt=1.0)  # training only
+    # Training targets (1 - e) onehot + e / V; evaluation losses stay plain cross-entropy.
+    label_smoothing: float = spec(0.0, ge=0.0, lt=1.0)
+
+    def _check(self) -> None:
         if self.residual_dtype == "bfloat16" and self.compute_dtype != "bfloat16":
             raise ConfigError(
-                "model.residual_dtype=bfloat16 needs model.compute_dtype=bfloat16 (got "
+                "execution.residual_dtype=bfloat16 needs execution.compute_dtype=bfloat16 (got "
                 f"{self.compute_dtype}): a float32 model keeps a float32 residual stream"
             )
         if self.loss_backend != "auto" and self.loss_impl != "pallas":
             raise ConfigError(
-                f"model.loss_backend={self.loss_backend} picks the fused loss kernel's lowering: "
-                "it needs model.loss_impl=pallas"
+                f"execution.loss_backend={self.loss_backend} picks the fused loss kernel's "
+                "lowering: it needs execution.loss_impl=pallas"
             )
         if self.loss_chunk_mib != LOSS_CHUNK_MIB and self.loss_impl != "pallas":
             raise ConfigError(
-                f"model.loss_chunk_mib={self.loss_chunk_mib} sizes the fused loss kernel's chunks "
-                "of rows: it needs model.loss_impl=pallas"
+                f"execution.loss_chunk_mib={self.loss_chunk_mib} sizes the fused loss kernel's "
+                "chunks of rows: it needs execution.loss_impl=pallas"
             )
         if self.loss_backend == "mosaic_gpu" and self.compute_dtype != "bfloat16":
             raise ConfigError(
-                "model.loss_backend=mosaic_gpu computes in bfloat16: set "
-                f"model.compute_dtype=bfloat16 (got {self.compute_dtype}) or loss_backend=triton"
+                "execution.loss_backend=mosaic_gpu computes in bfloat16: set "
+                f"execution.compute_dtype=bfloat16 (got {self.compute_dtype}) or "
+                "loss_backend=triton"
             )
         if self.label_smoothing and self.loss_impl == "pallas":
             raise ConfigError(
-                "model.label_smoothing needs model.loss_impl=xla: the fused Pallas loss has no "
-                f"smoothing term (got label_smoothing={self.label_smoothing})"
+                "execution.label_smoothing needs execution.loss_impl=xla: the fused Pallas loss "
+                f"has no smoothing term (got label_smoothing={self.label_smoothing})"
             )
         if self.attention_impl == "dot_product_attention" and self.dropout > 0:
             raise ConfigError(
-                "model.attention_impl=dot_product_attention has no attention dropout; "
-                f"set model.dropout=0 (got {self.dropout}) or model.attention_impl=xla"
+                "execution.attention_impl=dot_product_attention has no attention dropout; set "
+                f"execution.dropout=0 (got {self.dropout}) or execution.attention_impl=xla"
             )
 
 
@@ -355,11 +368,11 @@ class ParallelConfig(Section):
     (jaxllm/parallel.py builds it). The batch is split over data and fsdp; parameters and
     optimizer state are replicated over `data` and sharded over `fsdp` (ZeRO-3). `pipeline` > 1
     cuts the block stack into that many stages of consecutive layers (GPipe, jaxllm/pipeline.py;
-    needs model.scan_layers), each data x fsdp shard of the batch into `microbatches`. The
+    needs execution.scan_layers), each data x fsdp shard of the batch into `microbatches`. The
     product of the three must equal the device count; -1 (at most one axis) fills it, so the
     defaults run unchanged on 1 or N devices as plain data parallelism. The layout does not
     change what is computed (up to float reduction order), with one exception: with
-    model.dropout > 0, fsdp (1 or more), pipeline and microbatches change which dropout masks
+    execution.dropout > 0, fsdp (1 or more), pipeline and microbatches change which dropout masks
     are drawn (each path draws its own per layer / microbatch), so a resume that changes them
     is refused like any other change of result. With several processes the devices are those
     of all of them (`jax.devices()`)."""
@@ -368,7 +381,7 @@ class ParallelConfig(Section):
 
     data: int = spec(-1, ge=-1)
     fsdp: int = spec(1, ge=-1)
-    pipeline: int = spec(1, ge=-1)  # pipeline stages; > 1 needs model.scan_layers
+    pipeline: int = spec(1, ge=-1)  # pipeline stages; > 1 needs execution.scan_layers
     # GPipe microbatches per data x fsdp shard of the batch; the bubble is (S - 1) / (M + S - 1)
     # of a step. None: as many as stages (M = S). Unused when the mesh has pipeline = 1.
     microbatches: int | None = spec(None, ge=1)
@@ -387,7 +400,7 @@ class ParallelConfig(Section):
     )
     # Fields that do not change what a run computes (config_changes skips them on resume)...
     NO_EFFECT: ClassVar[tuple[str, ...]] = (*AXES, "microbatches", *PROCESS_GROUP)
-    # ... except these, which pick other dropout masks when model.dropout > 0
+    # ... except these, which pick other dropout masks when execution.dropout > 0
     DROPOUT_LAYOUT: ClassVar[tuple[str, ...]] = ("fsdp", "pipeline", "microbatches")
 
     def _check(self) -> None:
@@ -417,6 +430,7 @@ class ParallelConfig(Section):
 @dataclass(frozen=True)
 class Config(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -482,8 +496,8 @@ class Config(Section):
 
 def config_changes(old: Config, new: Config) -> list[str]:
     """'section.key: old -> new' for every field that differs and changes what a run computes
-    (TrainConfig.NO_EFFECT fields and the device layout, `parallel`, are left out: a run saved
-    on 8 devices may continue on 1)."""
+    (TrainConfig.NO_EFFECT fields, `execution` and the device layout, `parallel`, are left out:
+    a run saved on 8 devices with Pallas kernels may continue on 1 with XLA's)."""
 
     def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -493,13 +507,14 @@ def config_changes(old: Config, new: Config) -> list[str]:
 
     a, b = flat(old.to_dict()), flat(new.to_dict())
     skip = {f"train.{k}" for k in TrainConfig.NO_EFFECT}
+    skip |= {f"execution.{f.name}" for f in dataclasses.fields(ExecutionConfig)}
     skip |= {f"parallel.{k}" for k in ParallelConfig.NO_EFFECT}
     masks = {f"parallel.{k}" for k in ParallelConfig.DROPOUT_LAYOUT}
-    if old.model.dropout > 0 or new.model.dropout > 0:
+    if old.execution.dropout > 0 or new.execution.dropout > 0:
         skip -= masks
 
     def why(k: str) -> str:
-        return " (other dropout masks, with model.dropout > 0)" if k in masks else ""
+        return " (other dropout masks, with execution.dropout > 0)" if k in masks else ""
 
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}{why(k)}" for k in sorted(a.keys() | b.keys())
             if k not in skip and a.get(k) != b.get(k)]  # fmt: skip
@@ -513,12 +528,30 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     if not isinstance(data, dict):
         got = _shown(data) if data is None else type(data).__name__
         raise ConfigError(f"{path or 'config'} must be a mapping, got {got}")
+    if cls is Config:
+        data = _execution_out_of_model(data)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
     if unknown:
         where = path or "top level"
         raise ConfigError(f"unknown key(s) {unknown} at {where}; valid keys: {names}")
     return cls(**data)
+
+
+def _execution_out_of_model(tree: dict[str, Any]) -> dict[str, Any]:
+    """A config written when `model` held the execution fields too (run dirs and checkpoints
+    of earlier versions, old presets): those fields move to `execution`."""
+    model = tree.get("model")
+    names = {f.name for f in dataclasses.fields(ExecutionConfig)}
+    if not isinstance(model, dict) or not names & model.keys():
+        return tree
+    moved = {k: v for k, v in model.items() if k in names}
+    execution = tree.get("execution") or {}
+    if not isinstance(execution, dict) or execution.keys() & moved.keys():
+        both = sorted(moved.keys() & execution.keys()) if isinstance(execution, dict) else []
+        raise ConfigError(f"{both or sorted(moved)} set in both model and execution")
+    rest = {k: v for k, v in model.items() if k not in names}
+    return {**tree, "model": rest, "execution": {**execution, **moved}}
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
@@ -644,7 +677,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path} is empty: a preset sets at least model and data (configs/)")
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a YAML mapping at the top level")
-        tree = loaded
+        tree = _execution_out_of_model(loaded)
     for dotted, value in parse_overrides(overrides or []).items():
         _set_path(tree, dotted, value)
     return from_dict(Config, tree)

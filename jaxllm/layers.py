@@ -203,7 +203,7 @@ class LMHead(nn.Module):
 @struct.dataclass
 class AttentionInputs:
     """What every attention layer of one forward pass shares. A pytree whose `deterministic`
-    flag is static (it picks code paths), so a block under jax.checkpoint (model.remat) still
+    flag is static (it picks code paths), so a block under jax.checkpoint (execution.remat) still
     sees a Python bool; the arrays are its leaves."""
 
     positions: jax.Array  # (B, T) int absolute positions (RoPE; GPT-2 embeds them outside)

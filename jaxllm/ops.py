@@ -5,7 +5,7 @@ the backend into an `OpPlan`: one named path per op family. Layers receive their
 plan and call the functions below; nothing else in the library imports `pallas_kernels` (the
 kernel benchmark in `jaxllm.profiling.kernel_bench`, whose subject is the kernels themselves,
 is the one exception). A switch that cannot apply is a `ConfigError`, when the config is loaded
-(cuDNN attention with dropout) or when the plan is made for the machine (model.loss_backend=
+(cuDNN attention with dropout) or when the plan is made for the machine (execution.loss_backend=
 mosaic_gpu off Hopper), or a path the plan names (cuDNN needs a GPU and bf16: elsewhere
 attention runs on XLA, and `OpPlan.describe()` says so); nothing falls back silently.
 
@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from jaxllm import functional as F
-from jaxllm.config import LOSS_CHUNK_MIB, ConfigError, ModelConfig
+from jaxllm.config import LOSS_CHUNK_MIB, ConfigError, ExecutionConfig, ModelConfig
 from pallas_kernels.cross_entropy import OUT_OF_RANGE_CE, mark_out_of_range, targets_in_range
 
 NormPath = Literal["xla", "pallas"]
@@ -134,10 +134,10 @@ class OpPlan:
             parts.append(f"({self.shard.describe()})")
         return "ops: " + " ".join(parts) + "".join(f"; {n}" for n in self.notes)
 
-    def loss_chunks(self, cfg: ModelConfig, rows: int) -> str | None:
+    def loss_chunks(self, cfg: ModelConfig, ex: ExecutionConfig, rows: int) -> str | None:
         """A line for the start of a run whose fused loss splits a full batch's `rows` rows
-        (batch x context, all devices) into chunks (model.loss_chunk_mib), e.g. 'loss: a full
-        batch's 98304 rows per device in 2 chunks of 49152 (model.loss_chunk_mib 8192)'; None
+        (batch x context, all devices) into chunks (execution.loss_chunk_mib), e.g. 'loss: a full
+        batch's 98304 rows per device in 2 chunks of 49152 (execution.loss_chunk_mib 8192)'; None
         where each device's rows go at once or the loss is XLA's. (Shorter batches, e.g.
         translation's length buckets, may take fewer chunks.)"""
         if self.loss not in ("pallas", "pallas_mgpu"):
@@ -145,53 +145,56 @@ class OpPlan:
         rows = self.shard.rows_per_device(rows) if self.shard else rows
         backend = "mosaic_gpu" if self.loss == "pallas_mgpu" else "triton"
         per_chunk = pallas_kernels.head_chunk_rows(
-            rows, cfg.vocab_size, cfg.compute_dtype, backend, cfg.loss_chunk_mib * 2**20
+            rows, cfg.vocab_size, ex.compute_dtype, backend, ex.loss_chunk_mib * 2**20
         )
         if per_chunk >= rows:
             return None
         chunks = -(-rows // per_chunk)
         return (
             f"loss: a full batch's {rows} rows per device in {chunks} chunks of {per_chunk} "
-            f"(model.loss_chunk_mib {cfg.loss_chunk_mib})"
+            f"(execution.loss_chunk_mib {ex.loss_chunk_mib})"
         )
 
 
 def plan_ops(
-    cfg: ModelConfig, backend: str | None = None, shard: KernelShard | None = None
+    cfg: ModelConfig,
+    ex: ExecutionConfig,
+    backend: str | None = None,
+    shard: KernelShard | None = None,
 ) -> OpPlan:
-    """The op paths a model with `cfg` takes on `backend` (default: jax.default_backend());
+    """The op paths model `cfg` run as `ex` takes on `backend` (default: jax.default_backend());
     `shard`: how Pallas calls run on a mesh of several devices (kept only if a path is Pallas)."""
     backend = backend or jax.default_backend()
     notes = []
-    attention: AttentionPath = "pallas" if cfg.kernels == "pallas" else "xla"
-    if cfg.attention_impl == "dot_product_attention":
-        if backend == "gpu" and cfg.compute_dtype == "bfloat16":
+    attention: AttentionPath = "pallas" if ex.kernels == "pallas" else "xla"
+    if ex.attention_impl == "dot_product_attention":
+        if backend == "gpu" and ex.compute_dtype == "bfloat16":
             attention = "cudnn"
         else:
             notes.append(
                 f"attention_impl=dot_product_attention needs a GPU and bfloat16 for cuDNN "
-                f"(backend {backend}, {cfg.compute_dtype}): attention runs on {attention}"
+                f"(backend {backend}, {ex.compute_dtype}): attention runs on {attention}"
             )
-    pallas = "pallas" in (cfg.kernels, attention, cfg.loss_impl)
-    loss: LossPath = cfg.loss_impl
-    if loss == "pallas" and cfg.loss_backend != "triton":  # Mosaic GPU: faster, where it runs
+    pallas = "pallas" in (ex.kernels, attention, ex.loss_impl)
+    loss: LossPath = ex.loss_impl
+    if loss == "pallas" and ex.loss_backend != "triton":  # Mosaic GPU: faster, where it runs
         refusal = (
-            pallas_kernels.mosaic_loss_refusal(cfg.vocab_size, cfg.compute_dtype)
+            pallas_kernels.mosaic_loss_refusal(cfg.vocab_size, ex.compute_dtype)
             if backend == "gpu"
             else f"a GPU (backend here: {backend})"
         )
         if refusal is None:
             loss = "pallas_mgpu"
-        elif cfg.loss_backend == "mosaic_gpu":
+        elif ex.loss_backend == "mosaic_gpu":
             raise ConfigError(
-                f"model.loss_backend=mosaic_gpu needs {refusal}; use model.loss_backend=auto or "
+                f"execution.loss_backend=mosaic_gpu needs {refusal}; use execution.loss_backend=auto or "
                 "triton"
             )
     return OpPlan(
-        norm=cfg.kernels,  # LayerNorm and RMSNorm both have kernels
+        norm=ex.kernels,  # LayerNorm and RMSNorm both have kernels
         attention=attention,
         loss=loss,
-        conv=cfg.kernels,
+        conv=ex.kernels,
         interpret=backend != "gpu",
         shard=shard if pallas else None,
         notes=tuple(notes),
@@ -335,11 +338,11 @@ def linear_cross_entropy(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """LM head + cross-entropy: x (N, D), w (V, D), targets, weights (N,) ->
     (sum_i w_i loss_i, ce (N,), hit (N,)); see `F.linear_cross_entropy`. `chunk_mib`: the
-    fused kernel's logits per chunk of rows (model.loss_chunk_mib; 0: all rows at once).
+    fused kernel's logits per chunk of rows (execution.loss_chunk_mib; 0: all rows at once).
     A target outside [0, V) gives its row ce = OUT_OF_RANGE_CE (1e30: nothing at weight 0,
     loud with a weight) and no hit, on every path."""
     if path in ("pallas", "pallas_mgpu"):
-        if label_smoothing:  # ModelConfig refuses this pairing; a direct caller gets it here
+        if label_smoothing:  # ExecutionConfig refuses this pairing; a direct caller gets it here
             raise ValueError("label smoothing needs the xla loss path: the fused kernel has none")
         backend = "mosaic_gpu" if path == "pallas_mgpu" else "triton"
 

@@ -8,12 +8,12 @@ the pipeline's (jaxllm/pipeline.py):
 - Parameters and optimizer state are replicated over `data` and sharded over `fsdp` along
   their largest dimension that the fsdp size divides (replicated where none does). Adam's
   moments have the parameters' shapes, so one shape rule covers the whole train state. With
-  model.scan_layers the block stack's leaves (params["blocks"], leading axis n_layers) are
+  execution.scan_layers the block stack's leaves (params["blocks"], leading axis n_layers) are
   sharded over fsdp on a non-layer dimension, and over `pipeline` on the layer axis: stage s
   holds layers s L/S .. (s + 1) L/S - 1 (and their Adam moments).
 - The train step is `jax.jit` with these in/out shardings: XLA's SPMD partitioner inserts the
   all-gathers of sharded weights, the reduce(-scatter)s of the gradients and the reduction of
-  the loss. With model.scan_layers and fsdp > 1 the block weights are gathered one layer at a
+  the loss. With execution.scan_layers and fsdp > 1 the block weights are gathered one layer at a
   time inside the scanned loop, forward and again in the backward (ZeRO-3), instead of all
   at the start of the step. With pipeline > 1 the loss runs embed -> GPipe over the stages
   (`pipeline_apply`: shard_map + ppermute) -> final norm + loss. `mesh_apply` picks the path.
@@ -21,7 +21,7 @@ the pipeline's (jaxllm/pipeline.py):
   stages: a per-layer gather there would run once per tick, M + S - 1 times a step instead of
   once (DeepSpeed does not combine ZeRO-3 with pipeline stages either).
   Dropout works on both paths: each layer (and under the pipeline each microbatch) gets its
-  own key folded from the step's dropout rng (`blocks_loss`); the masks differ from the
+  own key folded from the step's dropout rng (`Decoder.run_blocks`); the masks differ from the
   one-device scanned model's, which splits its rng another way.
 
 Pallas kernels are custom calls that the partitioner cannot split (it would gather their operands
@@ -36,31 +36,21 @@ This module is the only place that decides a mesh or a sharding.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.config import Config, ConfigError, ModelConfig, ParallelConfig
+from jaxllm.config import Config, ConfigError, ExecutionConfig, ModelConfig, ParallelConfig
 from jaxllm.functional import IGNORE
-from jaxllm.layers import AttentionInputs, add_and_norm
-from jaxllm.models.decoder import (
-    Decoder,
-    _ScanLayer,
-    check_targets,
-    check_tokens,
-    default_positions,
-    lm_loss,
-)
+from jaxllm.models.decoder import BlockRunner, Decoder
 from jaxllm.ops import KernelShard
 from jaxllm.pipeline import bubble_fraction, pipeline_apply, rows_split
 
@@ -119,21 +109,21 @@ def check_batch(batch_size: int, sizes: dict[str, int], microbatches: int = 1) -
         )
 
 
-def check_pipeline(model: ModelConfig, n_stages: int) -> None:
+def check_pipeline(model: ModelConfig, ex: ExecutionConfig, n_stages: int) -> None:
     """What `pipeline` > 1 needs from the model: scanned layers that split evenly into the
     stages."""
     if n_stages == 1:
         return
-    if not model.scan_layers:
+    if not ex.scan_layers:
         raise ConfigError(
-            f"parallel.pipeline={n_stages} needs model.scan_layers=true: the stages hold slices "
-            "of the stacked block parameters. Set --model.scan_layers=true (or "
+            f"parallel.pipeline={n_stages} needs execution.scan_layers=true: the stages hold slices "
+            "of the stacked block parameters. Set --execution.scan_layers=true (or "
             "parallel.pipeline=1)"
         )
-    if model.short_conv and model.kernels == "pallas":
+    if model.short_conv and ex.kernels == "pallas":
         # Seen on 8 CPU devices: the step hung in a collective (the stages' other kernels run).
         raise ConfigError(
-            f"parallel.pipeline={n_stages} with model.short_conv=true needs model.kernels=xla: "
+            f"parallel.pipeline={n_stages} with model.short_conv=true needs execution.kernels=xla: "
             "the Pallas depthwise conv inside pipeline stages is not supported yet"
         )
     if model.n_layers % n_stages:
@@ -152,7 +142,7 @@ def kernel_model(model: Decoder, mesh: Mesh) -> Decoder:
         return model
     # Rows over every mesh axis. With stages, the pipeline's output rows are split over them too
     # (pipeline_apply): the final norm and the loss run on 1/S of the rows per stage (the
-    # stages' own kernels run inside the pipeline's shard_map, per device: blocks_loss). With
+    # stages' own kernels run inside the pipeline's shard_map, per device: BlockRunner.per_device). With
     # one stage the axis has size 1 and splits nothing; left out, shard_map's transpose would
     # all-reduce every kernel input's cotangent over it (a collective per call, of 1 device).
     shard = KernelShard(mesh, ROW_AXES)
@@ -165,7 +155,7 @@ def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
     the pipeline, and the batch (ConfigError naming the fix)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_sizes(cfg.parallel, len(devices))
-    check_pipeline(cfg.model, sizes["pipeline"])
+    check_pipeline(cfg.model, cfg.execution, sizes["pipeline"])
     check_batch(cfg.train.batch_size, sizes, n_microbatches(cfg.parallel, sizes["pipeline"]))
     shape = tuple(sizes[a] for a in MESH_AXES)
     return Mesh(np.array(devices).reshape(shape), MESH_AXES)
@@ -179,7 +169,7 @@ def describe(
 ) -> str:
     """One line for the start of a run, e.g. 'parallel: mesh data=4 fsdp=2 over 8 cpu devices'
     ('... pipeline=4 (4 microbatches, bubble 43%) ...' with pipeline stages). With fsdp > 1 it
-    says where the weights are gathered: per layer (model.scan_layers, no pipeline) or once at
+    says where the weights are gathered: per layer (execution.scan_layers, no pipeline) or once at
     the start of the step. With stages and `batch_size` it says how the rows enter the pipeline
     (pipeline.rows_split): split over the stages, or replicated over them and why."""
     sizes = " ".join(f"{a}={mesh.shape[a]}" for a in AXES if a != "pipeline")
@@ -221,7 +211,7 @@ def param_spec(shape: Sequence[int], fsdp: int) -> P:
 
 def in_blocks(path: Sequence[Any]) -> bool:
     """Whether a leaf's tree path runs through a "blocks" entry: the stacked layers of
-    model.scan_layers (params["blocks"], and the Adam moments of the same parameters)."""
+    execution.scan_layers (params["blocks"], and the Adam moments of the same parameters)."""
     return any(getattr(k, "key", None) == "blocks" for k in path)
 
 
@@ -302,68 +292,6 @@ def shard_batch(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
 # ----------------------------------------------------------------------------- the steps
 
 
-def blocks_loss(
-    model: Decoder,
-    params: Any,
-    tokens: jax.Array,
-    targets: jax.Array,
-    deterministic: bool = True,
-    rngs: dict[str, jax.Array] | None = None,
-    *,
-    run_blocks: Callable[[Callable, Any, Any], Any],
-    per_device_blocks: bool = False,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """`model.loss` (model.scan_layers) with its block stack run by
-    `run_blocks(layer_fn, params["blocks"], (x, h), rng=...) -> (x, h)` instead of the model's
-    own scan, e.g. `pipeline_apply` or a scan that gathers each layer's weights (`gathered_scan`).
-    The pieces are the model's: embed, the scan body (`_ScanLayer`, remat and all) applied to
-    one layer's slice of params["blocks"], ln_f with the last residual add, the LM head and
-    `lm_loss`. No KV cache.
-
-    Dropout (model.dropout > 0, not `deterministic`, rngs["dropout"] given): embed draws from
-    rngs as in the model; the blocks get `rng=fold_in(rngs["dropout"], 1)` and `run_blocks`
-    calls `layer_fn(layer_params, carry, key)` with a key of that layer's own (and, in the
-    pipeline, that microbatch's own: `fold_in(fold_in(rng, layer), microbatch)`), which the
-    layer's apply gets as its "dropout" rng. Deterministic for a given rng, different across
-    layers and microbatches, but not the one-device scan's masks (nn.scan splits its rng
-    another way). Otherwise run_blocks gets rng=None and calls `layer_fn(layer_params, carry)`.
-
-    `per_device_blocks`: run_blocks calls layer_fn inside its own shard_map (the pipeline), on
-    per-device arrays: the layers' Pallas calls run there as they are, without the plan's
-    KernelShard (which the embed, ln_f and loss outside keep)."""
-    cfg = model.cfg
-    check_tokens(tokens, cfg)
-    check_targets(targets, tokens, cfg)
-    bound = model.bind({"params": params}, rngs=rngs)
-    plan = bound.plan
-    body_plan = dataclasses.replace(plan, shard=None) if per_device_blocks else plan
-    body = _ScanLayer(cfg, body_plan, bound.blocks.block, parent=None)  # one layer, unbound
-
-    def layer_fn(layer_params: Any, carry: Any, key: jax.Array | None = None) -> Any:
-        b, t = carry[0].shape[:2]  # a microbatch's own rows
-        inputs = AttentionInputs(jnp.broadcast_to(jnp.arange(t), (b, t)), deterministic)
-        layer_rngs = None if key is None else {"dropout": key}
-        carry, _ = body.apply({"params": layer_params}, carry, inputs, None, rngs=layer_rngs)
-        return carry
-
-    dropout = not deterministic and cfg.dropout > 0 and rngs is not None and "dropout" in rngs
-    # Data 1 for the blocks' keys: flax derives embed's from rngs["dropout"] by its own path.
-    blocks_rng = jax.random.fold_in(rngs["dropout"], 1) if dropout else None
-
-    with nn.override_named_call(False):  # the scopes of Decoder.loss, nothing between them
-        with jax.named_scope("embed"):
-            x = bound.stream(tokens, default_positions(tokens), deterministic)
-        h = jnp.zeros(x.shape, jnp.dtype(cfg.compute_dtype))  # nothing pending yet
-        with jax.named_scope("blocks"):
-            x, h = run_blocks(layer_fn, params["blocks"], (x, h), rng=blocks_rng)
-        with jax.named_scope("ln_f"):
-            _, x = add_and_norm(bound.ln_f, x, h)
-        smoothing = 0.0 if deterministic else cfg.label_smoothing
-        with jax.named_scope("loss"):
-            head = bound.head_matrix()
-            return lm_loss(x, head, targets, cfg, plan.loss, smoothing, plan.shard)
-
-
 # Ops that only move, cast or re-shape data: recomputed in the backward, never saved (see
 # gathered_scan). Weights pass through nothing else between their gather and their matmul.
 _DATA_MOVEMENT = frozenset({
@@ -379,7 +307,7 @@ def _save_computed(prim: Any, *_: Any, **__: Any) -> bool:
 
 
 def gathered_scan(mesh: Mesh) -> Callable[[Callable, Any, Any], Any]:
-    """A `run_blocks` for `blocks_loss`: the layers in a `lax.scan` whose body all-gathers its
+    """A `BlockRunner.run` for `Decoder.loss`: the layers in a `lax.scan` whose body all-gathers its
     layer's fsdp-sharded weights (a sharding constraint to replicated on the slice). The
     gradients of each layer's weights are reduced inside the backward loop and written into the
     stacked gradients in the shard layout (a reduce-scatter where XLA forms one; the CPU backend
@@ -393,7 +321,7 @@ def gathered_scan(mesh: Mesh) -> Callable[[Callable, Any, Any], Any]:
     most a layer or two are ever whole on a device (ZeRO-3). Without a policy the scan would save
     every layer's gathered weights (and their casts and slices): all of them whole. (The
     `dots_saveable` policy keeps them out too, but recomputes the norms, activations and
-    attention in the backward.) With model.remat=block each layer saves only its inputs.
+    attention in the backward.) With execution.remat=block each layer saves only its inputs.
 
     With `rng` (dropout), layer i runs as `layer_fn(params_i, carry, fold_in(rng, i))`; the
     recomputation in the backward draws the same masks from the same keys."""
@@ -416,22 +344,21 @@ def gathered_scan(mesh: Mesh) -> Callable[[Callable, Any, Any], Any]:
 
 
 class MeshApply:
-    """`model.apply` as the steps call it on a mesh: method "loss" runs `blocks_loss` with
-    `run_blocks` when the batch has a multiple of `rows` rows, everything else (other methods,
-    an evaluation batch that does not split into the microbatches) runs `model.apply`.
-    `per_device_blocks`: see `blocks_loss`."""
+    """`model.apply` as the steps call it on a mesh: method "loss" runs the model's own loss with
+    its block stack run by `blocks` (`Decoder.loss(..., blocks=...)`) when the batch has a
+    multiple of `rows` rows; everything else (other methods, an evaluation batch that does not
+    split into the microbatches) runs the plain `model.apply`."""
 
     def __init__(
         self,
         model: Decoder,
-        run_blocks: Callable,
+        blocks: BlockRunner,
         rows: int,
         what: str,
-        per_device_blocks: bool = False,
         split_rows: NamedSharding | None = None,
     ) -> None:
-        self.model, self.run_blocks, self.rows, self.what = model, run_blocks, rows, what
-        self.per_device_blocks, self.split_rows = per_device_blocks, split_rows
+        self.model, self.blocks, self.rows, self.what = model, blocks, rows, what
+        self.split_rows = split_rows
 
     def __call__(self, variables: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
         if method == "loss" and np.shape(args[0])[0] % self.rows == 0:
@@ -441,13 +368,7 @@ class MeshApply:
                 # the rows per stage, as the pipeline reads them (pipeline_apply)
                 tokens, targets = (jax.lax.with_sharding_constraint(a, rows) for a in args[:2])
                 args = (tokens, targets, *args[2:])
-            loss = functools.partial(
-                blocks_loss,
-                rngs=kwargs.pop("rngs", None),
-                run_blocks=self.run_blocks,
-                per_device_blocks=self.per_device_blocks,
-            )
-            return loss(self.model, variables["params"], *args, **kwargs)
+            return self.model.apply(variables, *args, method="loss", blocks=self.blocks, **kwargs)
         if method == "loss":  # said once per compile (this runs while jit traces)
             warnings.warn(
                 f"a batch of {np.shape(args[0])[0]} rows does not split into {self.rows} "
@@ -460,12 +381,12 @@ class MeshApply:
         return f"MeshApply({type(self.model).__name__}, {self.what})"
 
 
-def pending_folded(cfg: ModelConfig) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+def pending_folded(ex: ExecutionConfig) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
     """pipeline_apply's `wire` for the blocks' carry (x, h) (residual stream, pending branch
     output): send x + h, go on from (x + h, 0). The next layer adds h first thing (add_and_norm,
     in x's dtype), so the result is the same, while each send is one array of x's dtype
     instead of two."""
-    pending = jnp.dtype(cfg.compute_dtype)
+    pending = jnp.dtype(ex.compute_dtype)
 
     def pack(carry: tuple[jax.Array, jax.Array]) -> jax.Array:
         x, h = carry
@@ -479,25 +400,25 @@ def pending_folded(cfg: ModelConfig) -> tuple[Callable[[Any], Any], Callable[[An
 
 def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) -> Callable:
     """The apply function the train and eval steps use on `mesh` in place of a state's
-    `apply_fn` (a Decoder's `model.apply`): with model.scan_layers and pipeline > 1, a
+    `apply_fn` (a Decoder's `model.apply`): with execution.scan_layers and pipeline > 1, a
     `MeshApply` whose loss runs the stages with `pipeline_apply` (`microbatches`, default one
     per stage); with scan_layers and fsdp > 1, one whose loss gathers the block weights layer
     by layer (`gathered_scan`); else the model's apply. Both thread dropout keys per layer
-    (`blocks_loss`). A Decoder runs as `kernel_model` makes it (Pallas calls per batch shard)."""
+    (`Decoder.run_blocks`). A Decoder runs as `kernel_model` makes it (Pallas calls per batch shard)."""
     model = getattr(apply_fn, "__self__", None)
     if isinstance(model, Decoder):
         sharded = kernel_model(model, mesh)
         if sharded is not model:  # else keep apply_fn itself: _on_mesh compares identities
             model, apply_fn = sharded, sharded.apply
     stages, fsdp = mesh.shape["pipeline"], mesh.shape["fsdp"]
-    scanned = isinstance(model, Decoder) and model.cfg.scan_layers
+    scanned = isinstance(model, Decoder) and model.execution.scan_layers
     if stages > 1:
         if not scanned:
             raise ConfigError(
-                f"a mesh with pipeline={stages} needs a Decoder with model.scan_layers=true, "
+                f"a mesh with pipeline={stages} needs a Decoder with execution.scan_layers=true, "
                 f"got the apply function {apply_fn!r}"
             )
-        check_pipeline(model.cfg, stages)
+        check_pipeline(model.cfg, model.execution, stages)
         m = microbatches or stages
         plan = model.plan
         pallas = "pallas" in (plan.norm, plan.attention, plan.conv)  # in the stages
@@ -507,14 +428,15 @@ def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) 
             n_microbatches=m,
             batch_axes=BATCH_AXES,
             check_vma=not pallas,
-            wire=pending_folded(model.cfg),
+            wire=pending_folded(model.execution),
         )
         ways = mesh.shape["data"] * fsdp * m
         what = f"pipeline {stages} stages x {m} microbatches"
         split = NamedSharding(mesh, P(ROW_AXES))
-        return MeshApply(model, run, ways, what, per_device_blocks=True, split_rows=split)
+        return MeshApply(model, BlockRunner(run, per_device=True), ways, what, split_rows=split)
     if scanned and fsdp > 1:
-        return MeshApply(model, gathered_scan(mesh), 1, f"fsdp {fsdp}, gathered per layer")
+        runner = BlockRunner(gathered_scan(mesh))
+        return MeshApply(model, runner, 1, f"fsdp {fsdp}, gathered per layer")
     return apply_fn
 
 
@@ -559,7 +481,7 @@ def jit_train_step(
     the batch keeps the sharding `shard_batch` gave it. The old state is donated.
 
     The loss runs as `mesh_apply` says: through the pipeline stages (`microbatches`), or with
-    the block weights gathered per layer (model.scan_layers, fsdp > 1). Otherwise, with
+    the block weights gathered per layer (execution.scan_layers, fsdp > 1). Otherwise, with
     fsdp > 1, the parameters are gathered once, at the start of the step: left to itself, XLA's
     sharding propagation follows the weights' fsdp split into the activations and then has to
     undo it ("involuntary full rematerialization" warnings; the embeddings' gradients,

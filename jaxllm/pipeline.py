@@ -12,7 +12,7 @@ end of each phase where some stages have nothing to do are the bubble,
   `_clock_cycles` helper, llmsys 11-868 assignment 4) and its idle fraction.
 - `pipeline_apply`: the forward written with `jax.shard_map` + `jax.lax.ppermute`. It works on
   any `layer_fn(layer_params, x) -> x` and parameters stacked along a leading layer axis (the
-  layout of `model.scan_layers`: params["blocks"] with leaves (L, ...)), not on model classes.
+  layout of `execution.scan_layers`: params["blocks"] with leaves (L, ...)), not on model classes.
   The backward is not written: `jax.grad` transposes the (unrolled) tick loop into the reversed
   sequence of ticks whose ppermutes send cotangents stage s + 1 -> s, i.e. the GPipe backward.
 

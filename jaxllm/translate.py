@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         translation_tokenizer,
     )
     from jaxllm.models import build_model
-    from jaxllm.train.checkpoint import load_run
+    from jaxllm.runs import load_run
 
     try:
         cfg, params, step = load_run(args.run_dir, args.checkpoint)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         tok = translation_tokenizer(cfg, [])
         pairs = load_translation_split(tc, args.split)
         pairs = filter_translation_pairs(pairs, args.split, cfg, tok)[: args.limit]
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, cfg.execution)
         print(model.plan.describe(), file=sys.stderr)
         batch_size = cfg.train.batch_size if args.batch_size is None else args.batch_size
         metrics, hyps = score_translations(model, params, tok, pairs, tc, batch_size)

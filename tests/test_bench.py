@@ -316,9 +316,9 @@ def test_forward_flops_match_the_training_flops_per_token():
                 "--dtypes",
                 "bfloat16",
                 "--set",
-                "model.loss_impl=pallas",
+                "execution.loss_impl=pallas",
                 "--set",
-                "model.loss_backend=mosaic_gpu",
+                "execution.loss_backend=mosaic_gpu",
             ],
             "loss_backend=mosaic_gpu needs a GPU",
         ),  # fmt: skip
@@ -448,7 +448,7 @@ def test_torch_reference_computes_the_same_function(arch):
 
 
 def test_torch_reference_keeps_a_bf16_residual_stream_when_asked():
-    """model.residual_dtype=bfloat16 in the PyTorch reference: every block returns a bf16
+    """execution.residual_dtype=bfloat16 in the PyTorch reference: every block returns a bf16
     stream under autocast, and the loss stays that of our model with the same setting."""
     torch = pytest.importorskip("torch")
     from jaxllm.profiling import torch_reference
@@ -456,7 +456,7 @@ def test_torch_reference_keeps_a_bf16_residual_stream_when_asked():
     from jaxllm.train.state import loss_and_sums
 
     cfg = bench.build_config("tiny", vocab=64, batch=2, dtype="bfloat16",
-                             overrides=["model.residual_dtype=bfloat16"])  # fmt: skip
+                             overrides=["execution.residual_dtype=bfloat16"])  # fmt: skip
     batch = random_batch(cfg, 2)
     state = make_state(cfg, batch)
     loss = loss_and_sums(state.params, state.apply_fn, batch, None)[0]

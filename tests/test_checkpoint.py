@@ -40,7 +40,7 @@ ARGS = [  # small and short: these tests check bookkeeping, not learning
     "--train.batch_size=16",
     "--data.associative_recall.num_train=640",
     "--data.associative_recall.num_test=64",
-    "--model.dropout=0.1",  # dropout rng must resume too
+    "--execution.dropout=0.1",  # dropout rng must resume too
     "--train.steps=60",
     "--train.log_every=5",
     "--train.eval_every=30",
@@ -157,7 +157,7 @@ def test_load_run_builds_the_model_the_checkpoint_was_trained_as(tmp_path):
     execution fields (kernels) still apply."""
     import warnings
 
-    from jaxllm.train.checkpoint import CheckpointConfigWarning, load_run
+    from jaxllm.runs import CheckpointConfigWarning, load_run
 
     args = [*ARGS, "--train.steps=10", "--model.n_heads=4", f"--train.run_dir={tmp_path}"]
     train(load_config(ROOT / "configs/ar.yaml", args))
@@ -166,7 +166,7 @@ def test_load_run_builds_the_model_the_checkpoint_was_trained_as(tmp_path):
     shutil.copytree(tmp_path, moved, ignore=shutil.ignore_patterns(".lock"))
     assert load_run(moved)[0].train.run_dir == str(moved)  # (translate read its tokenizer there)
     tokens = jnp.arange(12, dtype=jnp.int32)[None] % cfg.model.vocab_size
-    want = build_model(cfg.model).apply(variables, tokens)
+    want = build_model(cfg.model, cfg.execution).apply(variables, tokens)
     yaml = tmp_path / "config.yaml"
     text = yaml.read_text()
     assert "n_heads: 4" in text and "kernels: xla" in text
@@ -177,14 +177,14 @@ def test_load_run_builds_the_model_the_checkpoint_was_trained_as(tmp_path):
         edited, variables2, step2 = load_run(tmp_path)
     assert [type(w.message) for w in seen] == [CheckpointConfigWarning]
     assert "(n_heads: 4 -> 2): the checkpoint's is used" in str(seen[0].message)
-    assert (edited.model.n_heads, edited.model.kernels, step2) == (4, "pallas", step)
+    assert (edited.model.n_heads, edited.execution.kernels, step2) == (4, "pallas", step)
     got = build_model(edited.model).apply(variables2, tokens)  # Pallas norms, interpreted
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     # training-only fields (dropout: 0.1 in ARGS) follow config.yaml: no warning, no refusal
     yaml.write_text(text.replace("dropout: 0.1", "dropout: 0.0"))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert load_run(tmp_path)[0].model.dropout == 0.0
+        assert load_run(tmp_path)[0].execution.dropout == 0.0
     assert not [w for w in seen if w.category is CheckpointConfigWarning]
     # an unreadable newest record: the older checkpoint is restored, as restore() does
     yaml.write_text(text)
@@ -564,6 +564,6 @@ def test_training_resumes_past_a_corrupt_newest_checkpoint(tmp_path, capfd):
 def tiny_state_of_ar(args: list[str]) -> TrainState:
     """A template of the ar preset's state under `args`."""
     cfg = load_config(ROOT / "configs/ar.yaml", args)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, cfg.execution)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     return create_state(model, tx, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))

@@ -21,13 +21,13 @@ def test_overrides_apply_with_types():
             "--model.n_layers=1",
             "--optim.lr",
             "3e-3",
-            "--model.compute_dtype=bfloat16",
+            "--execution.compute_dtype=bfloat16",
             "--train.progress=false",
             "--model.d_ff=null",
         ],
     )
     assert cfg.model.n_layers == 1 and cfg.optim.lr == 3e-3
-    assert cfg.model.compute_dtype == "bfloat16" and cfg.train.progress is False
+    assert cfg.execution.compute_dtype == "bfloat16" and cfg.train.progress is False
     assert cfg.model.d_ff is None and isinstance(cfg.optim.lr, float)
 
 
@@ -39,8 +39,8 @@ def test_unknown_key_lists_valid_ones():
 
 
 def test_label_smoothing_refused_on_the_fused_loss():
-    with pytest.raises(ConfigError, match="label_smoothing needs model.loss_impl=xla"):
-        load_config(None, ["--model.label_smoothing=0.1", "--model.loss_impl=pallas"])
+    with pytest.raises(ConfigError, match="label_smoothing needs execution.loss_impl=xla"):
+        load_config(None, ["--execution.label_smoothing=0.1", "--execution.loss_impl=pallas"])
 
 
 @pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"])
@@ -63,10 +63,10 @@ def test_unknown_key_in_yaml(tmp_path):
     [
         ("--model.n_layers=two", "model.n_layers must be an integer"),
         ("--model.n_layers=2.5", "model.n_layers must be an integer"),
-        ("--model.compute_dtype=float16", r"must be one of \['float32', 'bfloat16'\]"),
+        ("--execution.compute_dtype=float16", r"must be one of \['float32', 'bfloat16'\]"),
         ("--model.d_model=30", "divisible by model.n_heads"),
-        ("--model.dropout=1.0", r"dropout must be in \[0, 1\)"),
-        ("--model.label_smoothing=1.0", r"label_smoothing must be in \[0, 1\)"),
+        ("--execution.dropout=1.0", r"dropout must be in \[0, 1\)"),
+        ("--execution.label_smoothing=1.0", r"label_smoothing must be in \[0, 1\)"),
         ("--optim.lr=-1", "optim.lr must be > 0"),
         ("--train.steps=0", "train.steps must be > 0"),
         ("--optim.warmup_steps=5000", "warmup_steps"),
@@ -76,8 +76,8 @@ def test_unknown_key_in_yaml(tmp_path):
             r"num_pairs must be in \[1, vocab_size/2 = 16\]",
         ),
         ("--model.context_length=9", "2 \\* num_pairs \\+ 1 = 17"),
-        ("--model.residual_dtype=bfloat16", "residual_dtype=bfloat16 needs model.compute_dtype"),
-        ("--model.residual_dtype=float16", r"must be one of \['float32', 'bfloat16'\]"),
+        ("--execution.residual_dtype=bfloat16", "residual_dtype=bfloat16 needs execution.compute_dtype"),
+        ("--execution.residual_dtype=float16", r"must be one of \['float32', 'bfloat16'\]"),
     ],
 )
 def test_bad_values_name_the_key_and_range(override, message):

@@ -139,7 +139,7 @@ def test_divergence_stops_at_the_first_bad_step_and_no_checkpoint_holds_it(tmp_p
     with pytest.raises(NonFiniteLossError, match=r"non-finite at step \d+"):
         train(ar(tmp_path, *args))
     cfg = ar(tmp_path, *args)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, cfg.execution)
     template = create_state(
         model, make_optimizer(cfg.optim, 40), jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32)
     )

@@ -546,7 +546,7 @@ def test_pad_to_changes_nothing_but_the_shape(lm):
 
 
 def test_scan_layers_cache_decodes_and_beam_searches_like_the_unrolled_model(lm):
-    """model.scan_layers keeps one (L, B, S, H, Dh) cache: greedy and beam search (which
+    """execution.scan_layers keeps one (L, B, S, H, Dh) cache: greedy and beam search (which
     repeats and gathers that cache on its batch axis 1) give the unrolled model's tokens."""
     model, params = lm
     smodel = build_model(dataclasses.replace(model.cfg, scan_layers=True))

@@ -271,7 +271,7 @@ def test_label_smoothing_only_in_training_loss(arch):
 
 @pytest.mark.parametrize(("arch", "remat"), [("gpt2", "none"), ("transformer_lm", "block")])
 def test_scan_layers_is_the_same_function_of_the_same_parameters(arch, remat):
-    """model.scan_layers: logits, loss gradients and the cached decode equal the unrolled
+    """execution.scan_layers: logits, loss gradients and the cached decode equal the unrolled
     model's on the same weights (stack_blocks / unstack_blocks convert the layouts)."""
     cfg = dataclasses.replace(ARCHS[arch], remat=remat, n_layers=3)
     scfg = dataclasses.replace(cfg, scan_layers=True)
@@ -323,7 +323,7 @@ def test_scan_layers_inits_every_layer_differently_and_drops_out_per_layer():
 
 
 def test_bfloat16_residual_stream():
-    """model.residual_dtype=bfloat16: every block hands on a bf16 stream (x and its pending
+    """execution.residual_dtype=bfloat16: every block hands on a bf16 stream (x and its pending
     branch h), and the loss and gradients stay close to the float32 stream's (same params).
     GPT-2 only: the cast is the Decoder's (`stream`), shared by every architecture."""
     cfg = dataclasses.replace(ARCHS["gpt2"], compute_dtype="bfloat16")

@@ -26,7 +26,7 @@ from jaxllm import distributed
 from jaxllm.config import ConfigError, ParallelConfig, TranslationConfig, config_changes
 from jaxllm.data import associative_recall as ar
 from jaxllm.data.sources import TokenSource, TranslationSource
-from jaxllm.train.checkpoint import load_run
+from jaxllm.runs import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent

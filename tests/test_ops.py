@@ -56,10 +56,10 @@ def test_interpret_mode_is_named():
 
 
 def test_cudnn_attention_with_dropout_is_refused():
-    with pytest.raises(ConfigError, match="has no attention dropout; set model.dropout=0"):
+    with pytest.raises(ConfigError, match="has no attention dropout; set execution.dropout=0"):
         tiny_config(attention_impl="dot_product_attention", dropout=0.1)
     with pytest.raises(ConfigError, match="dot_product_attention has no attention dropout"):
-        load_config("configs/gpt2_124m.yaml", ["--model.dropout=0.1"])
+        load_config("configs/gpt2_124m.yaml", ["--execution.dropout=0.1"])
 
 
 def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch):
@@ -94,7 +94,7 @@ def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch)
 
 
 def test_loss_backend_needs_the_fused_loss_and_bf16_for_mosaic():
-    with pytest.raises(ConfigError, match="backend=triton picks .* needs model.loss_impl=pallas"):
+    with pytest.raises(ConfigError, match="backend=triton picks .* needs execution.loss_impl=pallas"):
         tiny_config(loss_backend="triton")
     with pytest.raises(ConfigError, match="loss_backend=mosaic_gpu computes in bfloat16"):
         tiny_config(loss_impl="pallas", loss_backend="mosaic_gpu")
@@ -149,7 +149,7 @@ def test_model_loss_reaches_the_mosaic_kernel_when_planned(monkeypatch):
 
 
 def test_loss_chunk_mib_reaches_the_kernel_and_needs_the_fused_loss():
-    """model.loss_chunk_mib sizes the fused loss's chunks of rows (the model's lm_loss passes
+    """execution.loss_chunk_mib sizes the fused loss's chunks of rows (the model's lm_loss passes
     it down: 512 rows x 640 float32 columns = 1.25 MiB -> two chunks of 256 rows at 1 MiB),
     changes nothing in the result, and is refused where no fused loss runs."""
     import jax
@@ -161,7 +161,7 @@ def test_loss_chunk_mib_reaches_the_kernel_and_needs_the_fused_loss():
     from pallas_kernels.cross_entropy import LOGITS_CHUNK_BYTES
 
     assert ModelConfig.loss_chunk_mib == LOGITS_CHUNK_BYTES // 2**20  # one default, two places
-    with pytest.raises(ConfigError, match="loss_chunk_mib=64 sizes .* needs model.loss_impl"):
+    with pytest.raises(ConfigError, match="loss_chunk_mib=64 sizes .* needs execution.loss_impl"):
         tiny_config(loss_chunk_mib=64)
     with pytest.raises(ConfigError, match="loss_chunk_mib"):
         tiny_config(loss_impl="pallas", loss_chunk_mib=-1)
@@ -190,7 +190,7 @@ def test_the_start_line_names_the_loss_chunks_the_kernel_takes():
 
     cfg = tiny_config(loss_impl="pallas", vocab_size=600, loss_chunk_mib=1)
     plan = OpPlan(loss="pallas")
-    line = "loss: a full batch's {} rows per device in {} chunks of {} (model.loss_chunk_mib 1)"
+    line = "loss: a full batch's {} rows per device in {} chunks of {} (execution.loss_chunk_mib 1)"
     assert plan.loss_chunks(cfg, 512) == line.format(512, 2, 256)
     assert plan.loss_chunks(cfg, 400) is None  # 1,000 KiB of logits: one chunk
     assert plan.loss_chunks(tiny_config(loss_impl="pallas", vocab_size=600), 512) is None

@@ -30,7 +30,8 @@ from jaxllm import distributed, parallel
 from jaxllm.config import ConfigError, ParallelConfig, config_changes, load_config
 from jaxllm.data.sources import make_source
 from jaxllm.models import build_model
-from jaxllm.train.checkpoint import Checkpointer, load_run
+from jaxllm.runs import load_run
+from jaxllm.train.checkpoint import Checkpointer
 from jaxllm.train.optim import make_optimizer
 from jaxllm.train.state import create_state, loss_and_sums, train_step
 
@@ -115,11 +116,11 @@ def test_mesh_sizes_fill_and_refuse():
 
 
 def test_pipeline_needs_scanned_divisible_layers():
-    model = _cfg("--model.n_layers=4", "--model.scan_layers=true").model
+    model = _cfg("--model.n_layers=4", "--execution.scan_layers=true").model
     parallel.check_pipeline(model, 4)
     parallel.check_pipeline(model, 2)
     parallel.check_pipeline(_cfg().model, 1)  # one stage: anything goes
-    with pytest.raises(ConfigError, match=r"pipeline=4 needs model.scan_layers=true.*Set --model"):
+    with pytest.raises(ConfigError, match=r"pipeline=4 needs execution.scan_layers=true.*Set --model"):
         parallel.check_pipeline(_cfg("--model.n_layers=4").model, 4)
     with pytest.raises(ConfigError, match=r"model.n_layers \(4\) must be divisible by parallel."):
         parallel.check_pipeline(model, 3)
@@ -172,10 +173,10 @@ def test_parallel_config_validation():
     staged_args = ("--parallel.data=2", "--parallel.pipeline=4", "--parallel.microbatches=2")
     assert config_changes(_cfg(), _cfg(*staged_args)) == []
     # ... except the dropout masks: with dropout on, fsdp / pipeline / microbatches pick others
-    drop = ("--model.dropout=0.1",)
+    drop = ("--execution.dropout=0.1",)
     assert config_changes(_cfg(*drop), _cfg(*drop, "--parallel.data=8")) == []
     assert config_changes(_cfg(*drop), _cfg(*drop, "--parallel.data=4", "--parallel.fsdp=2")) == [
-        "parallel.fsdp: 1 -> 2 (other dropout masks, with model.dropout > 0)"
+        "parallel.fsdp: 1 -> 2 (other dropout masks, with execution.dropout > 0)"
     ]
     assert [c.split(":")[0] for c in config_changes(_cfg(*drop), _cfg(*drop, *staged_args))] == [
         "parallel.microbatches", "parallel.pipeline"
@@ -202,7 +203,7 @@ def test_one_device_mesh_and_refusals():
     )
     with pytest.raises(ConfigError, match=r"needs 2 devices, but there are 1"):
         parallel.make_mesh(_cfg("--parallel.data=2"), jax.devices()[:1])
-    model = build_model(_cfg("--model.kernels=pallas").model)
+    model = build_model(_cfg("--execution.kernels=pallas").model)
     assert parallel.kernel_model(model, mesh) is model  # one device: Pallas runs as before
     assert model.plan.shard is None and "per shard" not in model.plan.describe()
 
@@ -212,7 +213,7 @@ def test_one_device_mesh_and_refusals():
 
 def _state_and_batches(cfg, mesh, n=3):
     source = make_source(cfg)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, cfg.execution)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     example = jnp.asarray(source.train_batch(0)["inputs"])
     rng = jax.random.PRNGKey(0)
@@ -354,9 +355,9 @@ def _check_pipeline_and_fsdp_layers() -> None:
     by its optimizer) and final params; where the fsdp all-gathers sit in the compiled step;
     per-device state bytes with fsdp 1 and 8; with dropout 0.1, pipeline=4 and data2_fsdp4's
     training losses (twice from one seed, once from another) and evaluation sums."""
-    base = ["--model.n_layers=4", "--model.scan_layers=true"]
+    base = ["--model.n_layers=4", "--execution.scan_layers=true"]
     cfg = _cfg(*base)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, cfg.execution)
     batches = [make_source(cfg).train_batch(i) for i in range(2)]
 
     def create(tx):
@@ -411,7 +412,7 @@ def _check_pipeline_and_fsdp_layers() -> None:
         train = loss_and_sums(state.params, state.apply_fn, batch, rng)[0]
         return train, loss_and_sums(state.params, state.apply_fn, batch, None)[1]
 
-    drop = [*base, "--model.dropout=0.1"]
+    drop = [*base, "--execution.dropout=0.1"]
     eval_init = init.replace(apply_fn=build_model(_cfg(*drop).model).apply)
     out["dropout_eval_single"] = jax.jit(train_loss_and_eval)(eval_init, batches[0], None)[1]
     for name, overrides, n in [
@@ -496,7 +497,7 @@ def test_pipeline_and_per_layer_fsdp_match_one_device():
         assert r["eval"]["correct"] == eval_ref["correct"], name
 
 
-PIPE4 = ["--parallel.pipeline=4", "--model.scan_layers=true", "--model.n_layers=4"]
+PIPE4 = ["--parallel.pipeline=4", "--execution.scan_layers=true", "--model.n_layers=4"]
 
 
 def _check_fsdp_layout_and_refusals() -> None:
@@ -525,10 +526,10 @@ def _check_fsdp_layout_and_refusals() -> None:
         "fill_not_dividing": ["--parallel.fsdp=3"],
         "batch": ["--train.batch_size=12"],
         "pipeline_unscanned": ["--parallel.pipeline=4"],
-        "pipeline_layers": ["--parallel.pipeline=4", "--model.scan_layers=true"],  # 2 layers
+        "pipeline_layers": ["--parallel.pipeline=4", "--execution.scan_layers=true"],  # 2 layers
         "pipeline_batch": [*PIPE4, "--parallel.data=2", "--parallel.microbatches=16"],
-        "pipeline_dropout": [*PIPE4, "--model.dropout=0.1"],
-        "pipeline_conv": [*PIPE4, "--model.short_conv=true", "--model.kernels=pallas"],
+        "pipeline_dropout": [*PIPE4, "--execution.dropout=0.1"],
+        "pipeline_conv": [*PIPE4, "--model.short_conv=true", "--execution.kernels=pallas"],
         "pipeline_ok": [*PIPE4, "--parallel.microbatches=8"],  # 16 rows = 2 x 8
     }.items():
         try:
@@ -555,11 +556,11 @@ def test_fsdp_shards_params_and_refuses_bad_meshes():
     assert "mesh data=2 x fsdp=1 x pipeline=1 needs 2 devices, but there are 8" in r["not_dividing"]
     assert "fixed sizes (3) must divide the device count (8)" in r["fill_not_dividing"]
     assert "train.batch_size (12) must be divisible" in r["batch"]
-    assert "parallel.pipeline=4 needs model.scan_layers=true" in r["pipeline_unscanned"]
+    assert "parallel.pipeline=4 needs execution.scan_layers=true" in r["pipeline_unscanned"]
     assert "model.n_layers (2) must be divisible by parallel.pipeline (4)" in r["pipeline_layers"]
     assert "x parallel.microbatches = 2 x 1 x 16 = 32" in r["pipeline_batch"]
     assert r["pipeline_dropout"] is None
-    assert "with model.short_conv=true needs model.kernels=xla" in r["pipeline_conv"]
+    assert "with model.short_conv=true needs execution.kernels=xla" in r["pipeline_conv"]
     assert r["pipeline_ok"] is None
 
 
@@ -573,7 +574,7 @@ def _check_pallas_on_mesh() -> None:
     from jaxllm import ops
     from jaxllm.train.state import eval_step
 
-    base = ["--model.scan_layers=true", "--model.kernels=pallas", "--model.loss_impl=pallas"]
+    base = ["--execution.scan_layers=true", "--execution.kernels=pallas", "--execution.loss_impl=pallas"]
     cfg = _cfg(*base)
     single = parallel.make_mesh(cfg, jax.devices()[:1])
     init, batches = _state_and_batches(cfg, single, 2)
@@ -705,7 +706,7 @@ def test_save_on_8_devices_restore_on_one(tmp_path):
     assert start["state_bytes_per_device"] > 0
 
     cfg = _cfg(*STAGED, f"--train.run_dir={run_dir}")
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, cfg.execution)
     tx = make_optimizer(cfg.optim, 4)
     state = create_state(model, tx, jax.random.PRNGKey(0), jnp.zeros((1, 9), jnp.int32))
     ckpt = Checkpointer(run_dir)

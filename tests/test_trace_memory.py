@@ -1,5 +1,5 @@
 """Named-scope traces (profile.py trace, train.trace_steps), NVTX/nsys helpers, memory profiling
-(profile.py memory) and block rematerialisation (model.remat)."""
+(profile.py memory) and block rematerialisation (execution.remat)."""
 
 import dataclasses
 import gzip
@@ -306,8 +306,8 @@ def test_trace_steps_validation_and_resume():
     ):
         with pytest.raises(ConfigError, match=f"train.trace_steps.*{msg}"):
             load_config(AR, [f"--train.trace_steps={bad}"])
-    with pytest.raises(ConfigError, match="model.remat must be one of \\['none', 'block'\\]"):
-        load_config(AR, ["--model.remat=full"])
+    with pytest.raises(ConfigError, match="execution.remat must be one of \\['none', 'block'\\]"):
+        load_config(AR, ["--execution.remat=full"])
     base = load_config(AR)
     check_resume(base, ok, 1, 1)  # tracing changes nothing a run computes: resume allowed
 

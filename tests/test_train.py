@@ -74,7 +74,7 @@ def _tiny_cfg(tmp_path, steps=40, **train_kw):
 
 def test_train_step_deterministic(tmp_path):
     cfg = _tiny_cfg(tmp_path)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, cfg.execution)
     batch = {"inputs": jnp.ones((4, 17), jnp.int32), "targets": jnp.full((4, 17), 20, jnp.int32)}
 
     def run():
@@ -136,7 +136,7 @@ def test_a_run_names_its_loss_chunks(tmp_path, capsys):
         optim=dataclasses.replace(cfg.optim, warmup_steps=1),
     )
     train(cfg)
-    line = "loss: a full batch's 2176 rows per device in 2 chunks of 1088 (model.loss_chunk_mib 1)"
+    line = "loss: a full batch's 2176 rows per device in 2 chunks of 1088 (execution.loss_chunk_mib 1)"
     assert line in "".join(capsys.readouterr())  # (tqdm's write: stdout)
     start = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert start["loss_chunks"] == line
@@ -214,7 +214,7 @@ def test_eval_padding_rows_add_nothing(tmp_path):
     source = make_source(cfg)  # 128 test examples: batches of 48, 48, 32
     sizes = [b["inputs"].shape[0] for b in source.eval_batches()]
     assert sizes == [48, 48, 32]
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, cfg.execution)
     tx = make_optimizer(cfg.optim, 40)
     first = next(iter(source.eval_batches()))
     state = create_state(model, tx, jax.random.PRNGKey(3), jnp.asarray(first["inputs"]))

@@ -6,7 +6,7 @@ one entry in ARCHITECTURES and one literal in `ModelConfig.arch`.
 
 from __future__ import annotations
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import ExecutionConfig, ModelConfig
 from jaxllm.models.decoder import (
     Decoder,
     cache_batch_axis,
@@ -25,5 +25,7 @@ __all__ = [
 ]  # fmt: skip
 
 
-def build_model(cfg: ModelConfig) -> Decoder:
-    return ARCHITECTURES[cfg.arch](cfg)
+def build_model(cfg: ModelConfig, execution: ExecutionConfig | None = None) -> Decoder:
+    """The Decoder of architecture `cfg.arch`, computed as `execution` says (default: float32,
+    XLA ops)."""
+    return ARCHITECTURES[cfg.arch](cfg, execution or ExecutionConfig())

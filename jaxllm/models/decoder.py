@@ -28,7 +28,7 @@ these paths (i = 0 .. n_layers - 1, the block whose parameters are h{i}):
   optimizer              gradient clipping + the AdamW update (jaxllm.train.state.train_step)
 Under a transformation the names are prefixed, e.g. `jit(train_step)/jvp(GPT2.loss)/block_3/
 attn/qkv/dot_general` (forward) and `transpose(jvp(GPT2.loss))/block_3/...` (backward); with
-model.remat "block" the backward's ops carry `.../block_3/checkpoint/attn/...` and the
+execution.remat "block" the backward's ops carry `.../block_3/checkpoint/attn/...` and the
 recomputed forward `.../checkpoint/rematted_computation/attn/...` (`profile.py trace` prints
 these as fwd/, bwd/ and recompute/block_3/attn/...). Scopes rename ops only: the compiled
 program is the same.
@@ -36,8 +36,10 @@ program is the same.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -45,11 +47,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import ops
-from jaxllm.config import ModelConfig
+from jaxllm.config import ExecutionConfig, ModelConfig
 from jaxllm.functional import IGNORE
 from jaxllm.layers import AttentionInputs, Embedding, Initializer, KVCache, LMHead, add_and_norm
 
 Sums = dict[str, jax.Array]  # {loss_sum, correct, count}: add up exactly over batches
+Carry = tuple[jax.Array, jax.Array]  # (x, h): the residual stream and the pending branch output
+LayerFn = Callable[..., Carry]  # layer_fn(layer_params, carry[, key]) -> carry
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRunner:
+    """Runs a scanned model's block stack in place of its own `nn.scan` (`Decoder.loss(...,
+    blocks=runner)`): `run(layer_fn, stacked_params, carry, rng) -> carry`, where
+    `layer_fn(layer_params, carry[, key])` applies one layer (remat and all) to one slice of
+    params["blocks"]. With dropout, `rng` is a key of the blocks' own and `run` passes each
+    layer (and microbatch) a key of its own (e.g. `fold_in(rng, layer)`); else rng is None.
+    jaxllm.parallel runs the layers gathering each one's weights (fsdp), jaxllm.pipeline as
+    pipeline stages. `per_device`: `run` calls layer_fn inside its own shard_map, on per-device
+    arrays, so the layers' Pallas calls run as they are (no KernelShard)."""
+
+    run: Callable[[LayerFn, Any, Carry, jax.Array | None], Carry]
+    per_device: bool = False
 
 
 def explicit_scopes(method: Callable) -> Callable:
@@ -66,6 +85,7 @@ def explicit_scopes(method: Callable) -> Callable:
 
 class Decoder(nn.Module):
     cfg: ModelConfig
+    execution: ExecutionConfig = ExecutionConfig()
     # Set by jaxllm.parallel on a mesh of several devices (a clone of the model): how the Pallas
     # kernels run there (per batch shard). None: one device.
     kernel_shard: ops.KernelShard | None = None
@@ -73,7 +93,7 @@ class Decoder(nn.Module):
     @property
     def plan(self) -> ops.OpPlan:
         """The op paths this model takes (jaxllm.ops); blocks and norms get them from here."""
-        return ops.plan_ops(self.cfg, shard=self.kernel_shard)
+        return ops.plan_ops(self.cfg, self.execution, shard=self.kernel_shard)
 
     # ------------------------------------------------------------ what an architecture writes
 
@@ -82,8 +102,8 @@ class Decoder(nn.Module):
         raise NotImplementedError
 
     def stream(self, tokens: jax.Array, positions: jax.Array, deterministic: bool) -> jax.Array:
-        """The residual stream entering the first block: `embed`, in model.residual_dtype."""
-        return self.embed(tokens, positions, deterministic).astype(self.cfg.residual_dtype)
+        """The residual stream entering the first block: `embed`, in execution.residual_dtype."""
+        return self.embed(tokens, positions, deterministic).astype(self.execution.residual_dtype)
 
     def build_stack(
         self,
@@ -93,16 +113,16 @@ class Decoder(nn.Module):
         head_init: Initializer,
     ) -> None:
         """Called from an architecture's `setup`: the n_layers blocks h0, h1, ... (`block(cfg,
-        plan, name=...)`), the final norm ln_f (`norm()`) and, when untied, lm_head.
-        With model.remat "block", each block is rematerialised: the backward pass recomputes its
+        execution, plan, name=...)`), the final norm ln_f (`norm()`) and, when untied, lm_head.
+        With execution.remat "block", each block is rematerialised: the backward pass recomputes its
         forward from its inputs (jax.checkpoint saving nothing inside the block)."""
-        cfg = self.cfg
-        if cfg.remat == "block":
+        cfg, ex = self.cfg, self.execution
+        if ex.remat == "block":
             # Under scan every layer is one body anyway: no CSE across layers to prevent.
             nothing = jax.checkpoint_policies.nothing_saveable
-            block = nn.remat(block, policy=nothing, prevent_cse=not cfg.scan_layers)
+            block = nn.remat(block, policy=nothing, prevent_cse=not ex.scan_layers)
         self.token_embedding = token_embedding
-        if cfg.scan_layers:
+        if ex.scan_layers:
             stack = nn.scan(
                 _ScanLayer,
                 variable_axes={"params": 0},  # every leaf gets a leading (n_layers,) axis
@@ -110,12 +130,12 @@ class Decoder(nn.Module):
                 in_axes=(nn.broadcast, 0),  # inputs shared, cache sliced per layer
                 length=cfg.n_layers,
             )
-            self.blocks = stack(cfg, self.plan, block, name="blocks")
+            self.blocks = stack(cfg, ex, self.plan, block, name="blocks")
         else:
-            self.blocks = [block(cfg, self.plan, name=f"h{i}") for i in range(cfg.n_layers)]
+            self.blocks = [block(cfg, ex, self.plan, name=f"h{i}") for i in range(cfg.n_layers)]
         self.ln_f = norm()
         if not cfg.tie_embeddings:
-            dtype = jnp.dtype(cfg.compute_dtype)
+            dtype = jnp.dtype(ex.compute_dtype)
             self.lm_head = LMHead(cfg.vocab_size, cfg.d_model, head_init, dtype, name="lm_head")
 
     # ------------------------------------------------------------ the shared part
@@ -125,14 +145,19 @@ class Decoder(nn.Module):
         tokens: jax.Array,
         inputs: AttentionInputs,
         cache: list[KVCache] | KVCache | None = None,
+        blocks: BlockRunner | None = None,
     ) -> tuple[jax.Array, list[KVCache] | KVCache | None]:
-        """tokens (B, T) -> final normed hidden states (B, T, D) in compute dtype, new caches."""
+        """tokens (B, T) -> final normed hidden states (B, T, D) in compute dtype, new caches.
+        `blocks`: run the scanned stack with it instead of the model's own scan (no cache)."""
         with jax.named_scope("embed"):
             x = self.stream(tokens, inputs.positions, inputs.deterministic)  # (B, T, D)
-        if self.cfg.scan_layers:  # one scanned body; nothing pending before the first block
-            h = jnp.zeros(x.shape, jnp.dtype(self.cfg.compute_dtype))  # x + 0 == x exactly
+        if self.execution.scan_layers:  # one scanned body; nothing pending before block 0
+            h = jnp.zeros(x.shape, jnp.dtype(self.execution.compute_dtype))  # x + 0 == x exactly
             with jax.named_scope("blocks"):
-                (x, h), cache = self.blocks((x, h), inputs, cache)
+                if blocks is None:
+                    (x, h), cache = self.blocks((x, h), inputs, cache)
+                else:
+                    x, h = self.run_blocks(blocks, (x, h), inputs.deterministic)
             with jax.named_scope("ln_f"):
                 _, x = add_and_norm(self.ln_f, x, h)
             return x, cache
@@ -145,6 +170,22 @@ class Decoder(nn.Module):
             _, x = add_and_norm(self.ln_f, x, h)  # the last pending residual add
         return x, (None if cache is None else new_cache)
 
+    def run_blocks(self, runner: BlockRunner, carry: Carry, deterministic: bool) -> Carry:
+        """The scanned stack run by `runner`: the same layer body as `self.blocks`, applied to
+        one layer's slice of params["blocks"] at a time."""
+        plan = dataclasses.replace(self.plan, shard=None) if runner.per_device else self.plan
+        body = _ScanLayer(self.cfg, self.execution, plan, self.blocks.block, parent=None)
+
+        def layer_fn(layer_params: Any, carry: Carry, key: jax.Array | None = None) -> Carry:
+            b, t = carry[0].shape[:2]  # a microbatch's own rows
+            inputs = AttentionInputs(jnp.broadcast_to(jnp.arange(t), (b, t)), deterministic)
+            rngs = None if key is None else {"dropout": key}
+            return body.apply({"params": layer_params}, carry, inputs, None, rngs=rngs)[0]
+
+        dropout = not deterministic and self.execution.dropout > 0 and self.has_rng("dropout")
+        rng = self.make_rng("dropout") if dropout else None
+        return runner.run(layer_fn, self.variables["params"]["blocks"], carry, rng)
+
     def head_matrix(self) -> jax.Array:
         """The LM head as (V, D): the token table when tied."""
         return self.token_embedding.table if self.cfg.tie_embeddings else self.lm_head.kernel.T
@@ -153,7 +194,7 @@ class Decoder(nn.Module):
         """(B, T, D) -> (B, T, V) in compute dtype (the loss and the sampler upcast)."""
         with jax.named_scope("lm_head"):
             if self.cfg.tie_embeddings:
-                return self.token_embedding.attend(x, jnp.dtype(self.cfg.compute_dtype))
+                return self.token_embedding.attend(x, jnp.dtype(self.execution.compute_dtype))
             return self.lm_head(x)
 
     @explicit_scopes
@@ -165,17 +206,27 @@ class Decoder(nn.Module):
 
     @explicit_scopes
     def loss(
-        self, tokens: jax.Array, targets: jax.Array, deterministic: bool = True
+        self,
+        tokens: jax.Array,
+        targets: jax.Array,
+        deterministic: bool = True,
+        blocks: BlockRunner | None = None,
     ) -> tuple[jax.Array, Sums]:
         """tokens, targets (B, T) int (IGNORE = -1: no loss) -> (mean loss over the counted
-        targets, sums). On the Pallas loss path the (B, T, V) logits are never formed."""
+        targets, sums). On the Pallas loss path the (B, T, V) logits are never formed.
+        `blocks` (execution.scan_layers): how the block stack runs (jaxllm.parallel)."""
         check_tokens(tokens, self.cfg)
         check_targets(targets, tokens, self.cfg)
-        x, _ = self.hidden(tokens, AttentionInputs(default_positions(tokens), deterministic))
-        smoothing = 0.0 if deterministic else self.cfg.label_smoothing
+        if blocks is not None and not self.execution.scan_layers:
+            raise ValueError(
+                "Decoder.loss(blocks=...) runs a scanned stack: it needs execution.scan_layers=true"
+            )
+        inputs = AttentionInputs(default_positions(tokens), deterministic)
+        x, _ = self.hidden(tokens, inputs, blocks=blocks)
+        smoothing = 0.0 if deterministic else self.execution.label_smoothing
         with jax.named_scope("loss"):
             head, plan = self.head_matrix(), self.plan
-            return lm_loss(x, head, targets, self.cfg, plan.loss, smoothing, plan.shard)
+            return lm_loss(x, head, targets, self.execution, plan.loss, smoothing, plan.shard)
 
     @explicit_scopes
     def decode(
@@ -208,6 +259,7 @@ class _ScanLayer(nn.Module):
     """One layer as `nn.scan` wants it: (carry (x, h), inputs, cache) -> ((x, h), cache)."""
 
     cfg: ModelConfig
+    execution: ExecutionConfig
     plan: ops.OpPlan
     block: Callable[..., nn.Module]
 
@@ -215,12 +267,13 @@ class _ScanLayer(nn.Module):
     def __call__(
         self, carry: tuple[jax.Array, jax.Array], inputs: AttentionInputs, cache: KVCache | None
     ) -> tuple[tuple[jax.Array, jax.Array], KVCache | None]:
-        x, h, cache = self.block(self.cfg, self.plan, name="block")(*carry, inputs, cache)
+        block = self.block(self.cfg, self.execution, self.plan, name="block")
+        x, h, cache = block(*carry, inputs, cache)
         return (x, h), cache
 
 
 def stack_blocks(params: dict, n_layers: int) -> dict:
-    """Unrolled parameters (h0 .. h{L-1}) -> the model.scan_layers layout (blocks/block, every
+    """Unrolled parameters (h0 .. h{L-1}) -> the execution.scan_layers layout (blocks/block, every
     leaf stacked on a leading (L,) axis). The other entries are kept as they are."""
     layers = [params[f"h{i}"] for i in range(n_layers)]
     rest = {k: v for k, v in params.items() if not _is_layer_name(k)}
@@ -308,14 +361,16 @@ def check_cache_write(cache: list[KVCache] | KVCache, cache_index: jax.Array | i
         )
 
 
-def init_kv_cache(cfg: ModelConfig, batch: int, length: int) -> list[KVCache] | KVCache:
+def init_kv_cache(
+    cfg: ModelConfig, ex: ExecutionConfig, batch: int, length: int
+) -> list[KVCache] | KVCache:
     """Zeroed caches of `length` slots in the compute dtype: per layer k, v (B, S, H, Dh), or
-    with model.scan_layers one k, v (L, B, S, H, Dh) (batch on `cache_batch_axis`)."""
+    with execution.scan_layers one k, v (L, B, S, H, Dh) (batch on `cache_batch_axis`)."""
     if not 1 <= length <= cfg.context_length:
         raise ValueError(f"cache length must be in [1, {cfg.context_length}], got {length}")
     shape = (batch, length, cfg.n_heads, cfg.head_dim)
-    dtype = jnp.dtype(cfg.compute_dtype)
-    if cfg.scan_layers:
+    dtype = jnp.dtype(ex.compute_dtype)
+    if ex.scan_layers:
         shape = (cfg.n_layers, *shape)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
     return [
@@ -323,9 +378,9 @@ def init_kv_cache(cfg: ModelConfig, batch: int, length: int) -> list[KVCache] | 
     ]
 
 
-def cache_batch_axis(cfg: ModelConfig) -> int:
+def cache_batch_axis(ex: ExecutionConfig) -> int:
     """The batch axis of every array in `init_kv_cache`'s result (beam search gathers on it)."""
-    return 1 if cfg.scan_layers else 0
+    return 1 if ex.scan_layers else 0
 
 
 # ----------------------------------------------------------------------------- loss
@@ -335,7 +390,7 @@ def lm_loss(
     x: jax.Array,
     head: jax.Array,
     targets: jax.Array,
-    cfg: ModelConfig,
+    ex: ExecutionConfig,
     path: str,
     label_smoothing: float = 0.0,
     shard: ops.KernelShard | None = None,
@@ -355,10 +410,10 @@ def lm_loss(
     count = jnp.sum(valid)
     weights = valid / jnp.maximum(count, 1).astype(jnp.float32)
     safe = jnp.where(valid, targets.reshape(-1), 0)
-    dtype = jnp.dtype(cfg.compute_dtype)
+    dtype = jnp.dtype(ex.compute_dtype)
     loss, ce, hit = ops.linear_cross_entropy(
         x.reshape(-1, d), head, safe, weights, dtype, path, label_smoothing, shard,
-        chunk_mib=cfg.loss_chunk_mib,
+        chunk_mib=ex.loss_chunk_mib,
     )  # fmt: skip
     return loss, {
         "loss_sum": jnp.sum(jnp.where(valid, ce, 0.0)),

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import ExecutionConfig, ModelConfig
 from jaxllm.layers import (
     AttentionInputs,
     DepthwiseConv1d,
@@ -29,23 +29,24 @@ class Block(nn.Module):
     """x + attn(ln1(x)), then x + mlp(ln2(x)); (x, h) in and out, as `Decoder` describes."""
 
     cfg: ModelConfig
+    execution: ExecutionConfig
     plan: OpPlan
 
     @nn.compact
     def __call__(
         self, x: jax.Array, h: jax.Array | None, inputs: AttentionInputs, cache: KVCache | None
     ) -> tuple[jax.Array, jax.Array, KVCache | None]:
-        cfg, dtype = self.cfg, jnp.dtype(self.cfg.compute_dtype)
+        cfg, dtype, p = self.cfg, jnp.dtype(self.execution.compute_dtype), self.execution.dropout
         init = nn.initializers.normal(cfg.init_std)
         # GPT-2 scales the init of the projections that write into the residual stream.
         out_init = nn.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
         plan = self.plan
         ln = functools.partial(LayerNorm, cfg.norm_eps, cfg.bias, plan.norm, dtype, plan.shard)
         attn = MultiHeadAttention(
-            cfg.n_heads, cfg.qkv_bias, cfg.bias, cfg.dropout, None, init, out_init, dtype,
+            cfg.n_heads, cfg.qkv_bias, cfg.bias, p, None, init, out_init, dtype,
             plan.attention, plan.shard, name="attn",
         )  # fmt: skip
-        mlp = FeedForward(cfg.ffn_dim, cfg.bias, cfg.dropout, init, out_init, dtype, name="mlp")
+        mlp = FeedForward(cfg.ffn_dim, cfg.bias, p, init, out_init, dtype, name="mlp")
 
         conv = None
         if cfg.short_conv:
@@ -60,8 +61,8 @@ class GPT2(Decoder):
         init = nn.initializers.normal(cfg.init_std)
         self.wte = Embedding(cfg.vocab_size, cfg.d_model, init)  # (V, D), also the tied head
         self.wpe = Embedding(cfg.context_length, cfg.d_model, init)  # (T_max, D)
-        self.drop = Dropout(cfg.dropout)
-        dtype = jnp.dtype(cfg.compute_dtype)
+        self.drop = Dropout(self.execution.dropout)
+        dtype = jnp.dtype(self.execution.compute_dtype)
         plan = self.plan
         norm = functools.partial(LayerNorm, cfg.norm_eps, cfg.bias, plan.norm, dtype, plan.shard)
         self.build_stack(self.wte, Block, norm, head_init=init)

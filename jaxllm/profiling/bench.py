@@ -61,8 +61,8 @@ Analytic costs carried by every row (and its JSON line, for the roofline plot):
 
 The train step's cost by difference (what benchmarks/step_breakdown.py printed), on the GPT-2
 124M preset's model: `python profile.py bench --sizes small --contexts 1024 --batch 16 --vocab
-50257 --dtypes bfloat16 --kernels pallas --set model.attention_impl=dot_product_attention
---set model.loss_impl=pallas --modes logits,forward,forward_backward,train_step`.
+50257 --dtypes bfloat16 --kernels pallas --set execution.attention_impl=dot_product_attention
+--set execution.loss_impl=pallas --modes logits,forward,forward_backward,train_step`.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class Sweep:
     warmup: int = 5
     steps: int = 10
     group: int = 1  # calls per timed sample, back to back before one sync (1: every call synced)
-    overrides: tuple[str, ...] = ()  # extra config overrides, e.g. "model.attention_impl=..."
+    overrides: tuple[str, ...] = ()  # extra config overrides, e.g. "execution.attention_impl=..."
     torch: bool = False  # also time the PyTorch reference (eager and torch.compile)
     compile_workers: int = 8  # threads compiling a size's executables before timing
     torch_compile: str = "regional"  # torch_reference.compile_model: "regional" or "model"
@@ -413,7 +413,7 @@ class _Resident:
     initialised again (the same values: same key) when next needed."""
 
     def __init__(self, cfg: Config, batch: Batch, holder: dict[str, Any]) -> None:
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, cfg.execution)
         tx = make_optimizer(cfg.optim, cfg.train.steps or cfg.optim.warmup_steps + 1)
 
         def init(key: jax.Array, inputs: jax.Array) -> Any:  # harness.make_state's parameters
@@ -850,7 +850,7 @@ def run(sweep: Sweep, jsonl_path: str | None = None, progress: bool = True) -> l
     for dtype in sweep.dtypes:  # the op paths are those of every size: they depend on the dtype
         try:  # made for this machine (after use_children started the backend without prealloc)
             line = ops_line(sweep, sweep.sizes[0], dtype)
-        except ConfigError as e:  # e.g. --set model.loss_backend=mosaic_gpu off Hopper
+        except ConfigError as e:  # e.g. --set execution.loss_backend=mosaic_gpu off Hopper
             raise BenchArgError(f"--dtypes {dtype}: {e}") from None
         print(f"{dtype}: {line}", flush=True)
     print(header(sweep.torch), flush=True)
@@ -882,9 +882,9 @@ def run(sweep: Sweep, jsonl_path: str | None = None, progress: bool = True) -> l
 
 
 OOM_HINT = (
-    "OOM: a cell ran out of device memory. Activations: --set model.remat=block "
+    "OOM: a cell ran out of device memory. Activations: --set execution.remat=block "
     "(recompute each block in the backward); the fused loss's logits: a smaller "
-    "--set model.loss_chunk_mib (with model.loss_impl=pallas); or a smaller --batch"
+    "--set execution.loss_chunk_mib (with execution.loss_impl=pallas); or a smaller --batch"
 )
 
 

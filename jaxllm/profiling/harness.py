@@ -39,7 +39,7 @@ def random_batch(cfg: Config, batch_size: int | None = None, seed: int = 0) -> B
 def make_state(cfg: Config, batch: Batch, seed: int = 0) -> TrainState:
     """Fresh float32 parameters and AdamW state for cfg. The schedule's length does not change
     what a step costs: it spans train.steps, or just past the warm-up for an epochs run."""
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, cfg.execution)
     tx = make_optimizer(cfg.optim, cfg.train.steps or cfg.optim.warmup_steps + 1)
     return create_state(model, tx, jax.random.PRNGKey(seed), batch["inputs"])
 

@@ -180,7 +180,7 @@ def measure_case(
     out_dir = Path(out_dir)
     cfg = build_config(
         case.size, arch=case.arch, vocab=case.vocab, dtype=case.dtype, batch=case.batch,
-        overrides=(f"model.remat={case.remat}", *case.overrides),
+        overrides=(f"execution.remat={case.remat}", *case.overrides),
     )  # fmt: skip
     # random_batch draws windows of model.context_length tokens: ask for `context` (the model
     # keeps its full position table, as in `profile.py bench`).
@@ -191,7 +191,7 @@ def measure_case(
     rec: dict[str, Any] = {**dataclasses.asdict(case), "overrides": list(case.overrides)}
     rec |= {"status": "ok", "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, cfg.execution)
     # As harness.make_state, but from given parameters: the init is compiled once, not twice.
     tx = make_optimizer(cfg.optim, cfg.train.steps or cfg.optim.warmup_steps + 1)
 

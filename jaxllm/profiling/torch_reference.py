@@ -207,7 +207,7 @@ def compile_model(model: Any, how: str) -> Any:
 def load_flax_params(model: Any, params: Any) -> None:
     """Copy a jaxllm Flax parameter tree into `model` (built from the same config): names map
     h{i} -> blocks.{i}, embed -> wte, lm_head -> head, kernel -> weight (transposed: Flax keeps
-    (in, out), torch (out, in)), scale and embedding -> weight. A model.scan_layers tree
+    (in, out), torch (out, in)), scale and embedding -> weight. A execution.scan_layers tree
     (blocks/block, stacked) is unstacked first."""
     torch = require_torch(cuda=False)
     import jax

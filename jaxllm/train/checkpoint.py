@@ -5,7 +5,7 @@ data-sampler state, every parameter's shape (so a restore into a different model
 message naming the parameter instead of deep inside orbax), a sha256 of every array and whether
 it was saved as the best.
 
-What survives which fault (issue 15):
+What survives which fault:
 
 - A crash or kill mid-save: orbax writes each step to `<step>.orbax-checkpoint-tmp*` and renames
   it when complete, so `restore` never picks a half-written checkpoint. The owner of the run dir
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import errno
 import hashlib
 import json
@@ -49,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax.training.train_state import TrainState
@@ -72,46 +70,6 @@ class CheckpointSaveError(OSError):
 
 class CheckpointFallbackWarning(UserWarning):
     """The newest checkpoint was unusable; an older one was restored instead."""
-
-
-class CheckpointConfigWarning(UserWarning):
-    """A run dir's config.yaml describes another model than its checkpoint was trained as."""
-
-
-# How a model runs (or trains), not what its parameters compute at inference: config.yaml's
-# values apply when a checkpoint is loaded for use (e.g. XLA paths on a CPU for a run trained
-# with Pallas kernels; dropout and label smoothing act in training only, and some execution
-# paths refuse them).
-EXECUTION_FIELDS = frozenset(
-    {"compute_dtype", "residual_dtype", "kernels", "attention_impl", "loss_impl",
-     "loss_backend", "loss_chunk_mib", "remat", "dropout", "label_smoothing"}
-)  # fmt: skip
-
-
-def trained_model_config(current: Any, meta: dict) -> tuple[Any, list[str]]:
-    """(the model config a checkpoint was trained with, the differences from `current`).
-
-    The checkpoint's recorded `config.model` (meta from `Checkpointer.read_meta`), with the
-    EXECUTION_FIELDS taken from `current` (a run dir's config.yaml), and 'key: checkpoint ->
-    config.yaml' for every other field that differs (e.g. n_heads edited, or changed by a
-    resume with train.allow_config_change after this checkpoint was saved). A checkpoint saved
-    without a config gives `current` back unchanged."""
-    from jaxllm.config import ConfigError, ModelConfig, from_dict
-
-    recorded = meta.get("config", {}).get("model")
-    if recorded is None:
-        return current, []
-    mine = dataclasses.asdict(current)
-    try:
-        trained = from_dict(ModelConfig, {**recorded, **{k: mine[k] for k in EXECUTION_FIELDS}})
-    except ConfigError as e:
-        raise ConfigError(
-            f"the model config checkpoint {meta.get('step')} was trained with, run the way "
-            f"config.yaml says ({', '.join(sorted(EXECUTION_FIELDS))}): {e}"
-        ) from None
-    theirs = dataclasses.asdict(trained)
-    diffs = [f"{k}: {theirs[k]!r} -> {mine[k]!r}" for k in theirs if theirs[k] != mine[k]]
-    return trained, diffs
 
 
 def param_shapes(params: Any) -> dict[str, list[int]]:
@@ -595,62 +553,3 @@ class Checkpointer:
     def close(self) -> None:
         self.latest.close()
         self.best.close()
-
-
-def load_run(run_dir: str | Path, which: str = "latest") -> tuple[Any, Any, int]:
-    """(config, model variables {'params': ...}, step) of a train.py run dir's checkpoint.
-
-    `which` is 'latest' or 'best' (lowest eval loss); the newest intact one (see
-    `Checkpointer.restore`). The optimizer state is restored into an abstract template and
-    dropped, so nothing is allocated twice. The run dir is only read, never repaired.
-    The model is the one the checkpoint was trained as (`trained_model_config`: the
-    checkpoint's recorded model config, config.yaml's execution fields); where config.yaml
-    says otherwise a CheckpointConfigWarning names the differences.
-    """
-    from jaxllm.config import load_config
-    from jaxllm.models import build_model
-    from jaxllm.train.optim import make_optimizer
-    from jaxllm.train.state import create_state
-
-    run_dir = Path(run_dir)
-    if which not in ("latest", "best"):
-        raise ValueError(f"which must be 'latest' or 'best', got {which!r}")
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a train.py run dir (no config.yaml)")
-    cfg = load_config(run_dir / "config.yaml")
-    ckpt = Checkpointer(run_dir, cfg.train.keep_checkpoints, repair=False)
-    try:
-        newest = (ckpt.latest if which == "latest" else ckpt.best).latest_step()
-        if newest is None:
-            raise FileNotFoundError(f"no {which} checkpoint in {run_dir}")
-        model_cfg, diffs = trained_model_config(cfg.model, ckpt.recorded_meta(newest, which))
-        if diffs:
-            warnings.warn(
-                f"{run_dir / 'config.yaml'} describes another model than {which} checkpoint "
-                f"{newest} was trained as ({'; '.join(diffs)}): the checkpoint's is used",
-                CheckpointConfigWarning,
-                stacklevel=2,
-            )
-        # the dir it was loaded from (config.yaml names where it was trained: it may have moved)
-        run = dataclasses.replace(cfg.train, run_dir=str(run_dir))
-        cfg = dataclasses.replace(cfg, model=model_cfg, train=run)
-        model = build_model(cfg.model)
-        example = jnp.zeros((1, 1), jnp.int32)
-        # The optimizer state's structure does not depend on the schedule's length.
-        tx = make_optimizer(cfg.optim, cfg.optim.warmup_steps + 1)
-        abstract = jax.eval_shape(lambda: create_state(model, tx, jax.random.PRNGKey(0), example))
-        # On one device of this process: without a sharding orbax would use the saved one,
-        # which names devices (of a multi-device run) that may not exist here.
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract
-        )
-        state, meta = ckpt.restore(abstract, which=which)
-    finally:
-        ckpt.close()
-    if meta["step"] != newest and trained_model_config(cfg.model, meta)[1]:
-        raise CheckpointMismatchError(  # an older checkpoint was restored (with a warning)
-            f"{run_dir}: {which} checkpoint {meta['step']}, restored because {newest} was "
-            "unusable, was trained as another model than the one built for it"
-        )
-    return cfg, {"params": state.params}, meta["step"]

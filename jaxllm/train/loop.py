@@ -114,6 +114,13 @@ def check_resume(old: Config, new: Config, old_total: int, new_total: int) -> No
     """Refuse (ResumeConfigError) a resume whose settings change the result, listing each
     difference; a longer run is allowed only where the lr schedule of the steps already planned
     is unchanged (a cosine spans the whole run, so usually it is not)."""
+    if old.execution.scan_layers != new.execution.scan_layers:
+        s = str(old.execution.scan_layers).lower()
+        raise ResumeConfigError(
+            f"{new.train.run_dir}'s checkpoints hold the blocks "
+            f"{'stacked' if old.execution.scan_layers else 'unrolled'}: resume with "
+            f"--execution.scan_layers={s}"
+        )
     if new.train.allow_config_change:
         return
     changes = [
@@ -189,7 +196,7 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
     run_dir = Path(tc.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     source = source or make_source(cfg)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, cfg.execution)
     mesh = parallel.make_mesh(cfg)  # ConfigError if the sizes do not fit the devices or batch
     plan = parallel.kernel_model(model, mesh).plan  # the paths the steps take on this mesh
     total = total_steps(cfg, source)
@@ -253,8 +260,8 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
     log = MetricsLog(run_dir, enabled=primary)
     # the fused loss's chunks of rows for a full batch, if it splits them (the loss runs outside
     # any pipeline, on the rows of the whole batch split over the mesh: plan.shard)
-    chunks = plan.loss_chunks(cfg.model, tc.batch_size * cfg.model.context_length)
-    layout = parallel.describe(mesh, microbatches, cfg.model.scan_layers, cfg.train.batch_size)
+    chunks = plan.loss_chunks(cfg.model, cfg.execution, tc.batch_size * cfg.model.context_length)
+    layout = parallel.describe(mesh, microbatches, cfg.execution.scan_layers, cfg.train.batch_size)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     log.write(
         {
