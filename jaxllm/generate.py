@@ -266,7 +266,7 @@ def _prefill(
     slots = jnp.arange(p + max_new_tokens)
     key_mask = slots[None, :] >= pad_len[:, None]  # (B, S) False on padding
     positions = jnp.maximum(slots[None, :p] - pad_len[:, None], 0)  # (B, P)
-    cache = init_kv_cache(model.cfg, model.execution, b, p + max_new_tokens)
+    cache = init_kv_cache(model, b, p + max_new_tokens)
     logits, cache = model.apply(params, tokens, cache, 0, positions, key_mask, method="decode")
     return logits, cache, key_mask
 
@@ -472,7 +472,7 @@ def _beam_decoder(model: Decoder, max_new_tokens: int, beam_width: int) -> Calla
         )
         out = jnp.zeros((b, k, n), jnp.int32).at[:, :, 0].set(tok)
         # Row b * K + j holds beam j of prompt b.
-        ax = cache_batch_axis(model.execution)  # (B, S, H, Dh) per layer, or (L, B, S, H, Dh)
+        ax = cache_batch_axis(model)  # (B, S, H, Dh) per layer, or (L, B, S, H, Dh)
         cache = jax.tree.map(lambda c: jnp.repeat(c, k, axis=ax), cache)  # B -> B*K rows
         key_mask = jnp.repeat(key_mask, k, axis=0)  # (B*K, S)
         pad_len = jnp.repeat(pad_len, k)  # (B*K,)

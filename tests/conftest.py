@@ -4,6 +4,7 @@ Test files import the constants from here (`from conftest import BPE_DIR, needs_
 pytest puts this directory on sys.path.
 """
 
+import dataclasses
 import itertools
 import os
 import re
@@ -32,7 +33,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxllm.config import ModelConfig  # noqa: E402
+from jaxllm.config import ExecutionConfig, ModelConfig  # noqa: E402
+from jaxllm.models import Decoder, build_model  # noqa: E402
 
 # CI clones the repo beside shared/ (data for real runs; the tests need only the BPE files and
 # make everything else themselves). JAXLLM_TEST_BPE_DIR overrides.
@@ -51,6 +53,15 @@ ARCH_EXTRAS = {  # what each architecture needs beyond TINY
 def tiny_config(arch: str = "gpt2", **overrides) -> ModelConfig:
     """A tiny ModelConfig of `arch`; keyword arguments override any field."""
     return ModelConfig(**{**TINY, "arch": arch, **ARCH_EXTRAS[arch], **overrides})
+
+
+def tiny_model(arch: str = "gpt2", **overrides) -> Decoder:
+    """The model of `tiny_config(arch)`; keyword arguments override any model or execution
+    field (e.g. kernels="pallas", n_layers=1)."""
+    names = {f.name for f in dataclasses.fields(ExecutionConfig)}
+    execution = ExecutionConfig(**{k: v for k, v in overrides.items() if k in names})
+    model = {k: v for k, v in overrides.items() if k not in names}
+    return build_model(tiny_config(arch, **model), execution)
 
 
 @pytest.fixture(params=sorted(ARCH_EXTRAS))

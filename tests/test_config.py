@@ -76,7 +76,7 @@ def test_unknown_key_in_yaml(tmp_path):
             r"num_pairs must be in \[1, vocab_size/2 = 16\]",
         ),
         ("--model.context_length=9", "2 \\* num_pairs \\+ 1 = 17"),
-        ("--execution.residual_dtype=bfloat16", "residual_dtype=bfloat16 needs execution.compute_dtype"),
+        ("--execution.residual_dtype=bfloat16", "bfloat16 needs execution.compute_dtype"),
         ("--execution.residual_dtype=float16", r"must be one of \['float32', 'bfloat16'\]"),
     ],
 )

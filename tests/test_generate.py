@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import ExecutionConfig, ModelConfig
 from jaxllm.generate import (
     BeamSearch,
     Sampling,
@@ -549,7 +549,7 @@ def test_scan_layers_cache_decodes_and_beam_searches_like_the_unrolled_model(lm)
     """execution.scan_layers keeps one (L, B, S, H, Dh) cache: greedy and beam search (which
     repeats and gathers that cache on its batch axis 1) give the unrolled model's tokens."""
     model, params = lm
-    smodel = build_model(dataclasses.replace(model.cfg, scan_layers=True))
+    smodel = build_model(model.cfg, ExecutionConfig(scan_layers=True))
     sparams = {"params": stack_blocks(params["params"], model.cfg.n_layers)}
     assert run((smodel, sparams)) == run(lm)
     search = BeamSearch(3, 0.6, None)

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import pallas_kernels_in, tiny_config
+from conftest import pallas_kernels_in, tiny_model
 
 from jaxllm.layers import DepthwiseConv1d
-from jaxllm.models import build_model, init_kv_cache
+from jaxllm.models import init_kv_cache
 from jaxllm.train.state import loss_and_sums
 
 # One layer, two heads: each Pallas kernel on CPU runs in (slow) interpret mode.
@@ -37,8 +37,8 @@ SOFTMAX_KERNELS = {"attention_softmax_fwd": 1, "attention_softmax_bwd": 1}
     ],
 )
 def test_pallas_matches_xla(arch, dtype, tol):
-    xla = build_model(tiny_config(arch, **TINY, compute_dtype=dtype))
-    pallas = build_model(tiny_config(arch, **TINY, compute_dtype=dtype, kernels="pallas"))
+    xla = tiny_model(arch, **TINY, compute_dtype=dtype)
+    pallas = tiny_model(arch, **TINY, compute_dtype=dtype, kernels="pallas")
     assert pallas.plan.norm == "pallas"
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 0, 37)
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
@@ -60,12 +60,11 @@ def test_pallas_matches_xla(arch, dtype, tol):
 def test_decoding_with_pallas_norms_matches_xla():
     """Decoding over a KV cache with a padded prompt: attention is XLA on every plan, the
     LayerNorms run the Pallas kernels; logits equal the all-XLA model's."""
-    cfg = tiny_config(**TINY, kernels="pallas")
-    model, ref = build_model(cfg), build_model(tiny_config(**TINY))
+    model, ref = tiny_model(**TINY, kernels="pallas"), tiny_model(**TINY)
     tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 8), 0, 37)
     params = model.init(jax.random.PRNGKey(3), tokens)
     key_mask = jnp.array([[True] * 8, [False] * 3 + [True] * 5])
-    cache = init_kv_cache(cfg, 2, 8)
+    cache = init_kv_cache(model, 2, 8)
 
     def decode(m):
         return m.apply(params, tokens, cache, 0, None, key_mask, method="decode")
@@ -105,7 +104,7 @@ def test_fused_loss_matches_xla_loss(monkeypatch, arch, dtype, tol):
 
 def _fused_loss_matches_xla_loss(arch, dtype, tol):
     xla, fused = (
-        build_model(tiny_config(arch, **TINY, compute_dtype=dtype, loss_impl=impl))
+        tiny_model(arch, **TINY, compute_dtype=dtype, loss_impl=impl)
         for impl in ("xla", "pallas")
     )
     tokens = jax.random.randint(jax.random.PRNGKey(6), (3, 8), 0, 37)

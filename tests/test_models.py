@@ -12,15 +12,15 @@ import pytest
 from conftest import TINY, tiny_config
 
 from jaxllm import functional as F
-from jaxllm.config import ModelConfig
+from jaxllm.config import ExecutionConfig, ModelConfig
 from jaxllm.layers import AttentionInputs, Linear, MultiHeadAttention
 from jaxllm.models import build_model, init_kv_cache, stack_blocks, unstack_blocks
 
 ARCHS = {arch: tiny_config(arch) for arch in ("gpt2", "transformer_lm")}
 
 
-def init(cfg, t=8, seed=0):
-    model = build_model(cfg)
+def init(cfg, t=8, seed=0, **execution):
+    model = build_model(cfg, ExecutionConfig(**execution))
     params = model.init(jax.random.PRNGKey(seed), jnp.zeros((2, t), jnp.int32))
     return model, params
 
@@ -88,7 +88,7 @@ def test_causality(arch):
 def test_bfloat16_compute_close_to_float32(arch):
     cfg = ARCHS[arch]
     model, params = init(cfg)
-    bf16 = build_model(dataclasses.replace(cfg, compute_dtype="bfloat16"))
+    bf16 = build_model(cfg, ExecutionConfig(compute_dtype="bfloat16"))
     tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 16), 0, 61)
     a, b = model.apply(params, tokens), bf16.apply(params, tokens)
     assert b.dtype == jnp.bfloat16  # logits in compute dtype; the loss upcasts
@@ -101,7 +101,7 @@ def test_padding_mask_hides_keys():
     tokens = jax.random.randint(jax.random.PRNGKey(3), (1, 8), 0, 61)
     key_mask = jnp.array([[False] * 3 + [True] * 5])  # left padding, as generate makes it
     other = tokens.at[:, :3].set((tokens[:, :3] + 7) % 61)
-    cache = init_kv_cache(ARCHS["gpt2"], 1, 8)
+    cache = init_kv_cache(model, 1, 8)
 
     def decode(toks):
         return model.apply(params, toks, cache, 0, None, key_mask, method="decode")[0]
@@ -198,8 +198,7 @@ def test_targets_give_the_mean_loss_of_the_logits(arch):
 
 
 def test_dropout_only_in_training_mode():
-    cfg = ModelConfig(dropout=0.5, **TINY)
-    model, params = init(cfg)
+    model, params = init(ModelConfig(**TINY), dropout=0.5)
     tokens = jnp.ones((1, 8), jnp.int32)
     a = model.apply(params, tokens)
     np.testing.assert_array_equal(a, model.apply(params, tokens))
@@ -210,7 +209,7 @@ def test_dropout_only_in_training_mode():
 def test_attention_impls_agree():
     cfg = ARCHS["transformer_lm"]
     model, params = init(cfg)
-    dpa = build_model(dataclasses.replace(cfg, attention_impl="dot_product_attention"))
+    dpa = build_model(cfg, ExecutionConfig(attention_impl="dot_product_attention"))
     tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 12), 0, 61)
     np.testing.assert_allclose(model.apply(params, tokens), dpa.apply(params, tokens), atol=1e-4)
     assert F.MASK_VALUE < -1e29
@@ -244,15 +243,15 @@ def test_short_conv_is_causal_and_refuses_cached_decoding(arch):
     a, b = model.apply(params, jnp.asarray(base)), model.apply(params, jnp.asarray(changed))
     np.testing.assert_allclose(a[:, :9], b[:, :9], atol=1e-5)
     assert not np.allclose(a[:, 9:], b[:, 9:])
-    cache = init_kv_cache(cfg, 2, 16)
+    cache = init_kv_cache(model, 2, 16)
     with pytest.raises(ValueError, match="generate_uncached"):
         model.apply(params, jnp.asarray(base), cache, 0, method="decode")
 
 
 def test_label_smoothing_only_in_training_loss(arch):
-    cfg = tiny_config(arch, label_smoothing=0.1)
-    plain = build_model(dataclasses.replace(cfg, label_smoothing=0.0))
-    model = build_model(cfg)
+    cfg = tiny_config(arch)
+    plain = build_model(cfg)
+    model = build_model(cfg, ExecutionConfig(label_smoothing=0.1))
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 0, cfg.vocab_size)
     params = plain.init(jax.random.PRNGKey(1), tokens)["params"]
 
@@ -273,10 +272,10 @@ def test_label_smoothing_only_in_training_loss(arch):
 def test_scan_layers_is_the_same_function_of_the_same_parameters(arch, remat):
     """execution.scan_layers: logits, loss gradients and the cached decode equal the unrolled
     model's on the same weights (stack_blocks / unstack_blocks convert the layouts)."""
-    cfg = dataclasses.replace(ARCHS[arch], remat=remat, n_layers=3)
-    scfg = dataclasses.replace(cfg, scan_layers=True)
-    model, params = init(cfg)
-    smodel = build_model(scfg)
+    cfg = dataclasses.replace(ARCHS[arch], n_layers=3)
+    sex = ExecutionConfig(remat=remat, scan_layers=True)
+    model, params = init(cfg, remat=remat)
+    smodel = build_model(cfg, sex)
     p = params["params"]
     sp = stack_blocks(p, 3)
     shapes = jax.eval_shape(smodel.init, jax.random.PRNGKey(0), jnp.zeros((2, 8), jnp.int32))
@@ -299,7 +298,7 @@ def test_scan_layers_is_the_same_function_of_the_same_parameters(arch, remat):
     assert jax.tree.structure(g) == jax.tree.structure(sg)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(sg), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4)
-    cache = init_kv_cache(scfg, 2, 8)
+    cache = init_kv_cache(smodel, 2, 8)
     assert cache["k"].shape == (3, 2, 8, cfg.n_heads, cfg.head_dim)
     decode = jax.jit(functools.partial(smodel.apply, method="decode"))
     with highest:
@@ -310,8 +309,7 @@ def test_scan_layers_is_the_same_function_of_the_same_parameters(arch, remat):
 
 
 def test_scan_layers_inits_every_layer_differently_and_drops_out_per_layer():
-    cfg = dataclasses.replace(ARCHS["gpt2"], scan_layers=True, dropout=0.5)
-    model, params = init(cfg)
+    model, params = init(ARCHS["gpt2"], scan_layers=True, dropout=0.5)
     qkv = params["params"]["blocks"]["block"]["attn"]["qkv"]["kernel"]  # (L, D, 3D)
     assert not np.allclose(qkv[0], qkv[1])
     tok = jnp.ones((2, 8), jnp.int32)
@@ -326,9 +324,10 @@ def test_bfloat16_residual_stream():
     """execution.residual_dtype=bfloat16: every block hands on a bf16 stream (x and its pending
     branch h), and the loss and gradients stay close to the float32 stream's (same params).
     GPT-2 only: the cast is the Decoder's (`stream`), shared by every architecture."""
-    cfg = dataclasses.replace(ARCHS["gpt2"], compute_dtype="bfloat16")
-    f32_stream, params = init(cfg)
-    bf16_stream = build_model(dataclasses.replace(cfg, residual_dtype="bfloat16"))
+    cfg = ARCHS["gpt2"]
+    f32_stream, params = init(cfg, compute_dtype="bfloat16")
+    ex = ExecutionConfig(compute_dtype="bfloat16", residual_dtype="bfloat16")
+    bf16_stream = build_model(cfg, ex)
     tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 16), 0, 61)
     targets = jnp.roll(tokens, -1, axis=1)
 
@@ -362,7 +361,7 @@ def test_decode_refuses_writes_past_the_cache_and_positions_past_the_context(arc
     positions past its table: both are errors naming the allowed range (concrete values)."""
     cfg = ARCHS[arch]
     model, params = init(cfg)
-    cache = init_kv_cache(cfg, 1, 8)
+    cache = init_kv_cache(model, 1, 8)
     tok = jnp.zeros((1, 2), jnp.int32)
 
     def decode(index, positions=None):

@@ -3,14 +3,26 @@
 import dataclasses
 
 import pytest
-from conftest import tiny_config
+from conftest import tiny_config, tiny_model
 
-from jaxllm.config import ConfigError, load_config
+from jaxllm.config import ConfigError, ExecutionConfig, load_config
 from jaxllm.ops import plan_ops
 
 
+def plan_of(backend, arch="gpt2", **overrides):
+    """The plan of the tiny model with `overrides` (model or execution fields) on `backend`."""
+    model = tiny_model(arch, **overrides)
+    return plan_ops(model.cfg, model.execution, backend=backend)
+
+
+def preset(**execution):
+    """configs/gpt2_124m.yaml's (model, execution), execution fields replaced."""
+    cfg = load_config("configs/gpt2_124m.yaml")
+    return cfg.model, dataclasses.replace(cfg.execution, **execution)
+
+
 def test_default_plan_is_all_xla():
-    plan = plan_ops(tiny_config(), backend="cpu")
+    plan = plan_of("cpu")
     assert (plan.norm, plan.attention, plan.loss, plan.conv) == ("xla",) * 4
     assert plan.describe() == "ops: norm=xla attention=xla decode=xla loss=xla conv=xla"
 
@@ -20,8 +32,7 @@ def test_gpt2_benchmark_preset_on_gpu(monkeypatch, hopper):
     import pallas_kernels.triton_backend as tb
 
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: hopper)  # whatever this machine is
-    cfg = load_config("configs/gpt2_124m.yaml").model
-    plan = plan_ops(cfg, backend="gpu")
+    plan = plan_ops(*preset(), backend="gpu")
     assert (plan.norm, plan.attention, plan.loss, plan.conv) == (
         "pallas",
         "cudnn",
@@ -32,32 +43,31 @@ def test_gpt2_benchmark_preset_on_gpu(monkeypatch, hopper):
 
 
 def test_cudnn_needs_gpu_and_bf16_and_the_plan_says_so():
-    cfg = tiny_config(attention_impl="dot_product_attention", compute_dtype="bfloat16")
-    assert plan_ops(cfg, backend="gpu").attention == "cudnn"
-    for backend, c in (("cpu", cfg), ("gpu", dataclasses.replace(cfg, compute_dtype="float32"))):
-        plan = plan_ops(c, backend=backend)
-        assert plan.attention == "xla"
-        assert "needs a GPU and bfloat16 for cuDNN" in plan.describe()
-    pallas = dataclasses.replace(cfg, kernels="pallas")
-    assert plan_ops(pallas, backend="cpu").attention == "pallas"  # the softmax kernel instead
+    dpa = dict(attention_impl="dot_product_attention")
+    assert plan_of("gpu", **dpa, compute_dtype="bfloat16").attention == "cudnn"
+    for backend, dtype in (("cpu", "bfloat16"), ("gpu", "float32")):
+        p = plan_of(backend, **dpa, compute_dtype=dtype)
+        assert p.attention == "xla"
+        assert "needs a GPU and bfloat16 for cuDNN" in p.describe()
+    assert plan_of("cpu", **dpa, kernels="pallas").attention == "pallas"  # the softmax kernel
 
 
 def test_transformer_lm_rmsnorm_runs_the_pallas_kernel():
     """kernels: pallas puts the Llama model's RMSNorm (+ residual add) on its kernel too."""
-    plan = plan_ops(tiny_config("transformer_lm", kernels="pallas"), backend="gpu")
-    assert (plan.norm, plan.attention, plan.conv) == ("pallas",) * 3 and not plan.notes
-    assert plan.describe().startswith("ops: norm=pallas attention=pallas")
-    assert plan_ops(tiny_config("transformer_lm"), backend="gpu").norm == "xla"
+    p = plan_of("gpu", "transformer_lm", kernels="pallas")
+    assert (p.norm, p.attention, p.conv) == ("pallas",) * 3 and not p.notes
+    assert p.describe().startswith("ops: norm=pallas attention=pallas")
+    assert plan_of("gpu", "transformer_lm").norm == "xla"
 
 
 def test_interpret_mode_is_named():
-    plan = plan_ops(tiny_config(kernels="pallas"), backend="cpu")
-    assert plan.interpret and "(Pallas interpreted: no GPU)" in plan.describe()
+    p = plan_of("cpu", kernels="pallas")
+    assert p.interpret and "(Pallas interpreted: no GPU)" in p.describe()
 
 
 def test_cudnn_attention_with_dropout_is_refused():
     with pytest.raises(ConfigError, match="has no attention dropout; set execution.dropout=0"):
-        tiny_config(attention_impl="dot_product_attention", dropout=0.1)
+        ExecutionConfig(attention_impl="dot_product_attention", dropout=0.1)
     with pytest.raises(ConfigError, match="dot_product_attention has no attention dropout"):
         load_config("configs/gpt2_124m.yaml", ["--execution.dropout=0.1"])
 
@@ -67,39 +77,39 @@ def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch)
     for bfloat16 logits whose rows fit its shared memory; the plan names the path it took."""
     import pallas_kernels.triton_backend as tb
 
-    cfg = load_config("configs/gpt2_124m.yaml").model
+    cfg, ex = preset()
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: False)  # another GPU: Triton
-    assert plan_ops(cfg, backend="gpu").loss == "pallas"
+    assert plan_ops(cfg, ex, backend="gpu").loss == "pallas"
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
-    plan = plan_ops(cfg, backend="gpu")
-    assert plan.loss == "pallas_mgpu" and "loss=pallas_mgpu (eval: pallas)" in plan.describe()
-    assert "(Pallas compiled)" in plan.describe()
-    assert plan_ops(cfg, backend="cpu").loss == "pallas"  # interpreted: Triton
-    f32 = dataclasses.replace(cfg, compute_dtype="float32")
-    assert plan_ops(f32, backend="gpu").loss == "pallas"  # the Mosaic kernel takes bf16 only
+    p = plan_ops(cfg, ex, backend="gpu")
+    assert p.loss == "pallas_mgpu" and "loss=pallas_mgpu (eval: pallas)" in p.describe()
+    assert "(Pallas compiled)" in p.describe()
+    assert plan_ops(cfg, ex, backend="cpu").loss == "pallas"  # interpreted: Triton
+    # the Mosaic kernel takes bf16 only
+    assert plan_ops(*preset(compute_dtype="float32"), backend="gpu").loss == "pallas"
     wide = dataclasses.replace(cfg, vocab_size=60_000)  # two padded rows per SM do not fit
-    assert plan_ops(wide, backend="gpu").loss == "pallas"
-    assert plan_ops(dataclasses.replace(cfg, loss_impl="xla"), backend="gpu").loss == "xla"
+    assert plan_ops(wide, ex, backend="gpu").loss == "pallas"
+    assert plan_ops(*preset(loss_impl="xla"), backend="gpu").loss == "xla"
     # the user's override: Triton always; Mosaic GPU where it can run, else an error
-    assert plan_ops(dataclasses.replace(cfg, loss_backend="triton"), backend="gpu").loss == "pallas"
-    forced = dataclasses.replace(cfg, loss_backend="mosaic_gpu")
-    assert plan_ops(forced, backend="gpu").loss == "pallas_mgpu"
+    assert plan_ops(*preset(loss_backend="triton"), backend="gpu").loss == "pallas"
+    forced = dataclasses.replace(ex, loss_backend="mosaic_gpu")
+    assert plan_ops(cfg, forced, backend="gpu").loss == "pallas_mgpu"
     with pytest.raises(ConfigError, match=r"loss_backend=mosaic_gpu needs a GPU \(backend here"):
-        plan_ops(forced, backend="cpu")
+        plan_ops(cfg, forced, backend="cpu")
     with pytest.raises(ConfigError, match=r"needs a vocabulary of at most 54272 .*got 60000\)"):
-        plan_ops(dataclasses.replace(forced, vocab_size=60_000), backend="gpu")
+        plan_ops(wide, forced, backend="gpu")
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: False)
     with pytest.raises(ConfigError, match=r"needs a GPU of compute capability 9.x or 10.x"):
-        plan_ops(forced, backend="gpu")
+        plan_ops(cfg, forced, backend="gpu")
 
 
 def test_loss_backend_needs_the_fused_loss_and_bf16_for_mosaic():
-    with pytest.raises(ConfigError, match="backend=triton picks .* needs execution.loss_impl=pallas"):
-        tiny_config(loss_backend="triton")
+    with pytest.raises(ConfigError, match="triton picks .* needs execution.loss_impl=pallas"):
+        ExecutionConfig(loss_backend="triton")
     with pytest.raises(ConfigError, match="loss_backend=mosaic_gpu computes in bfloat16"):
-        tiny_config(loss_impl="pallas", loss_backend="mosaic_gpu")
-    cfg = tiny_config(loss_impl="pallas", loss_backend="mosaic_gpu", compute_dtype="bfloat16")
-    assert cfg.loss_backend == "mosaic_gpu"
+        ExecutionConfig(loss_impl="pallas", loss_backend="mosaic_gpu")
+    ex = ExecutionConfig(loss_impl="pallas", loss_backend="mosaic_gpu", compute_dtype="bfloat16")
+    assert ex.loss_backend == "mosaic_gpu"
 
 
 def test_mosaic_loss_path_lowers_for_cuda(monkeypatch):
@@ -130,12 +140,10 @@ def test_model_loss_reaches_the_mosaic_kernel_when_planned(monkeypatch):
     import jax.numpy as jnp
 
     import pallas_kernels.triton_backend as tb
-    from jaxllm.models import build_model
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
-    cfg = tiny_config(loss_impl="pallas", compute_dtype="bfloat16", vocab_size=2100)
-    model = build_model(cfg)
+    model = tiny_model(loss_impl="pallas", compute_dtype="bfloat16", vocab_size=2100)
     assert model.plan.loss == "pallas_mgpu"
     tokens = jnp.zeros((2, 8), jnp.int32)
     params = model.init(jax.random.PRNGKey(0), tokens)  # no loss in init: no kernel runs
@@ -156,23 +164,22 @@ def test_loss_chunk_mib_reaches_the_kernel_and_needs_the_fused_loss():
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxllm.config import ModelConfig
     from jaxllm.models.decoder import lm_loss
     from pallas_kernels.cross_entropy import LOGITS_CHUNK_BYTES
 
-    assert ModelConfig.loss_chunk_mib == LOGITS_CHUNK_BYTES // 2**20  # one default, two places
+    assert ExecutionConfig.loss_chunk_mib == LOGITS_CHUNK_BYTES // 2**20  # one default, two places
     with pytest.raises(ConfigError, match="loss_chunk_mib=64 sizes .* needs execution.loss_impl"):
-        tiny_config(loss_chunk_mib=64)
+        ExecutionConfig(loss_chunk_mib=64)
     with pytest.raises(ConfigError, match="loss_chunk_mib"):
-        tiny_config(loss_impl="pallas", loss_chunk_mib=-1)
+        ExecutionConfig(loss_impl="pallas", loss_chunk_mib=-1)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(2, 256, 16)), jnp.float32)
     head = jnp.asarray(rng.normal(size=(600, 16)) * 0.3, jnp.float32)
     targets = jnp.asarray(rng.integers(0, 600, (2, 256)), jnp.int32)
     results = {}
     for mib in (1, 0):
-        cfg = tiny_config(loss_impl="pallas", vocab_size=600, loss_chunk_mib=mib)
-        fn = jax.value_and_grad(lambda x, cfg=cfg: lm_loss(x, head, targets, cfg, "pallas")[0])
+        ex = ExecutionConfig(loss_impl="pallas", loss_chunk_mib=mib)
+        fn = jax.value_and_grad(lambda x, ex=ex: lm_loss(x, head, targets, ex, "pallas")[0])
         results[mib] = fn(x)
         text = str(jax.make_jaxpr(fn)(x))
         assert ("f32[256,640]" in text) == (mib == 1) and ("f32[512,640]" in text) == (mib == 0)
@@ -188,20 +195,19 @@ def test_the_start_line_names_the_loss_chunks_the_kernel_takes():
 
     from jaxllm.ops import KernelShard, OpPlan
 
-    cfg = tiny_config(loss_impl="pallas", vocab_size=600, loss_chunk_mib=1)
+    cfg = tiny_config(vocab_size=600)
+    ex = ExecutionConfig(loss_impl="pallas", loss_chunk_mib=1)
     plan = OpPlan(loss="pallas")
     line = "loss: a full batch's {} rows per device in {} chunks of {} (execution.loss_chunk_mib 1)"
-    assert plan.loss_chunks(cfg, 512) == line.format(512, 2, 256)
-    assert plan.loss_chunks(cfg, 400) is None  # 1,000 KiB of logits: one chunk
-    assert plan.loss_chunks(tiny_config(loss_impl="pallas", vocab_size=600), 512) is None
-    assert OpPlan().loss_chunks(cfg, 4096) is None  # XLA's loss: no chunks
+    assert plan.loss_chunks(cfg, ex, 512) == line.format(512, 2, 256)
+    assert plan.loss_chunks(cfg, ex, 400) is None  # 1,000 KiB of logits: one chunk
+    assert plan.loss_chunks(cfg, ExecutionConfig(loss_impl="pallas"), 512) is None
+    assert OpPlan().loss_chunks(cfg, ex, 4096) is None  # XLA's loss: no chunks
     # bf16: Triton pads 600 to 640 columns (800 rows = 1,000 KiB: one chunk), Mosaic GPU to 1024
     # (1 MiB holds 512 rows: 800 take 2 chunks of 416, whole 32-row runs)
-    bf16 = tiny_config(
-        loss_impl="pallas", vocab_size=600, loss_chunk_mib=1, compute_dtype="bfloat16"
-    )
-    assert OpPlan(loss="pallas").loss_chunks(bf16, 800) is None
-    assert OpPlan(loss="pallas_mgpu").loss_chunks(bf16, 800) == line.format(800, 2, 416)
+    bf16 = dataclasses.replace(ex, compute_dtype="bfloat16")
+    assert OpPlan(loss="pallas").loss_chunks(cfg, bf16, 800) is None
+    assert OpPlan(loss="pallas_mgpu").loss_chunks(cfg, bf16, 800) == line.format(800, 2, 416)
     # data 4 x fsdp 1 x pipeline 2: 8192 rows split 8 ways (1024 a device, 3 chunks of 352);
     # 4100 rows do not split 8 ways, so over data only (1025 a device), as the kernel call does;
     # data 2 x fsdp 2: 4 ways
@@ -209,7 +215,7 @@ def test_the_start_line_names_the_loss_chunks_the_kernel_takes():
     sharded = OpPlan(loss="pallas", shard=KernelShard(mesh, ("data", "fsdp", "pipeline")))
     assert sharded.shard.rows_per_device(8192) == 1024
     assert sharded.shard.rows_per_device(4100) == 1025
-    assert sharded.loss_chunks(cfg, 8192) == line.format(1024, 3, 352)
+    assert sharded.loss_chunks(cfg, ex, 8192) == line.format(1024, 3, 352)
     fsdp = SimpleNamespace(shape={"data": 2, "fsdp": 2, "pipeline": 1})
     assert KernelShard(fsdp, ("data", "fsdp", "pipeline")).rows_per_device(8192) == 2048
 

@@ -116,15 +116,17 @@ def test_mesh_sizes_fill_and_refuse():
 
 
 def test_pipeline_needs_scanned_divisible_layers():
-    model = _cfg("--model.n_layers=4", "--execution.scan_layers=true").model
-    parallel.check_pipeline(model, 4)
-    parallel.check_pipeline(model, 2)
-    parallel.check_pipeline(_cfg().model, 1)  # one stage: anything goes
-    with pytest.raises(ConfigError, match=r"pipeline=4 needs execution.scan_layers=true.*Set --model"):
-        parallel.check_pipeline(_cfg("--model.n_layers=4").model, 4)
+    cfg = _cfg("--model.n_layers=4", "--execution.scan_layers=true")
+    model, ex = cfg.model, cfg.execution
+    parallel.check_pipeline(model, ex, 4)
+    parallel.check_pipeline(model, ex, 2)
+    parallel.check_pipeline(_cfg().model, _cfg().execution, 1)  # one stage: anything goes
+    unrolled = _cfg("--model.n_layers=4")
+    with pytest.raises(ConfigError, match=r"pipeline=4 needs execution.scan_layers=true.*Set --"):
+        parallel.check_pipeline(unrolled.model, unrolled.execution, 4)
     with pytest.raises(ConfigError, match=r"model.n_layers \(4\) must be divisible by parallel."):
-        parallel.check_pipeline(model, 3)
-    parallel.check_pipeline(dataclasses.replace(model, dropout=0.1), 4)  # keys per layer
+        parallel.check_pipeline(model, ex, 3)
+    parallel.check_pipeline(model, dataclasses.replace(ex, dropout=0.1), 4)  # keys per layer
     assert parallel.n_microbatches(ParallelConfig(), 4) == 4  # default: one per stage
     assert parallel.n_microbatches(ParallelConfig(microbatches=8), 4) == 8
 
@@ -203,7 +205,8 @@ def test_one_device_mesh_and_refusals():
     )
     with pytest.raises(ConfigError, match=r"needs 2 devices, but there are 1"):
         parallel.make_mesh(_cfg("--parallel.data=2"), jax.devices()[:1])
-    model = build_model(_cfg("--execution.kernels=pallas").model)
+    pallas = _cfg("--execution.kernels=pallas")
+    model = build_model(pallas.model, pallas.execution)
     assert parallel.kernel_model(model, mesh) is model  # one device: Pallas runs as before
     assert model.plan.shard is None and "per shard" not in model.plan.describe()
 
@@ -413,7 +416,8 @@ def _check_pipeline_and_fsdp_layers() -> None:
         return train, loss_and_sums(state.params, state.apply_fn, batch, None)[1]
 
     drop = [*base, "--execution.dropout=0.1"]
-    eval_init = init.replace(apply_fn=build_model(_cfg(*drop).model).apply)
+    dropped = _cfg(*drop)
+    eval_init = init.replace(apply_fn=build_model(dropped.model, dropped.execution).apply)
     out["dropout_eval_single"] = jax.jit(train_loss_and_eval)(eval_init, batches[0], None)[1]
     for name, overrides, n in [
         ("pipeline4", ["--parallel.pipeline=4"], 4),
@@ -606,7 +610,7 @@ def _check_pallas_on_mesh() -> None:
             losses.append(float(m["loss"]))
             norms.append(float(m["grad_norm"]))
         out[name] = {
-            "ops": parallel.kernel_model(build_model(c.model), mesh).plan.describe(),
+            "ops": parallel.kernel_model(build_model(c.model, c.execution), mesh).plan.describe(),
             "losses": losses,
             "norms": norms,
             "params": [np.asarray(p).tolist() for p in jax.tree.leaves(state.params)],

@@ -361,11 +361,10 @@ def check_cache_write(cache: list[KVCache] | KVCache, cache_index: jax.Array | i
         )
 
 
-def init_kv_cache(
-    cfg: ModelConfig, ex: ExecutionConfig, batch: int, length: int
-) -> list[KVCache] | KVCache:
+def init_kv_cache(model: Decoder, batch: int, length: int) -> list[KVCache] | KVCache:
     """Zeroed caches of `length` slots in the compute dtype: per layer k, v (B, S, H, Dh), or
     with execution.scan_layers one k, v (L, B, S, H, Dh) (batch on `cache_batch_axis`)."""
+    cfg, ex = model.cfg, model.execution
     if not 1 <= length <= cfg.context_length:
         raise ValueError(f"cache length must be in [1, {cfg.context_length}], got {length}")
     shape = (batch, length, cfg.n_heads, cfg.head_dim)
@@ -378,9 +377,9 @@ def init_kv_cache(
     ]
 
 
-def cache_batch_axis(ex: ExecutionConfig) -> int:
+def cache_batch_axis(model: Decoder) -> int:
     """The batch axis of every array in `init_kv_cache`'s result (beam search gathers on it)."""
-    return 1 if ex.scan_layers else 0
+    return 1 if model.execution.scan_layers else 0
 
 
 # ----------------------------------------------------------------------------- loss
