@@ -172,7 +172,11 @@ class Embedding(nn.Module):
         self.table = self.param("embedding", self.embedding_init, shape)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.table, ids, axis=0)  # (..., D)
+        """ids (...) int -> (..., D). An id outside [0, N) gives a NaN row, also under jit where
+        nothing can raise: negative ids are sent past the end first (jnp.take would wrap -1
+        to the last row)."""
+        ids = jnp.where(ids < 0, self.num_embeddings, ids)
+        return jnp.take(self.table, ids, axis=0, mode="fill", fill_value=jnp.nan)  # (..., D)
 
     def attend(self, x: jax.Array, compute_dtype: Dtype = jnp.float32) -> jax.Array:
         # Output in compute_dtype, as under torch autocast: asking for float32 output makes the

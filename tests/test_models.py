@@ -373,3 +373,16 @@ def test_decode_refuses_writes_past_the_cache_and_positions_past_the_context(arc
         decode(7)
     with pytest.raises(ValueError, match=r"positions must be in \[0, 15\] \(context_length 16\)"):
         decode(0, jnp.asarray([[15, 16]]))
+
+
+@pytest.mark.parametrize("bad", [-1, 61])
+def test_out_of_range_ids_give_nan_under_jit(bad):
+    """Under jit nothing can raise on token ids: an id outside [0, vocab_size) (negative too)
+    gives NaN logits for its sequence (attention spreads the NaN row: 0 x NaN) instead of another
+    id's embedding, and the other sequences stay finite; eager apply refuses it."""
+    model, params = init(ARCHS["gpt2"])
+    tokens = jnp.array([[1, 2, bad, 3], [1, 2, 4, 3]])
+    logits = jax.jit(model.apply)(params, tokens)
+    assert np.isnan(logits[0, 2]).all() and np.isfinite(logits[1]).all()
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 60\]"):
+        model.apply(params, tokens)
