@@ -1,4 +1,4 @@
-"""Pipeline parallelism: a GPipe schedule over a `pipeline` mesh axis (issue 14).
+"""Pipeline parallelism: a GPipe schedule over a `pipeline` mesh axis.
 
 The L layers of a block stack are split into S stages of L/S consecutive layers, one stage per
 device along the mesh axis `pipeline`. The batch is cut into M microbatches that flow through

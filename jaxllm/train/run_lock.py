@@ -1,4 +1,4 @@
-"""One process per run dir: an OS advisory lock on `run_dir/.lock` (issue 15, item 1).
+"""One process per run dir: an OS advisory lock on `run_dir/.lock`.
 
 Two trainings writing one run dir would interleave checkpoints and metrics. `RunDirLock` takes an
 exclusive lock through `filelock` (flock(2) on Unix, msvcrt.locking on Windows), without waiting: a
