@@ -36,7 +36,7 @@ from pallas_kernels.cross_entropy import (
     cross_entropy_from_logits,
     default_config,
 )
-from pallas_kernels.triton_backend import core_count
+from pallas_kernels.common import core_count
 
 FULL = (16384, 768, 50257)  # GPT-2 small's head at batch 16 x 1024: N rows, D, V
 SMALL = (64, 16, 1000)  # --small: a CPU smoke run (interpret mode)

@@ -29,7 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import rows_mgpu as rows
-from .attention_softmax import Layout
+from .attention_softmax_common import Layout
+from .common import safe_max
 
 
 class Config(NamedTuple):
@@ -79,10 +80,6 @@ def check_config(cfg: Config, n_rows: int, n_queries: int, n_keys: int) -> None:
         raise ValueError(f"invalid Mosaic GPU softmax config {cfg} for Tq={n_queries}, Tk={n_keys}")
 
 
-def _safe_max(m):
-    return jnp.where(m == -jnp.inf, 0.0, m)  # fully masked row: keep exp(-inf - m) = 0, no NaN
-
-
 def _fwd_kernel(*refs, p: rows.BlockPlan, scale: float, causal: bool, lay: Layout):
     x_g, m_g, y_g, sm = refs if len(refs) == 4 else (refs[0], None, refs[1], refs[2])
     t = p.tiles
@@ -108,7 +105,7 @@ def _fwd_kernel(*refs, p: rows.BlockPlan, scale: float, causal: bool, lay: Layou
                 return x
 
             m = t.chunks(lambda ci, m: jnp.maximum(m, t.row_max(logits(ci))), t.row_init(-jnp.inf))
-            m_t = t.bcast(_safe_max(m))
+            m_t = t.bcast(safe_max(m))
             total = t.chunks(
                 lambda ci, acc: acc + t.row_sum(jnp.exp(logits(ci) - m_t)), t.row_init(0.0)
             )

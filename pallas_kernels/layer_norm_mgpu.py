@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import rows_mgpu as rows
-from .layer_norm import kernel_name, operands
+from .layer_norm_common import kernel_name, operands
 
 
 class Config(NamedTuple):

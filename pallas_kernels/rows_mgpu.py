@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .common import core_count
+
 # The one jax-version difference in the Mosaic GPU kernels, found by feature, not by version:
 # plgpu.load takes (ref, idx) on jax 0.10; 0.11 makes idx optional and deprecates passing it.
 _IDX = inspect.signature(plgpu.load).parameters.get("idx")
@@ -181,18 +183,25 @@ class Tiles(NamedTuple):
 
 def launch(body, name: str, out_type, scratch: dict, grid: dict[str, int], scratch_bytes: int,
            interpret: Any, args: tuple, approx_math: bool = False):  # fmt: skip
-    """Run `body` as a Mosaic GPU kernel named `name` over `grid` (axis name -> size);
-    `approx_math`: the GPU's approximate exp/log/divide."""
-    from .triton_backend import mosaic_compiler_params
+    """Run `body` as a Mosaic GPU kernel named `name` over `grid` (axis name -> size).
 
+    `scratch_bytes`: shared memory for cross-warp row reductions (more lets one reduction exchange
+    more rows at once). `approx_math`: the GPU's approximate exp/log/divide instructions. Lane
+    lowering semantics: the kernels state every register layout themselves (jax 0.11's default,
+    Warpgroup semantics, infers layouts instead)."""
     body.__name__ = name  # the kernel's name in profiles
+    params = plgpu.CompilerParams(
+        lowering_semantics=plgpu.LoweringSemantics.Lane,
+        reduction_scratch_bytes=scratch_bytes,
+        approx_math=approx_math,
+    )
     call = plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=scratch,
         grid=tuple(grid.values()),
         grid_names=tuple(grid),
-        compiler_params=mosaic_compiler_params(scratch_bytes, approx_math),
+        compiler_params=params,
         interpret=interpret,
     )
     with tracing_for(interpret):
@@ -359,8 +368,6 @@ def plan(
 ) -> tuple[BlockPlan, int, int]:
     """(plan, programs, blocks) of a row kernel over (N, width) operands of up to `itemsize`
     bytes per element."""
-    from .triton_backend import core_count
-
     n_blocks = pl.cdiv(n_rows, block_rows)
     programs, steps = program_blocks(n_blocks, programs_per_sm * core_count())
     tiles = Tiles(group_rows, chunk, width // chunk, pick_vec(chunk, itemsize))

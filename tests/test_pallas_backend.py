@@ -1,4 +1,4 @@
-"""The Pallas lowering choice (pallas_kernels/triton_backend.py) and the Mosaic GPU kernels on CPU.
+"""The Pallas lowering choice (pallas_kernels/common.py) and the Mosaic GPU kernels on CPU.
 
 A CPU cannot compile Mosaic GPU kernels, but it can (1) check the `backend` argument, (2) lower
 the public functions with backend="mosaic_gpu" to the Mosaic GPU MLIR the GPU compiler would get
@@ -32,9 +32,9 @@ from pallas_kernels import attention_softmax_mgpu as softmax_mgpu
 from pallas_kernels import cross_entropy_mgpu as ce_mgpu
 from pallas_kernels import depthwise_conv1d_mgpu as conv_mgpu
 from pallas_kernels import layer_norm_mgpu as ln_mgpu
-from pallas_kernels.attention_softmax import Layout
+from pallas_kernels.attention_softmax_common import Layout
 from pallas_kernels.cross_entropy import Config as CEConfig
-from pallas_kernels.triton_backend import BACKENDS, check_backend
+from pallas_kernels.common import BACKENDS, check_backend
 
 try:  # jax's Mosaic GPU interpreter: private, so its absence skips rather than fails
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
