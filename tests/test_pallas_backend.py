@@ -33,8 +33,8 @@ from pallas_kernels import cross_entropy_mgpu as ce_mgpu
 from pallas_kernels import depthwise_conv1d_mgpu as conv_mgpu
 from pallas_kernels import layer_norm_mgpu as ln_mgpu
 from pallas_kernels.attention_softmax_common import Layout
-from pallas_kernels.cross_entropy import Config as CEConfig
 from pallas_kernels.common import BACKENDS, check_backend
+from pallas_kernels.cross_entropy import Config as CEConfig
 
 try:  # jax's Mosaic GPU interpreter: private, so its absence skips rather than fails
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
