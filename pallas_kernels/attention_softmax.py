@@ -22,7 +22,7 @@ from . import attention_softmax_mgpu as mgpu
 from . import attention_softmax_triton as triton
 from .attention_softmax_common import Layout
 from .attention_softmax_triton import Config
-from .common import check_backend, check_triton_config, first_order_rules, resolve_interpret
+from .common import check_backend, check_config, first_order_rules, resolve_interpret
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -106,17 +106,11 @@ def attention_softmax(
     check_backend(backend, interpret)
     b, h, tq, tk = scores.shape
     if backend == "mosaic_gpu":
-        if config is not None and not isinstance(config, mgpu.Config):
-            raise ValueError(
-                f"backend='mosaic_gpu' takes an attention_softmax_mgpu.Config: {config}"
-            )
+        check_config(config, backend, mgpu.Config)
         cfgs = mgpu.configs(tq, tk, scores.dtype, mask4 is not None)
         cfg, interpret = ((config, config) if config else cfgs), False
     else:
-        if config is not None and not isinstance(config, Config):
-            raise ValueError(f"backend='triton' takes an attention_softmax.Config, got {config}")
-        if config is not None:
-            check_triton_config(config, ("block_rows", "num_warps", "max_block"))
+        check_config(config, backend, Config, ("block_rows", "num_warps", "max_block"))
         cfg, interpret = config or triton.default_config(tk), resolve_interpret(interpret)
     lay = Layout(
         heads=h,

@@ -112,9 +112,17 @@ def mosaic_gpu_capable() -> bool:
     return int(float(capability)) in (9, 10)
 
 
-def check_triton_config(config: Any, powers_of_two: tuple[str, ...]) -> None:
-    """A Triton kernel's Config: every int field >= 1, and the fields that size a block (Triton
+def check_config(config: Any, backend: str, config_type: type, powers_of_two=()) -> None:
+    """A public `config` argument: None or the chosen lowering's `config_type`. A Triton Config
+    has every int field >= 1 and its `powers_of_two` fields (the fields that size a block: Triton
     tiles are powers of two) powers of two; a ValueError naming the field otherwise."""
+    if config is None:
+        return
+    if not isinstance(config, config_type):
+        name = f"{config_type.__module__.rpartition('.')[2]}.{config_type.__name__}"
+        raise ValueError(f"backend={backend!r} takes a {name}, got {config}")
+    if backend != "triton":
+        return  # the Mosaic GPU modules check their configs against the shapes
     for name, value in config._asdict().items():
         if isinstance(value, int) and value < 1:
             raise ValueError(f"config.{name} must be >= 1 (positive), got {value} ({config})")

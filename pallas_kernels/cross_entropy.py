@@ -34,7 +34,7 @@ from . import common, cross_entropy_mgpu
 from .common import (
     MASK_VALUE,
     check_backend,
-    check_triton_config,
+    check_config,
     first_order_rules,
     resolve_interpret,
 )
@@ -216,18 +216,12 @@ def linear_cross_entropy(
         raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {dtype}")
     check_backend(backend, interpret)
     if backend == "mosaic_gpu":
-        if config is not None and not isinstance(config, cross_entropy_mgpu.Config):
-            raise ValueError(
-                f"backend='mosaic_gpu' takes a cross_entropy_mgpu.Config, got {config}"
-            )
+        check_config(config, backend, cross_entropy_mgpu.Config)
         if (dtype := jnp.dtype(compute_dtype)) != jnp.bfloat16:
             raise ValueError(f"backend='mosaic_gpu' computes in bfloat16, got {dtype}")
         cfg, interpret = config, False
     else:
-        if config is not None and not isinstance(config, Config):
-            raise ValueError(f"backend='triton' takes a cross_entropy.Config, got {config}")
-        if config is not None:
-            check_triton_config(config, ("block_rows", "block_cols", "num_warps"))
+        check_config(config, backend, Config, ("block_rows", "block_cols", "num_warps"))
         cfg, interpret = config or default_config(), resolve_interpret(interpret)
     weights = jax.lax.stop_gradient(weights)  # the forward bakes them into dz
     # A target outside [0, V) becomes -1, which matches no column, and its row's ce OUT_OF_RANGE_CE

@@ -1,9 +1,9 @@
 """The fused cross-entropy kernel (loss, hit and dz of each row of logits) on Pallas' Mosaic GPU
 lowering, reading each row once.
 
-The Triton kernel (cross_entropy.py) sweeps each row of z twice from global memory, statistics
-then dz, and the second sweep misses L2 at GPT-2's sizes (benchmarks/RESULTS.md). Here a row lives
-in shared memory between its sweeps: each program (one warpgroup, persistent over a contiguous run
+The Triton kernel (cross_entropy_triton.py) sweeps each row of z twice from global memory,
+statistics then dz, and the second sweep misses L2 at GPT-2's sizes. Here a row lives in shared
+memory between its sweeps: each program (one warpgroup, persistent over a contiguous run
 of rows) copies a row in with one bulk TMA copy, computes the max, the sum of exponentials and the
 target's logit (per-lane running vectors, reduced across the warpgroup once per row), then
 dz = w (softmax - onehot) written over the row in shared memory, copied back with one bulk copy.

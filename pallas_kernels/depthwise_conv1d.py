@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from . import depthwise_conv1d_mgpu as mgpu
 from . import depthwise_conv1d_triton as triton
-from .common import check_backend, check_triton_config, first_order_rules, resolve_interpret
+from .common import check_backend, check_config, first_order_rules, resolve_interpret
 from .depthwise_conv1d_triton import Config, default_config
 from .reference import CONV_MODES
 
@@ -61,7 +61,7 @@ def _conv_bwd(mode, interpret, cfgs, backend, res, g):
 _conv.defvjp(*first_order_rules("depthwise_conv1d", 3, _conv_fwd, _conv_bwd))
 
 
-def _check(u, w, b, mode: str, config: Config | None) -> None:
+def _check(u, w, b, mode: str) -> None:
     if getattr(u, "ndim", None) != 3:
         raise ValueError(f"u must be 3-D (B, L, D), got shape {jnp.shape(u)}")
     if any(n < 1 for n in u.shape):
@@ -77,8 +77,6 @@ def _check(u, w, b, mode: str, config: Config | None) -> None:
             raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {a.dtype}")
     if mode not in CONV_MODES:
         raise ValueError(f"mode must be one of {CONV_MODES}, got {mode!r}")
-    if config is not None:  # fields >= 1 (fwd_programs None: bwd_programs), block_d a power of 2
-        check_triton_config(config, ("block_d",))
 
 
 def depthwise_conv1d(
@@ -101,15 +99,12 @@ def depthwise_conv1d(
     depthwise_conv1d_mgpu.Config.
     """
     check_backend(backend, interpret)
+    _check(u, w, b, mode)
     if backend == "mosaic_gpu":
-        _check(u, w, b, mode, None)
-        if config is not None and not isinstance(config, mgpu.Config):
-            raise ValueError(f"backend='mosaic_gpu' takes a depthwise_conv1d_mgpu.Config: {config}")
+        check_config(config, backend, mgpu.Config)
         cfg = config or mgpu.default_config(u.shape, u.dtype, w.shape[1])
         return _conv(u, w, b, mode, False, (cfg, cfg), backend)
-    if config is not None and not isinstance(config, Config):
-        raise ValueError(f"backend='triton' takes a depthwise_conv1d.Config, got {config}")
-    _check(u, w, b, mode, config)
+    check_config(config, backend, Config, ("block_d",))  # fwd_programs None: bwd_programs
     fwd_cfg = config or default_config(u.shape, u.dtype)
     bwd_cfg = config or default_config(u.shape, u.dtype, backward=True)
     return _conv(u, w, b, mode, resolve_interpret(interpret), (fwd_cfg, bwd_cfg), backend)

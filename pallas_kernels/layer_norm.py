@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from . import layer_norm_mgpu as mgpu
 from . import layer_norm_triton as triton
-from .common import check_backend, check_triton_config, first_order_rules, resolve_interpret
+from .common import check_backend, check_config, first_order_rules, resolve_interpret
 from .layer_norm_triton import Config
 
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -137,16 +137,12 @@ def _prepare(x, gamma, beta, out_dtype, config, backend: str, interpret, h_dtype
     if out_dtype not in DTYPES:
         raise ValueError(f"out_dtype must be one of float32, bfloat16, got {out_dtype}")
     if backend == "mosaic_gpu":
-        if config is not None and not isinstance(config, mgpu.Config):
-            raise ValueError(f"backend='mosaic_gpu' takes a layer_norm_mgpu.Config, got {config}")
+        check_config(config, backend, mgpu.Config)
         n_rows = math.prod(x.shape[:-1])
         param_bytes = sum(p.dtype.itemsize for p in (gamma, beta) if p is not None)
         cfgs = mgpu.configs(n_rows, x.shape[-1], x.dtype, out_dtype, h_dtype, param_bytes)
         return out_dtype, ((config, config) if config else cfgs), False
-    if config is not None and not isinstance(config, Config):
-        raise ValueError(f"backend='triton' takes a layer_norm.Config, got {config}")
-    if config is not None:
-        check_triton_config(config, ("block_rows", "num_warps"))
+    check_config(config, backend, Config, ("block_rows", "num_warps"))
     cfgs = (config, config) if config else triton.default_configs(x.shape[-1])
     return out_dtype, cfgs, resolve_interpret(interpret)
 

@@ -356,19 +356,27 @@ class BlockPlan(NamedTuple):
         jax.lax.fori_loop(jnp.int32(0), n_groups, step, None)
 
 
-def plan(
-    n_rows: int,
-    width: int,
-    block_rows: int,
-    group_rows: int,
-    chunk: int,
-    programs_per_sm: int,
-    itemsize: int,
-    stages: int = 2,
-) -> tuple[BlockPlan, int, int]:
+def plan(cfg: Any, n_rows: int, width: int, itemsize: int) -> tuple[BlockPlan, int, int]:
     """(plan, programs, blocks) of a row kernel over (N, width) operands of up to `itemsize`
-    bytes per element."""
-    n_blocks = pl.cdiv(n_rows, block_rows)
-    programs, steps = program_blocks(n_blocks, programs_per_sm * core_count())
-    tiles = Tiles(group_rows, chunk, width // chunk, pick_vec(chunk, itemsize))
-    return BlockPlan(block_rows, group_rows, stages, n_rows, tiles, steps), programs, n_blocks
+    bytes per element; cfg has block_rows, rows, chunk, programs_per_sm and stages."""
+    n_blocks = pl.cdiv(n_rows, cfg.block_rows)
+    programs, steps = program_blocks(n_blocks, cfg.programs_per_sm * core_count())
+    tiles = Tiles(cfg.rows, cfg.chunk, width // cfg.chunk, pick_vec(cfg.chunk, itemsize))
+    return BlockPlan(cfg.block_rows, cfg.rows, cfg.stages, n_rows, tiles, steps), programs, n_blocks
+
+
+def tiling_ok(cfg: Any, n_rows: int, width: int) -> bool:
+    """The tiling rules of `plan`'s row kernels: `rows`-row groups (a power of two) tile a block,
+    column chunks of whole warpgroup tiles divide the row, and a group of several rows holds
+    whole rows (so that its tile is contiguous)."""
+    return (
+        cfg.rows >= 1
+        and cfg.rows & (cfg.rows - 1) == 0
+        and cfg.block_rows % cfg.rows == 0
+        and 1 <= cfg.block_rows <= n_rows
+        and cfg.chunk % LANES == 0
+        and width % cfg.chunk == 0
+        and (cfg.chunk == width or cfg.rows == 1)
+        and cfg.stages in (1, 2)
+        and cfg.programs_per_sm >= 1
+    )

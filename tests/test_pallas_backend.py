@@ -276,7 +276,7 @@ def test_mosaic_cross_entropy_refusals(pretend_gpu):
         linear_cross_entropy(x, w, t, wt, jnp.float32, backend="mosaic_gpu")
     with pytest.raises(ValueError, match="takes a cross_entropy_mgpu.Config"):
         linear_cross_entropy(x, w, t, wt, backend="mosaic_gpu", config=CEConfig(1, 512, 4, 8))
-    with pytest.raises(ValueError, match="takes a cross_entropy.Config"):
+    with pytest.raises(ValueError, match="takes a cross_entropy_triton.Config"):
         linear_cross_entropy(x, w, t, wt, config=ce_mgpu.Config(1024))
     z = jnp.zeros((8, 2000), jnp.bfloat16)  # not padded to a multiple of 1024
     with pytest.raises(ValueError, match="multiples of 1024"):
