@@ -19,10 +19,9 @@ the rows (dgamma) is in-thread only. One-row groups use the WG_STRIDED layout on
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -46,16 +45,6 @@ LANES = 128  # threads of one warpgroup: the width one layout tile spreads a row
 # Register layouts are a compile-time annotation: jax's Mosaic GPU interpreter (CPU tests of these
 # kernels) has no rule for them, and the numbers do not depend on them.
 _LAYOUTS = contextvars.ContextVar("mosaic_gpu_layouts", default=True)
-
-
-@contextlib.contextmanager
-def tracing_for(interpret: Any) -> Iterator[None]:
-    """Trace a kernel body for the compiler (interpret None) or for jax's interpreter."""
-    token = _LAYOUTS.set(interpret is None)
-    try:
-        yield
-    finally:
-        _LAYOUTS.reset(token)
 
 
 def cast(x: jax.Array, layout) -> jax.Array:
@@ -204,8 +193,11 @@ def launch(body, name: str, out_type, scratch: dict, grid: dict[str, int], scrat
         compiler_params=params,
         interpret=interpret,
     )
-    with tracing_for(interpret):
+    token = _LAYOUTS.set(interpret is None)  # trace for the compiler, or for jax's interpreter
+    try:
         return call(*args)
+    finally:
+        _LAYOUTS.reset(token)
 
 
 def pick_vec(width: int, itemsize: int) -> int:
@@ -298,12 +290,6 @@ def pipelined_blocks(
     return carry
 
 
-def program_blocks(n_blocks: int, programs: int) -> tuple[int, int]:
-    """(programs, blocks per program): contiguous runs of blocks, the last run possibly shorter."""
-    steps = pl.cdiv(n_blocks, max(1, programs))
-    return pl.cdiv(n_blocks, steps), steps
-
-
 def my_blocks(steps: int, n_blocks: int) -> tuple[jax.Array, jax.Array]:
     """(first block, block count) of this program (grid axis "p")."""
     first = jax.lax.axis_index("p").astype(jnp.int32) * steps
@@ -360,7 +346,9 @@ def plan(cfg: Any, n_rows: int, width: int, itemsize: int) -> tuple[BlockPlan, i
     """(plan, programs, blocks) of a row kernel over (N, width) operands of up to `itemsize`
     bytes per element; cfg has block_rows, rows, chunk, programs_per_sm and stages."""
     n_blocks = pl.cdiv(n_rows, cfg.block_rows)
-    programs, steps = program_blocks(n_blocks, cfg.programs_per_sm * core_count())
+    # contiguous runs of `steps` blocks, the last run possibly shorter
+    steps = pl.cdiv(n_blocks, max(1, cfg.programs_per_sm * core_count()))
+    programs = pl.cdiv(n_blocks, steps)
     tiles = Tiles(cfg.rows, cfg.chunk, width // cfg.chunk, pick_vec(cfg.chunk, itemsize))
     return BlockPlan(cfg.block_rows, cfg.rows, cfg.stages, n_rows, tiles, steps), programs, n_blocks
 
