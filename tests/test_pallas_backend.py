@@ -95,7 +95,7 @@ def test_check_backend_accepts_the_two():
 
 def test_triton_refuses_a_mosaic_config():
     cfg = ln_mgpu.Config(block_rows=4, rows=4, chunk=256, programs_per_sm=1)
-    with pytest.raises(ValueError, match="layer_norm.Config"):
+    with pytest.raises(ValueError, match="takes a layer_norm_triton.Config"):
         layer_norm(*_ln_args(), config=cfg)
 
 
