@@ -49,6 +49,19 @@ def module_imports(path: Path, root: Path = ROOT) -> set[str]:
     return {m for m in found if is_module(m, root)} - {name}
 
 
+def imports_inside_functions(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import inside a function of the file at `path`."""
+    found = set()
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    found |= {(node.lineno, a.name) for a in node.names}
+                elif isinstance(node, ast.ImportFrom):
+                    found.add((node.lineno, "." * node.level + (node.module or "")))
+    return sorted(found)
+
+
 def import_graph(package: str, root: Path = ROOT) -> dict[str, set[str]]:
     """module -> the project modules it imports, for every module of `package`."""
     return {module_name(p, root): module_imports(p, root) for p in (root / package).rglob("*.py")}
@@ -82,6 +95,7 @@ def test_find_cycles_counts_imports_inside_functions(tmp_path):
     (pkg / "c.py").write_text("import json\n")
     graph = import_graph("pkg", tmp_path)
     assert graph["pkg.a"] == {"pkg.b", "pkg.c"} and graph["pkg"] == {"pkg.a"}
+    assert imports_inside_functions(pkg / "a.py") == [(4, ".b")]
     assert find_cycles(graph) == [["pkg.a", "pkg.b"]]
 
 
@@ -92,6 +106,11 @@ def test_pallas_kernels_have_no_import_cycles():
         "pallas_kernels.cross_entropy_mgpu",
     }
     assert find_cycles(graph) == []
+
+
+def test_pallas_kernels_import_only_at_module_level():
+    found = {p.name: imports_inside_functions(p) for p in (ROOT / "pallas_kernels").glob("*.py")}
+    assert not any(found.values()), found
 
 
 def test_pallas_kernel_variants_share_only_modules_below_them():
