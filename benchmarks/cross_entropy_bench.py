@@ -30,13 +30,13 @@ import numpy as np
 from jaxllm import functional as F
 from jaxllm.profiling.timing import chained_median_seconds
 from pallas_kernels import linear_cross_entropy, linear_cross_entropy_ref
+from pallas_kernels.common import core_count
 from pallas_kernels.cross_entropy import (
     VOCAB_ALIGN,
     Config,
     cross_entropy_from_logits,
     default_config,
 )
-from pallas_kernels.triton_backend import core_count
 
 FULL = (16384, 768, 50257)  # GPT-2 small's head at batch 16 x 1024: N rows, D, V
 SMALL = (64, 16, 1000)  # --small: a CPU smoke run (interpret mode)

@@ -1,11 +1,15 @@
 """Pallas GPU kernels (fused attention softmax, layer norm and RMSNorm, depthwise conv1d,
 LM-head cross-entropy) with custom VJPs.
 
-On a GPU they compile (Triton lowering); elsewhere `interpret=None` runs them in interpret mode.
+Each op is `<op>.py` (the public function: argument checks, the custom VJP, the choice of
+lowering) above `<op>_triton.py` and `<op>_mgpu.py` (the Triton and Mosaic GPU kernels), which
+share `common.py`, `rows_mgpu.py` (Mosaic GPU row-kernel blocks) and any `<op>_common.py`;
+`reference.py` holds the jnp references. On a GPU the kernels compile; elsewhere
+`interpret=None` runs the Triton ones in interpret mode.
 """
 
 from .attention_softmax import attention_softmax
-from .cross_entropy import head_chunk_rows, linear_cross_entropy
+from .cross_entropy import head_chunk_rows, linear_cross_entropy, mosaic_loss_refusal
 from .depthwise_conv1d import depthwise_conv1d
 from .layer_norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .reference import (
@@ -17,7 +21,6 @@ from .reference import (
     linear_cross_entropy_ref,
     rms_norm_ref,
 )
-from .triton_backend import mosaic_loss_refusal
 
 __all__ = [
     "add_layer_norm",

@@ -1,6 +1,6 @@
 """Fused attention softmax (scale, additive mask, causal mask) on Pallas' Mosaic GPU lowering.
 
-The Mosaic GPU counterpart of attention_softmax.py's Triton kernels, same math; picked with
+The Mosaic GPU counterpart of attention_softmax_triton.py's kernels, same math; picked with
 `backend="mosaic_gpu"` on `attention_softmax`, which keeps the custom VJP.
 
 Scores (B, H, Tq, Tk) are B*H*Tq rows of Tk, Tk % 128 == 0. As layer_norm_mgpu: each program
@@ -29,7 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import rows_mgpu as rows
-from .attention_softmax import Layout
+from .attention_softmax_common import Layout
+from .common import safe_max
 
 
 class Config(NamedTuple):
@@ -63,24 +64,8 @@ def default_config(n_queries: int, n_keys: int, itemsize: int, n_operands: int) 
 
 def check_config(cfg: Config, n_rows: int, n_queries: int, n_keys: int) -> None:
     rows.check_width("Tk", n_keys, "the key length Tk")
-    ok = (
-        cfg.rows >= 1
-        and cfg.rows & (cfg.rows - 1) == 0
-        and cfg.block_rows % cfg.rows == 0
-        and n_queries % cfg.block_rows == 0
-        and cfg.block_rows <= n_rows
-        and cfg.chunk % rows.LANES == 0
-        and n_keys % cfg.chunk == 0
-        and (cfg.chunk == n_keys or cfg.rows == 1)
-        and cfg.stages in (1, 2)
-        and cfg.programs_per_sm >= 1
-    )
-    if not ok:
+    if not (rows.tiling_ok(cfg, n_rows, n_keys) and n_queries % cfg.block_rows == 0):
         raise ValueError(f"invalid Mosaic GPU softmax config {cfg} for Tq={n_queries}, Tk={n_keys}")
-
-
-def _safe_max(m):
-    return jnp.where(m == -jnp.inf, 0.0, m)  # fully masked row: keep exp(-inf - m) = 0, no NaN
 
 
 def _fwd_kernel(*refs, p: rows.BlockPlan, scale: float, causal: bool, lay: Layout):
@@ -108,7 +93,7 @@ def _fwd_kernel(*refs, p: rows.BlockPlan, scale: float, causal: bool, lay: Layou
                 return x
 
             m = t.chunks(lambda ci, m: jnp.maximum(m, t.row_max(logits(ci))), t.row_init(-jnp.inf))
-            m_t = t.bcast(_safe_max(m))
+            m_t = t.bcast(safe_max(m))
             total = t.chunks(
                 lambda ci, acc: acc + t.row_sum(jnp.exp(logits(ci) - m_t)), t.row_init(0.0)
             )
@@ -153,8 +138,7 @@ def forward(x, mask, cfg: Config, scale: float, causal: bool, lay: Layout, inter
     `interpret`: jax's Mosaic GPU interpreter parameters, for CPU tests of the kernel itself."""
     n_rows, n_keys = x.shape
     check_config(cfg, n_rows, lay.n_queries, n_keys)
-    p, programs, _ = rows.plan(n_rows, n_keys, cfg.block_rows, cfg.rows, cfg.chunk,
-                               cfg.programs_per_sm, x.dtype.itemsize, cfg.stages)  # fmt: skip
+    p, programs, _ = rows.plan(cfg, n_rows, n_keys, x.dtype.itemsize)
     nc = p.tiles.n_chunks
     sub = (n_rows * nc, cfg.chunk)  # rows as sub-rows of one chunk: a tile is contiguous
     blk = (cfg.stages, cfg.block_rows * nc, cfg.chunk)
@@ -217,8 +201,7 @@ def backward(y, dy, cfg: Config, scale: float, n_queries: int, interpret: Any = 
     n_rows, n_keys = y.shape
     check_config(cfg, n_rows, n_queries, n_keys)
     itemsize = max(y.dtype.itemsize, dy.dtype.itemsize)
-    p, programs, _ = rows.plan(n_rows, n_keys, cfg.block_rows, cfg.rows, cfg.chunk,
-                               cfg.programs_per_sm, itemsize, cfg.stages)  # fmt: skip
+    p, programs, _ = rows.plan(cfg, n_rows, n_keys, itemsize)
     nc = p.tiles.n_chunks
     sub = (n_rows * nc, cfg.chunk)
     blk = (cfg.stages, cfg.block_rows * nc, cfg.chunk)

@@ -1,168 +1,53 @@
 """Fused LM head + cross-entropy: one Pallas kernel makes the loss and dlogits, a custom VJP
-ties it to the head's two backward GEMMs.
+ties it to the head's two backward GEMMs. This module picks the kernel (cross_entropy_triton.py
+or cross_entropy_mgpu.py) and owns the custom VJP; reference.linear_cross_entropy_ref is the
+unfused jnp reference.
 
 For hidden states x (N, D), a head W (V, D), targets t (N,) and row weights w (N,):
 
     z = x W^T (compute dtype),   ce_i = logsumexp_j z_ij - z_i,t_i,   loss = sum_i w_i ce_i
 
 The weights are an input (the training step passes valid / count), so dloss/dz = w_i (softmax(z_i)
-- onehot(t_i)) is known in the forward: the kernel sweeps each row of z twice in `block_cols`
-chunks, an online max/sum pass, then a pass that overwrites z in place with dz. The forward then
-runs dx = dz W and dW = dz^T x, and the VJP's backward only scales them by the scalar cotangent.
-z never outlives the forward and no float32 copy of it is made. A large batch goes through in
-chunks of rows, one after the other (`max_chunk_bytes` of logits each, default 8 GiB; dW summed
-in float32), so only one chunk's z (and dz) exists at a time.
+- onehot(t_i)) is known in the forward: the kernel makes ce and dz of each row together. The
+forward then runs dx = dz W and dW = dz^T x, and the VJP's backward only scales them by the
+scalar cotangent. z never outlives the forward and no float32 copy of it is made. A large batch
+goes through in chunks of rows, one after the other (`max_chunk_bytes` of logits each, default
+8 GiB; dW summed in float32), so only one chunk's z (and dz) exists at a time.
 
-The vocabulary is padded to a multiple of 128 inside (50257 -> 50304) so the GEMMs see aligned
-shapes; padded columns are masked out of the softmax and get zero gradient.
+The vocabulary is padded inside (to a multiple of 128 for Triton, 1024 for Mosaic GPU: 50257 ->
+50304 or 51200) so the GEMMs see aligned shapes; padded columns are masked out of the softmax and
+get zero gradient.
 
 Memory traffic beyond the GEMMs, N rows of Vp columns, s bytes per element of z:
-  forward (with gradient): read z, write dz = 2 * N * Vp * s  (+ the second read of each row,
-  from L2 when it is still there; the H100 run reaches 1.65 TB/s counting only the two passes)
-  primal only (no gradient): read z      = N * Vp * s
-against about five passes in XLA (max, argmax, sum-exp, then softmax - onehot and its pad).
-Backend: Triton lowering by default; `backend="mosaic_gpu"` runs cross_entropy_mgpu.py's kernel
-(each row read once, through shared memory; vocabulary padded to a multiple of 1024) in the
-same custom VJP (pallas_kernels/triton_backend.py picks and validates the lowering).
+  forward (with gradient): read z, write dz = 2 * N * Vp * s
+  primal only (no gradient): read z      = N * Vp * s   (always the Triton kernel)
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from .triton_backend import (
+from . import common, cross_entropy_mgpu
+from .common import (
+    MASK_VALUE,
     check_backend,
-    check_triton_config,
-    compiler_params,
+    check_config,
     first_order_rules,
     resolve_interpret,
 )
+from .cross_entropy_triton import VOCAB_ALIGN, Config, cross_entropy_from_logits, default_config
 
-VOCAB_ALIGN = 128  # pad the vocabulary to a multiple of this for the GEMMs
-# finite: exp(MASK_VALUE - m) underflows to 0 without inf - inf = NaN. The same value as
-# jaxllm.functional.MASK_VALUE (tests/test_layout.py checks; this package may not import jaxllm).
-MASK_VALUE = -1e30
 OUT_OF_RANGE_CE = -MASK_VALUE  # the ce of a row whose target is outside [0, V): 1e30, finite
 # The head's logits are made for at most this many bytes of rows at a time (linear_cross_entropy)
 LOGITS_CHUNK_BYTES = 8 * 2**30
 CHUNK_ROW_MULTIPLE = 32  # rows of a chunk: whole 32-row runs of the Mosaic kernel's programs
 
 
-class Config(NamedTuple):
-    block_rows: int  # rows per program step
-    block_cols: int  # columns per chunk of the row sweep
-    num_warps: int
-    programs: int  # most programs in the grid; each walks ceil(row blocks / programs) steps
-    num_stages: int = 1
-
-
-def default_config() -> Config:
-    """Tuned on the H100 (benchmarks/RESULTS.md, GPT-2's 16384 x 50304 bf16 logits): one
-    program per row streaming 2048-column chunks ran 2.0 ms vs 2.5 ms for XLA. Holding a whole
-    row in registers (65536 columns over 16-32 warps) spilled and ran 5.5-7.2 ms."""
-    return Config(block_rows=1, block_cols=2048, num_warps=4, programs=2**31 - 1)
-
-
-def _i32(x) -> jax.Array:
-    """x as an int32 index. Under jax_enable_x64 Python ints and loop counters are int64 while
-    program ids are int32, and interpret mode rejects slice starts of mixed integer types; int32
-    is also what the GPU's index arithmetic wants."""
-    return jax.lax.convert_element_type(x, jnp.int32)
-
-
-def _kernel(z_ref, t_ref, w_ref, *out_refs, vocab: int, cfg: Config, steps: int):
-    if len(out_refs) == 3:
-        ce_ref, hit_ref, dz_ref = out_refs
-    else:
-        (ce_ref, hit_ref), dz_ref = out_refs, None
-    n_rows, width = z_ref.shape
-    r, c = cfg.block_rows, cfg.block_cols
-    part = pl.program_id(0)  # read outside the loops: interpret mode cannot lower it inside
-
-    @pl.loop(0, steps)
-    def row_block(i):
-        row0 = (part * steps + _i32(i)) * r
-        rows = pl.ds(row0, r)
-        row_ok = row0 + jnp.arange(r, dtype=jnp.int32) < n_rows  # (R,)
-        t = pltriton.load(t_ref.at[rows], mask=row_ok, other=0)  # (R,)
-
-        def chunk(j):
-            j = _i32(j)
-            cols = j * c + jnp.arange(c, dtype=jnp.int32)  # (C,)
-            ok = row_ok[:, None] & (cols < vocab)[None, :]
-            z = pltriton.load(z_ref.at[rows, pl.ds(j * c, c)], mask=ok, other=MASK_VALUE)
-            return cols, z.astype(jnp.float32)  # (C,), (R, C)
-
-        def stats(j, carry):  # online max, rescaled sum and the target's logit
-            m, s, z_t = carry
-            cols, z = chunk(j)
-            m_new = jnp.maximum(m, jnp.max(z, axis=1))
-            s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
-            z_t = z_t + jnp.sum(jnp.where(cols[None, :] == t[:, None], z, 0.0), axis=1)
-            return m_new, s, z_t
-
-        zeros = jnp.zeros((r,), jnp.float32)
-        init = (jnp.full((r,), MASK_VALUE, jnp.float32), zeros, zeros)
-        m, s, z_t = jax.lax.fori_loop(0, pl.cdiv(vocab, c), stats, init)
-        lse = m + jnp.log(s)
-        pltriton.store(ce_ref.at[rows], lse - z_t, mask=row_ok)
-        pltriton.store(hit_ref.at[rows], (z_t >= m).astype(jnp.int32), mask=row_ok)
-        if dz_ref is None:
-            return
-        w = pltriton.load(w_ref.at[rows], mask=row_ok, other=0.0).astype(jnp.float32)
-
-        @pl.loop(0, pl.cdiv(width, c))  # padded columns too: they get dz = 0
-        def grad(j):
-            cols, z = chunk(j)
-            onehot = (cols[None, :] == t[:, None]).astype(jnp.float32)
-            dz = (jnp.exp(z - lse[:, None]) - onehot) * w[:, None]
-            ok = row_ok[:, None] & (cols < width)[None, :]
-            out = dz_ref.at[rows, pl.ds(_i32(j) * c, c)]
-            pltriton.store(out, dz.astype(dz_ref.dtype), mask=ok)
-
-
-def cross_entropy_from_logits(
-    z: jax.Array,
-    targets: jax.Array,
-    weights: jax.Array,
-    vocab: int,
-    with_grad: bool,
-    interpret: bool,
-    cfg: Config,
-) -> tuple[jax.Array, ...]:
-    """The kernel alone, on padded logits z (N, Vp) of which the first `vocab` columns count:
-    (ce (N,) f32, hit (N,) int32[, dz = w (softmax - onehot) like z, written over z]).
-    No custom VJP: `linear_cross_entropy` is the differentiable op; this is for benchmarks."""
-    n_rows = z.shape[0]
-    n_blocks = pl.cdiv(n_rows, cfg.block_rows)
-    steps = pl.cdiv(n_blocks, cfg.programs)
-    row = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
-    out_shape = [row, jax.ShapeDtypeStruct((n_rows,), jnp.int32)]
-    if with_grad:
-        out_shape.append(jax.ShapeDtypeStruct(z.shape, z.dtype))
-    return pl.pallas_call(
-        functools.partial(_kernel, vocab=vocab, cfg=cfg, steps=steps),
-        out_shape=tuple(out_shape),
-        grid=(pl.cdiv(n_blocks, steps),),
-        input_output_aliases={0: 2} if with_grad else {},
-        compiler_params=compiler_params(cfg.num_warps, cfg.num_stages),
-        interpret=interpret,
-        name="cross_entropy_fwd_bwd" if with_grad else "cross_entropy_fwd",
-    )(z, targets.astype(jnp.int32), weights.astype(jnp.float32))
-
-
 def _align(backend: str) -> int:
-    if backend == "mosaic_gpu":
-        from . import cross_entropy_mgpu
-
-        return cross_entropy_mgpu.VOCAB_ALIGN
-    return VOCAB_ALIGN
+    return cross_entropy_mgpu.VOCAB_ALIGN if backend == "mosaic_gpu" else VOCAB_ALIGN
 
 
 def _head_weights(x, w, compute_dtype, align: int = VOCAB_ALIGN):
@@ -256,8 +141,6 @@ def _linear_ce_fwd(x, w, targets, weights, compute_dtype, interpret, cfg, backen
     def one(x_rows, t, wt, dw):  # dw (Vp, D) float32: the sum over the chunks so far
         z = jnp.dot(x_rows, wc.T)  # (rows, Vp)
         if backend == "mosaic_gpu":
-            from . import cross_entropy_mgpu
-
             ce, hit, dz = cross_entropy_mgpu.cross_entropy_from_logits(z, t, wt, vocab, cfg)
         else:
             ce, hit, dz = cross_entropy_from_logits(z, t, wt, vocab, True, interpret, cfg)
@@ -333,20 +216,12 @@ def linear_cross_entropy(
         raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {dtype}")
     check_backend(backend, interpret)
     if backend == "mosaic_gpu":
-        from . import cross_entropy_mgpu
-
-        if config is not None and not isinstance(config, cross_entropy_mgpu.Config):
-            raise ValueError(
-                f"backend='mosaic_gpu' takes a cross_entropy_mgpu.Config, got {config}"
-            )
+        check_config(config, backend, cross_entropy_mgpu.Config)
         if (dtype := jnp.dtype(compute_dtype)) != jnp.bfloat16:
             raise ValueError(f"backend='mosaic_gpu' computes in bfloat16, got {dtype}")
         cfg, interpret = config, False
     else:
-        if config is not None and not isinstance(config, Config):
-            raise ValueError(f"backend='triton' takes a cross_entropy.Config, got {config}")
-        if config is not None:
-            check_triton_config(config, ("block_rows", "block_cols", "num_warps"))
+        check_config(config, backend, Config, ("block_rows", "block_cols", "num_warps"))
         cfg, interpret = config or default_config(), resolve_interpret(interpret)
     weights = jax.lax.stop_gradient(weights)  # the forward bakes them into dz
     # A target outside [0, V) becomes -1, which matches no column, and its row's ce OUT_OF_RANGE_CE
@@ -358,3 +233,17 @@ def linear_cross_entropy(
         x, w, targets, weights, jnp.dtype(compute_dtype), interpret, cfg, backend, rows
     )
     return loss, jax.lax.stop_gradient(ce), hit.astype(bool)
+
+
+def mosaic_loss_refusal(n_vocab: int, compute_dtype) -> str | None:
+    """Why the fused loss's Mosaic GPU kernel cannot run here, as "needs ..." would end (None:
+    it can): a Hopper-class GPU, bfloat16 logits, padded rows that fit two per SM."""
+    if not common.mosaic_gpu_capable():  # looked up at call time: tests stand in another GPU
+        found = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "none"
+        return f"a GPU of compute capability 9.x or 10.x (Hopper-class; found: {found})"
+    if (dtype := jnp.dtype(compute_dtype)) != jnp.bfloat16:
+        return f"bfloat16 logits (got {dtype})"
+    if not cross_entropy_mgpu.fits(n_vocab):
+        limit = cross_entropy_mgpu.MAX_COLS_TWO_PER_SM
+        return f"a vocabulary of at most {limit} (two padded rows per SM; got {n_vocab})"
+    return None

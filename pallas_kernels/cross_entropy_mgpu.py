@@ -1,9 +1,9 @@
 """The fused cross-entropy kernel (loss, hit and dz of each row of logits) on Pallas' Mosaic GPU
 lowering, reading each row once.
 
-The Triton kernel (cross_entropy.py) sweeps each row of z twice from global memory, statistics
-then dz, and the second sweep misses L2 at GPT-2's sizes (benchmarks/RESULTS.md). Here a row lives
-in shared memory between its sweeps: each program (one warpgroup, persistent over a contiguous run
+The Triton kernel (cross_entropy_triton.py) sweeps each row of z twice from global memory,
+statistics then dz, and the second sweep misses L2 at GPT-2's sizes. Here a row lives in shared
+memory between its sweeps: each program (one warpgroup, persistent over a contiguous run
 of rows) copies a row in with one bulk TMA copy, computes the max, the sum of exponentials and the
 target's logit (per-lane running vectors, reduced across the warpgroup once per row), then
 dz = w (softmax - onehot) written over the row in shared memory, copied back with one bulk copy.
@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import rows_mgpu as rows
-from .cross_entropy import MASK_VALUE
+from .common import MASK_VALUE, core_count
 
 VOCAB_ALIGN = 1024  # columns: 128 lanes x 8 bf16 (16-byte accesses)
 ROW_ALIGN = 32  # rows per program's run: its targets/weights/ce copies move multiples of 128 B
@@ -201,8 +201,6 @@ def cross_entropy_from_logits(
     _check(z, cfg)
     n_rows, n_cols = z.shape
     tiles = rows.Tiles(1, cfg.chunk, n_cols // cfg.chunk, rows.pick_vec(cfg.chunk, 2))
-    from .triton_backend import core_count
-
     programs = max(1, cfg.programs_per_sm * core_count())
     # runs of whole 32-row multiples, at most MAX_RUN (more rows: more programs than SMs hold)
     steps = min(MAX_RUN, -(-pl.cdiv(n_rows, programs) // ROW_ALIGN) * ROW_ALIGN)

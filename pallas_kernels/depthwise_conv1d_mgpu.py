@@ -1,6 +1,6 @@
 """Depthwise conv1d with in-kernel zero padding on Pallas' Mosaic GPU lowering.
 
-The Mosaic GPU counterpart of depthwise_conv1d.py's kernels, same math; picked with
+The Mosaic GPU counterpart of depthwise_conv1d_triton.py's kernels, same math; picked with
 `backend="mosaic_gpu"` on `depthwise_conv1d`, which keeps the custom VJP.
 
 u (B, L, D), D % 128 == 0, w (D, K), b (D,): out[:, t, d] = b[d] + sum_k w[d, k] u[:, t + k - P, d].

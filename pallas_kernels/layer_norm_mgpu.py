@@ -1,6 +1,6 @@
 """LayerNorm and RMSNorm (optionally with the fused residual add) on Pallas' Mosaic GPU lowering.
 
-The Mosaic GPU counterpart of layer_norm.py's Triton kernels, same math and same outputs; it is
+The Mosaic GPU counterpart of layer_norm_triton.py's kernels, same math and same outputs; it is
 picked with `backend="mosaic_gpu"` on `layer_norm` / `add_layer_norm` / `rms_norm` /
 `add_rms_norm`, which keep the custom VJP. RMSNorm is the same kernel bodies with `rms=True`
 (beta None in `forward`, mean None in `backward`): no mean sweep (the first sweep sums x^2 instead
@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import rows_mgpu as rows
-from .layer_norm import kernel_name, operands
+from .layer_norm_common import kernel_name, operands
 
 
 class Config(NamedTuple):
@@ -94,18 +94,7 @@ def default_config(
 def check_config(cfg: Config, n_rows: int, n_cols: int) -> None:
     """The tiling rules the kernels rely on (default_config obeys them; benchmarks may not)."""
     rows.check_width("D", n_cols, "the hidden size D")
-    ok = (
-        cfg.rows >= 1
-        and cfg.rows & (cfg.rows - 1) == 0
-        and cfg.block_rows % cfg.rows == 0
-        and 1 <= cfg.block_rows <= n_rows
-        and cfg.chunk % rows.LANES == 0
-        and n_cols % cfg.chunk == 0
-        and (cfg.chunk == n_cols or cfg.rows == 1)
-        and cfg.stages in (1, 2)
-        and cfg.programs_per_sm >= 1
-    )
-    if not ok:
+    if not rows.tiling_ok(cfg, n_rows, n_cols):
         raise ValueError(
             f"invalid Mosaic GPU layer norm config {cfg} for x of ({n_rows}, {n_cols})"
         )
@@ -114,10 +103,7 @@ def check_config(cfg: Config, n_rows: int, n_cols: int) -> None:
 def _plan(n_rows: int, n_cols: int, cfg: Config, itemsize: int):
     """(plan, programs, blocks) of a call on (N, D) operands of up to `itemsize` bytes."""
     check_config(cfg, n_rows, n_cols)
-    return rows.plan(
-        n_rows, n_cols, cfg.block_rows, cfg.rows, cfg.chunk, cfg.programs_per_sm, itemsize,
-        cfg.stages,
-    )  # fmt: skip
+    return rows.plan(cfg, n_rows, n_cols, itemsize)
 
 
 def _present(**scratch) -> dict:

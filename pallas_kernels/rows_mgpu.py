@@ -19,16 +19,17 @@ the rows (dgamma) is in-thread only. One-row groups use the WG_STRIDED layout on
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .common import core_count
 
 # The one jax-version difference in the Mosaic GPU kernels, found by feature, not by version:
 # plgpu.load takes (ref, idx) on jax 0.10; 0.11 makes idx optional and deprecates passing it.
@@ -44,16 +45,6 @@ LANES = 128  # threads of one warpgroup: the width one layout tile spreads a row
 # Register layouts are a compile-time annotation: jax's Mosaic GPU interpreter (CPU tests of these
 # kernels) has no rule for them, and the numbers do not depend on them.
 _LAYOUTS = contextvars.ContextVar("mosaic_gpu_layouts", default=True)
-
-
-@contextlib.contextmanager
-def tracing_for(interpret: Any) -> Iterator[None]:
-    """Trace a kernel body for the compiler (interpret None) or for jax's interpreter."""
-    token = _LAYOUTS.set(interpret is None)
-    try:
-        yield
-    finally:
-        _LAYOUTS.reset(token)
 
 
 def cast(x: jax.Array, layout) -> jax.Array:
@@ -181,22 +172,32 @@ class Tiles(NamedTuple):
 
 def launch(body, name: str, out_type, scratch: dict, grid: dict[str, int], scratch_bytes: int,
            interpret: Any, args: tuple, approx_math: bool = False):  # fmt: skip
-    """Run `body` as a Mosaic GPU kernel named `name` over `grid` (axis name -> size);
-    `approx_math`: the GPU's approximate exp/log/divide."""
-    from .triton_backend import mosaic_compiler_params
+    """Run `body` as a Mosaic GPU kernel named `name` over `grid` (axis name -> size).
 
+    `scratch_bytes`: shared memory for cross-warp row reductions (more lets one reduction exchange
+    more rows at once). `approx_math`: the GPU's approximate exp/log/divide instructions. Lane
+    lowering semantics: the kernels state every register layout themselves (jax 0.11's default,
+    Warpgroup semantics, infers layouts instead)."""
     body.__name__ = name  # the kernel's name in profiles
+    params = plgpu.CompilerParams(
+        lowering_semantics=plgpu.LoweringSemantics.Lane,
+        reduction_scratch_bytes=scratch_bytes,
+        approx_math=approx_math,
+    )
     call = plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=scratch,
         grid=tuple(grid.values()),
         grid_names=tuple(grid),
-        compiler_params=mosaic_compiler_params(scratch_bytes, approx_math),
+        compiler_params=params,
         interpret=interpret,
     )
-    with tracing_for(interpret):
+    token = _LAYOUTS.set(interpret is None)  # trace for the compiler, or for jax's interpreter
+    try:
         return call(*args)
+    finally:
+        _LAYOUTS.reset(token)
 
 
 def pick_vec(width: int, itemsize: int) -> int:
@@ -289,12 +290,6 @@ def pipelined_blocks(
     return carry
 
 
-def program_blocks(n_blocks: int, programs: int) -> tuple[int, int]:
-    """(programs, blocks per program): contiguous runs of blocks, the last run possibly shorter."""
-    steps = pl.cdiv(n_blocks, max(1, programs))
-    return pl.cdiv(n_blocks, steps), steps
-
-
 def my_blocks(steps: int, n_blocks: int) -> tuple[jax.Array, jax.Array]:
     """(first block, block count) of this program (grid axis "p")."""
     first = jax.lax.axis_index("p").astype(jnp.int32) * steps
@@ -347,21 +342,29 @@ class BlockPlan(NamedTuple):
         jax.lax.fori_loop(jnp.int32(0), n_groups, step, None)
 
 
-def plan(
-    n_rows: int,
-    width: int,
-    block_rows: int,
-    group_rows: int,
-    chunk: int,
-    programs_per_sm: int,
-    itemsize: int,
-    stages: int = 2,
-) -> tuple[BlockPlan, int, int]:
+def plan(cfg: Any, n_rows: int, width: int, itemsize: int) -> tuple[BlockPlan, int, int]:
     """(plan, programs, blocks) of a row kernel over (N, width) operands of up to `itemsize`
-    bytes per element."""
-    from .triton_backend import core_count
+    bytes per element; cfg has block_rows, rows, chunk, programs_per_sm and stages."""
+    n_blocks = pl.cdiv(n_rows, cfg.block_rows)
+    # contiguous runs of `steps` blocks, the last run possibly shorter
+    steps = pl.cdiv(n_blocks, max(1, cfg.programs_per_sm * core_count()))
+    programs = pl.cdiv(n_blocks, steps)
+    tiles = Tiles(cfg.rows, cfg.chunk, width // cfg.chunk, pick_vec(cfg.chunk, itemsize))
+    return BlockPlan(cfg.block_rows, cfg.rows, cfg.stages, n_rows, tiles, steps), programs, n_blocks
 
-    n_blocks = pl.cdiv(n_rows, block_rows)
-    programs, steps = program_blocks(n_blocks, programs_per_sm * core_count())
-    tiles = Tiles(group_rows, chunk, width // chunk, pick_vec(chunk, itemsize))
-    return BlockPlan(block_rows, group_rows, stages, n_rows, tiles, steps), programs, n_blocks
+
+def tiling_ok(cfg: Any, n_rows: int, width: int) -> bool:
+    """The tiling rules of `plan`'s row kernels: `rows`-row groups (a power of two) tile a block,
+    column chunks of whole warpgroup tiles divide the row, and a group of several rows holds
+    whole rows (so that its tile is contiguous)."""
+    return (
+        cfg.rows >= 1
+        and cfg.rows & (cfg.rows - 1) == 0
+        and cfg.block_rows % cfg.rows == 0
+        and 1 <= cfg.block_rows <= n_rows
+        and cfg.chunk % LANES == 0
+        and width % cfg.chunk == 0
+        and (cfg.chunk == width or cfg.rows == 1)
+        and cfg.stages in (1, 2)
+        and cfg.programs_per_sm >= 1
+    )

@@ -95,7 +95,7 @@ def test_fused_loss_matches_xla_loss(monkeypatch, arch, dtype, tol):
     for a tied (gpt2) and an untied (transformer_lm) head. The Triton kernel on any machine (a
     Hopper GPU would plan the Mosaic one for bf16: test_pallas_cross_entropy compares the two);
     float32 GEMMs at full precision (a GPU's default TF32 differs by ~3e-5 here)."""
-    import pallas_kernels.triton_backend as tb
+    import pallas_kernels.common as tb
 
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: False)
     with jax.default_matmul_precision("highest"):

@@ -29,7 +29,7 @@ def test_default_plan_is_all_xla():
 
 @pytest.mark.parametrize("hopper", [False, True])
 def test_gpt2_benchmark_preset_on_gpu(monkeypatch, hopper):
-    import pallas_kernels.triton_backend as tb
+    import pallas_kernels.common as tb
 
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: hopper)  # whatever this machine is
     plan = plan_ops(*preset(), backend="gpu")
@@ -75,7 +75,7 @@ def test_cudnn_attention_with_dropout_is_refused():
 def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch):
     """The plan picks the Mosaic GPU cross-entropy kernel on a Hopper-class GPU
     for bfloat16 logits whose rows fit its shared memory; the plan names the path it took."""
-    import pallas_kernels.triton_backend as tb
+    import pallas_kernels.common as tb
 
     cfg, ex = preset()
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: False)  # another GPU: Triton
@@ -139,7 +139,7 @@ def test_model_loss_reaches_the_mosaic_kernel_when_planned(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    import pallas_kernels.triton_backend as tb
+    import pallas_kernels.common as tb
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)

@@ -1,4 +1,4 @@
-"""The Pallas lowering choice (pallas_kernels/triton_backend.py) and the Mosaic GPU kernels on CPU.
+"""The Pallas lowering choice (pallas_kernels/common.py) and the Mosaic GPU kernels on CPU.
 
 A CPU cannot compile Mosaic GPU kernels, but it can (1) check the `backend` argument, (2) lower
 the public functions with backend="mosaic_gpu" to the Mosaic GPU MLIR the GPU compiler would get
@@ -32,9 +32,9 @@ from pallas_kernels import attention_softmax_mgpu as softmax_mgpu
 from pallas_kernels import cross_entropy_mgpu as ce_mgpu
 from pallas_kernels import depthwise_conv1d_mgpu as conv_mgpu
 from pallas_kernels import layer_norm_mgpu as ln_mgpu
-from pallas_kernels.attention_softmax import Layout
+from pallas_kernels.attention_softmax_common import Layout
+from pallas_kernels.common import BACKENDS, check_backend
 from pallas_kernels.cross_entropy import Config as CEConfig
-from pallas_kernels.triton_backend import BACKENDS, check_backend
 
 try:  # jax's Mosaic GPU interpreter: private, so its absence skips rather than fails
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -95,7 +95,7 @@ def test_check_backend_accepts_the_two():
 
 def test_triton_refuses_a_mosaic_config():
     cfg = ln_mgpu.Config(block_rows=4, rows=4, chunk=256, programs_per_sm=1)
-    with pytest.raises(ValueError, match="layer_norm.Config"):
+    with pytest.raises(ValueError, match="takes a layer_norm_triton.Config"):
         layer_norm(*_ln_args(), config=cfg)
 
 
@@ -276,7 +276,7 @@ def test_mosaic_cross_entropy_refusals(pretend_gpu):
         linear_cross_entropy(x, w, t, wt, jnp.float32, backend="mosaic_gpu")
     with pytest.raises(ValueError, match="takes a cross_entropy_mgpu.Config"):
         linear_cross_entropy(x, w, t, wt, backend="mosaic_gpu", config=CEConfig(1, 512, 4, 8))
-    with pytest.raises(ValueError, match="takes a cross_entropy.Config"):
+    with pytest.raises(ValueError, match="takes a cross_entropy_triton.Config"):
         linear_cross_entropy(x, w, t, wt, config=ce_mgpu.Config(1024))
     z = jnp.zeros((8, 2000), jnp.bfloat16)  # not padded to a multiple of 1024
     with pytest.raises(ValueError, match="multiples of 1024"):

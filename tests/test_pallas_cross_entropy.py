@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import linear_cross_entropy, linear_cross_entropy_ref
+from pallas_kernels.common import mosaic_gpu_capable
 from pallas_kernels.cross_entropy import LOGITS_CHUNK_BYTES, OUT_OF_RANGE_CE, Config, chunk_rows
-from pallas_kernels.triton_backend import mosaic_gpu_capable
 
 
 @pytest.fixture(autouse=True)

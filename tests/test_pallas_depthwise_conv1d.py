@@ -8,6 +8,8 @@ Tolerances against float64 on the same (rounded) inputs, outputs of order 1:
   bfloat16 out, du: atol 1e-2 + rtol 8e-3 (~1 ulp); dw, db: 1e-2 of max |ref|
 """
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,13 +17,14 @@ import pytest
 from jax.test_util import check_grads
 
 from pallas_kernels import depthwise_conv1d, depthwise_conv1d_ref
-from pallas_kernels.depthwise_conv1d import _TUNED, Config, default_config
-from pallas_kernels.triton_backend import core_count
+from pallas_kernels.common import TUNING_DIR, core_count, tuning_table
+from pallas_kernels.depthwise_conv1d import Config, default_config
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 TOL = {F32: (1e-5, 1e-5, 1e-5), F16: (1e-2, 0.0, 2e-3), BF16: (1e-2, 8e-3, 1e-2)}  # atol, rtol, rel
 # Ragged on purpose: 40 channels = 2.5 blocks of 16; 19 rows walked 4 per step in 2 strips.
 SMALL = Config(block_t=4, block_d=16, num_warps=1, bwd_programs=12, fwd_programs=12)
+TUNED = tuning_table("depthwise_conv1d")  # (direction, dtype, L, D) -> measured tiling
 
 
 def make(shape, k_size, dtype, seed=0):
@@ -160,9 +163,13 @@ def test_default_config_course_shapes(shape, dtype):
 
 
 def test_tuned_table():
-    """Each `_TUNED` entry is a valid tiling of a course shape, returned for B * L ~ L."""
-    assert _TUNED
-    for (direction, dtype, n_l, n_d), tiling in _TUNED.items():
+    """Each measured entry is a valid tiling of a course shape, returned for B * L ~ L, and names
+    the run (date and command) that picked it."""
+    data = json.loads((TUNING_DIR / "depthwise_conv1d_h100.json").read_text())
+    assert all(src["date"] and src["commands"] for src in data["sources"])
+    assert {e["source"] for e in data["entries"]} <= set(range(len(data["sources"])))
+    assert TUNED
+    for (direction, dtype, n_l, n_d), tiling in TUNED.items():
         assert direction in ("fwd", "bwd") and (1, n_l, n_d) in COURSE_SHAPES
         backward = direction == "bwd"
         programs = tiling[3] * core_count()
@@ -181,7 +188,7 @@ def test_default_config_off_the_table_is_the_heuristic():
 
 
 # One tuned tiling per (block_t, num_stages): the fields that change the kernel's loop structure.
-TUNED_SAMPLE = list({(t[0], t[4]): t for t in sorted(set(_TUNED.values()))}.values())
+TUNED_SAMPLE = list({(t[0], t[4]): t for t in sorted(set(TUNED.values()))}.values())
 
 
 @pytest.mark.parametrize("tiling", TUNED_SAMPLE, ids=str)

@@ -1,24 +1,19 @@
-"""The one place that picks how our Pallas kernels are lowered on GPU: Triton or Mosaic GPU.
+"""What every kernel module shares: the lowering choice (Triton or Mosaic GPU), the first-order
+rule of the custom VJPs, Triton compiler parameters, grid sizing and the measured tuning tables.
 
-Every public kernel function takes `backend: str = "triton"`; `check_backend` validates it here, so
-the choice and its rules live in one module:
+Every public kernel function takes `backend: str = "triton"`; `check_backend` validates it:
 
-* "triton" (the default): Pallas' Triton lowering. The kernels are row reductions and stencils over
-  2-D tiles whose shapes need not be multiples of a warpgroup tile (hidden sizes like 768, odd key
-  lengths, ragged tails): Triton takes masked gathers over power-of-two tiles, does the
-  cross-thread reductions itself and runs on any sm_80+ card; benchmarks/RESULTS.md (section
-  "Pallas kernels") has its H100 numbers against the measured copy bandwidth.
-* "mosaic_gpu": Pallas' Mosaic GPU lowering (`jax.experimental.pallas.mosaic_gpu`, Hopper+), in
-  the `*_mgpu.py` modules: TMA copies of whole row blocks into shared memory, explicit register
-  layouts. They assume aligned shapes (each says which, and refuses others with a ValueError) and
-  compile only on a GPU: no interpret mode, and no silent fallback to Triton.
-  benchmarks/mosaic_gpu_check.py measures both side by side; the default changes only where
-  Mosaic GPU measures at least as fast. So far that is the fused cross-entropy's training pass:
-  its Mosaic kernel keeps each row of logits in shared memory between its two sweeps, 1.58x the
-  Triton kernel at GPT-2's batch 64 on the H100 (benchmarks/RESULTS.md); `mosaic_loss_refusal`
-  says where it cannot run, and jaxllm.ops asks it. A forward without gradient stays on the
-  Triton kernel, which reads each row once and writes nothing (`linear_cross_entropy` says so).
-  The norm, softmax and conv kernels stay on Triton, which measured faster.
+* "triton" (the default): Pallas' Triton lowering (`<op>_triton.py`). The kernels are row
+  reductions and stencils over 2-D tiles whose shapes need not be multiples of a warpgroup tile
+  (hidden sizes like 768, odd key lengths, ragged tails): Triton takes masked gathers over
+  power-of-two tiles, does the cross-thread reductions itself and runs on any sm_80+ card.
+* "mosaic_gpu": Pallas' Mosaic GPU lowering (`<op>_mgpu.py`, Hopper+): TMA copies of whole row
+  blocks into shared memory, explicit register layouts. They assume aligned shapes (each says
+  which, and refuses others with a ValueError) and compile only on a GPU: no interpret mode, and
+  no silent fallback to Triton. benchmarks/mosaic_gpu_check.py measures both side by side. The
+  fused cross-entropy's training pass is faster there (it keeps each row of logits in shared
+  memory between its two sweeps); `cross_entropy.mosaic_loss_refusal` says where it cannot run.
+  The norm, softmax and conv kernels are faster on Triton.
 
 jax 0.11 deprecates the Triton lowering and warns at every lowering (`DeprecationWarning: The
 Pallas Triton backend is deprecated and will be removed in a future JAX version.`). We silence
@@ -28,16 +23,29 @@ caller's jit, where no narrower filter can reach it.
 
 from __future__ import annotations
 
+import functools
+import json
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
 _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 
 BACKENDS = ("triton", "mosaic_gpu")
+# finite: exp(MASK_VALUE - m) underflows to 0 without inf - inf = NaN. The same value as
+# jaxllm.functional.MASK_VALUE (tests/test_layout.py checks; this package may not import jaxllm).
+MASK_VALUE = -1e30
+# The GPU the tuning tables and block-size sweeps come from (H100 SXM, 132 SMs). Interpret mode
+# (CPU) and GPUs without tables of their own use its tables and SM count, so a CPU test runs the
+# same grid as the H100.
+REFERENCE_GPU = "h100"
+REFERENCE_CORE_COUNT = 132
+TUNING_DIR = Path(__file__).parent / "tuning"
 
 
 def first_order_only(kernel: str, fn: Callable, *arrays: Any) -> Any:
@@ -104,25 +112,17 @@ def mosaic_gpu_capable() -> bool:
     return int(float(capability)) in (9, 10)
 
 
-def mosaic_loss_refusal(n_vocab: int, compute_dtype) -> str | None:
-    """Why the fused loss's Mosaic GPU kernel cannot run here, as "needs ..." would end (None:
-    it can): a Hopper-class GPU, bfloat16 logits, padded rows that fit two per SM."""
-    from . import cross_entropy_mgpu
-
-    if not mosaic_gpu_capable():
-        found = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "none"
-        return f"a GPU of compute capability 9.x or 10.x (Hopper-class; found: {found})"
-    if (dtype := jax.numpy.dtype(compute_dtype)) != jax.numpy.bfloat16:
-        return f"bfloat16 logits (got {dtype})"
-    if not cross_entropy_mgpu.fits(n_vocab):
-        limit = cross_entropy_mgpu.MAX_COLS_TWO_PER_SM
-        return f"a vocabulary of at most {limit} (two padded rows per SM; got {n_vocab})"
-    return None
-
-
-def check_triton_config(config: Any, powers_of_two: tuple[str, ...]) -> None:
-    """A Triton kernel's Config: every int field >= 1, and the fields that size a block (Triton
+def check_config(config: Any, backend: str, config_type: type, powers_of_two=()) -> None:
+    """A public `config` argument: None or the chosen lowering's `config_type`. A Triton Config
+    has every int field >= 1 and its `powers_of_two` fields (the fields that size a block: Triton
     tiles are powers of two) powers of two; a ValueError naming the field otherwise."""
+    if config is None:
+        return
+    if not isinstance(config, config_type):
+        name = f"{config_type.__module__.rpartition('.')[2]}.{config_type.__name__}"
+        raise ValueError(f"backend={backend!r} takes a {name}, got {config}")
+    if backend != "triton":
+        return  # the Mosaic GPU modules check their configs against the shapes
     for name, value in config._asdict().items():
         if isinstance(value, int) and value < 1:
             raise ValueError(f"config.{name} must be >= 1 (positive), got {value} ({config})")
@@ -137,15 +137,24 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return bool(interpret)
 
 
-# H100 SXM's SM count: the block-size sweeps in benchmarks/RESULTS.md ran there. Interpret mode
-# (CPU) has no SMs; it uses this so a CPU test runs the same grid as the H100.
-REFERENCE_CORE_COUNT = 132
-
-
 def core_count() -> int:
     """Streaming multiprocessors of the default device (GPU), for sizing persistent grids."""
     device = jax.devices()[0]
     return int(getattr(device, "core_count", 0) or REFERENCE_CORE_COUNT)
+
+
+@functools.cache
+def tuning_table(kernel: str) -> dict[tuple, tuple]:
+    """Measured tilings of `kernel`, key -> tiling, from tuning/<kernel>_<gpu>.json for the
+    default device's GPU model (REFERENCE_GPU's file where it has none). Each file records the
+    commands and dates that produced its entries."""
+    kind = jax.devices()[0].device_kind.lower()
+    path = TUNING_DIR / f"{kernel}_{REFERENCE_GPU}.json"
+    for candidate in sorted(TUNING_DIR.glob(f"{kernel}_*.json")):
+        if candidate.stem.removeprefix(f"{kernel}_") in kind:
+            path = candidate
+    entries = json.loads(path.read_text())["entries"]
+    return {tuple(e["key"]): tuple(e["tiling"]) for e in entries}
 
 
 def compiler_params(num_warps: int, num_stages: int = 1) -> pltriton.CompilerParams:
@@ -158,19 +167,14 @@ def compiler_params(num_warps: int, num_stages: int = 1) -> pltriton.CompilerPar
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def mosaic_compiler_params(reduction_scratch_bytes: int = 2048, approx_math: bool = False):
-    """Mosaic GPU compiler parameters shared by the `*_mgpu.py` kernels.
+def i32(x) -> jax.Array:
+    """x as an int32 index. Under jax_enable_x64 Python ints and loop counters are int64 while
+    program ids are int32, and interpret mode rejects slice starts of mixed integer types; int32
+    is also what the GPU's index arithmetic wants."""
+    return jax.lax.convert_element_type(x, jnp.int32)
 
-    Lane lowering semantics: the kernels state every register layout themselves (jax 0.11 turned
-    on the Warpgroup semantics with automatic layout inference by default; pinning Lane keeps the
-    layouts the kernels were written and checked for). `reduction_scratch_bytes`: shared memory
-    for cross-warp row reductions (more lets one reduction exchange more rows at once).
-    `approx_math`: the approximate exp/log/divide instructions (the cross-entropy kernel).
-    """
-    from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import, kept lazy
 
-    return plgpu.CompilerParams(
-        lowering_semantics=plgpu.LoweringSemantics.Lane,
-        reduction_scratch_bytes=reduction_scratch_bytes,
-        approx_math=approx_math,
-    )
+def safe_max(m: jax.Array) -> jax.Array:
+    """A row max to shift exponentials by: 0 for a fully masked row, so exp(-inf - m) stays 0
+    (no NaN)."""
+    return jnp.where(m == -jnp.inf, 0.0, m)
