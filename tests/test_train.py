@@ -96,7 +96,7 @@ def test_each_step_draws_its_own_dropout_masks(tmp_path):
     """train_step folds the step into the run's key: the same parameters, batch and key give
     another loss at another step (other masks) and the same loss at the same step."""
     cfg = _tiny_cfg(tmp_path)
-    model = build_model(dataclasses.replace(cfg.model, dropout=0.5))
+    model = build_model(cfg.model, dataclasses.replace(cfg.execution, dropout=0.5))
     batch = {"inputs": jnp.ones((4, 17), jnp.int32), "targets": jnp.full((4, 17), 20, jnp.int32)}
     state = create_state(
         model, make_optimizer(cfg.optim, 10), jax.random.PRNGKey(0), batch["inputs"]
@@ -131,7 +131,7 @@ def test_a_run_names_its_loss_chunks(tmp_path, capsys):
     cfg = _tiny_cfg(tmp_path)
     cfg = dataclasses.replace(
         cfg,
-        model=dataclasses.replace(cfg.model, loss_impl="pallas", loss_chunk_mib=1),
+        execution=dataclasses.replace(cfg.execution, loss_impl="pallas", loss_chunk_mib=1),
         train=dataclasses.replace(cfg.train, batch_size=128, steps=2, eval_every=100),
         optim=dataclasses.replace(cfg.optim, warmup_steps=1),
     )

@@ -59,7 +59,7 @@ LayerFn = Callable[..., Carry]  # layer_fn(layer_params, carry[, key]) -> carry
 @dataclasses.dataclass(frozen=True)
 class BlockRunner:
     """Runs a scanned model's block stack in place of its own `nn.scan` (`Decoder.loss(...,
-    blocks=runner)`): `run(layer_fn, stacked_params, carry, rng) -> carry`, where
+    blocks=runner)`): `run(layer_fn, stacked_params, carry, rng=key) -> carry`, where
     `layer_fn(layer_params, carry[, key])` applies one layer (remat and all) to one slice of
     params["blocks"]. With dropout, `rng` is a key of the blocks' own and `run` passes each
     layer (and microbatch) a key of its own (e.g. `fold_in(rng, layer)`); else rng is None.
@@ -67,7 +67,7 @@ class BlockRunner:
     pipeline stages. `per_device`: `run` calls layer_fn inside its own shard_map, on per-device
     arrays, so the layers' Pallas calls run as they are (no KernelShard)."""
 
-    run: Callable[[LayerFn, Any, Carry, jax.Array | None], Carry]
+    run: Callable[..., Carry]
     per_device: bool = False
 
 
@@ -184,7 +184,7 @@ class Decoder(nn.Module):
 
         dropout = not deterministic and self.execution.dropout > 0 and self.has_rng("dropout")
         rng = self.make_rng("dropout") if dropout else None
-        return runner.run(layer_fn, self.variables["params"]["blocks"], carry, rng)
+        return runner.run(layer_fn, self.variables["params"]["blocks"], carry, rng=rng)
 
     def head_matrix(self) -> jax.Array:
         """The LM head as (V, D): the token table when tied."""
