@@ -4,34 +4,33 @@ Same architecture as `jaxllm.models`, module for module, parameter for parameter
   gpt2            learned positions, pre-LayerNorm blocks, fused q/k/v, tanh GELU MLP, tied head
   transformer_lm  RoPE on adjacent pairs (CS336's layout), RMSNorm pre-norm, SwiGLU, no biases,
                   untied head
-Attention is `F.scaled_dot_product_attention(is_causal=True)` (flash / memory-efficient kernels
-where they apply), the loss a float32 cross-entropy over the logits. `compute_dtype` bfloat16
-runs under `torch.autocast` with float32 parameters, as ours keeps float32 parameters and casts
-the matmul operands; float32 allows TF32 matmuls, as XLA does by default on the GPU.
-`residual_dtype` bfloat16 casts the embeddings to bf16, so that every residual add (bf16 stream
-+ bf16 branch under autocast) stays bf16 as in ours; the norms still compute in float32. The train
+Attention is `F.scaled_dot_product_attention(is_causal=True)`, the loss a float32 cross-entropy.
+`compute_dtype` bfloat16 runs under `torch.autocast` with float32 parameters, as ours keeps
+float32 parameters and casts the matmul operands; float32 allows TF32 matmuls, as XLA does on
+the GPU. `residual_dtype` bfloat16 keeps the residual stream in bf16 as ours does. The train
 step is fused AdamW (weight decay on >= 2-D parameters) after global-norm clipping at 1.0, as
-`jaxllm.train.optim` does. `load_flax_params` copies our parameters in, so a test can check
-that both compute the same function.
+`jaxllm.train.optim`. `load_flax_params` copies our parameters in, so a test can check that
+both compute the same function.
 
-torch is imported only when a function here runs: jaxllm does not depend on it (the GPU image
-has it). The issue's PyTorch reference (nanoGPT's GPT-2 small, bf16, batch 16; formerly
-benchmarks/torch_gpt2.py) is `python profile.py bench --sizes small --contexts 1024 --batch 16
---vocab 50257 --dtypes bfloat16 --modes train_step --torch`.
+torch is an optional dependency (the GPU image has it): it is imported inside the functions
+that need it, so that importing this module (and `profile.py bench` without --torch) works
+without it.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxllm.config import ModelConfig
+from jaxllm.models import unstack_blocks
+from jaxllm.profiling.harness import is_oom, time_calls
 
 
 class TorchUnavailableError(RuntimeError):
@@ -55,9 +54,9 @@ def require_torch(cuda: bool = True) -> Any:
 
 
 @functools.cache
-def _modules() -> SimpleNamespace:
-    """The nn.Module classes, defined on first use so that importing this file needs no torch.
-    Attribute names follow the Flax parameter names (h{i} -> blocks.{i}, kernel -> weight)."""
+def _blocks() -> SimpleNamespace:
+    """The block's nn.Module classes, defined on first use (torch is optional). Attribute names
+    follow the Flax parameter names (kernel -> weight)."""
     torch = require_torch(cuda=False)
     nn, F = torch.nn, torch.nn.functional
 
@@ -129,6 +128,16 @@ def _modules() -> SimpleNamespace:
         def forward(self, x: torch.Tensor, cos: Any, sin: Any) -> torch.Tensor:
             x = x + self.attn(self.ln1(x), cos, sin)
             return x + self.mlp(self.ln2(x))
+
+    return SimpleNamespace(Block=Block, norm=norm)
+
+
+@functools.cache
+def _modules() -> SimpleNamespace:
+    """The model's nn.Module class (h{i} -> blocks.{i}, embed -> wte, lm_head -> head)."""
+    torch = require_torch(cuda=False)
+    nn, F = torch.nn, torch.nn.functional
+    Block, norm = _blocks().Block, _blocks().norm
 
     class LM(nn.Module):
         def __init__(self, cfg: ModelConfig) -> None:
@@ -210,10 +219,6 @@ def load_flax_params(model: Any, params: Any) -> None:
     (in, out), torch (out, in)), scale and embedding -> weight. A model.scan_layers tree
     (blocks/block, stacked) is unstacked first."""
     torch = require_torch(cuda=False)
-    import jax
-
-    from jaxllm.models import unstack_blocks
-
     if "blocks" in params:
         params = unstack_blocks(params)
 
@@ -231,25 +236,6 @@ def load_flax_params(model: Any, params: Any) -> None:
     model.load_state_dict(state, strict=True)
 
 
-def _time(
-    fn: Callable[[], Any], warmup: int, steps: int, sync: Callable[[], None], group: int = 1
-) -> list[float]:
-    """`steps` samples of seconds per call after `warmup` untimed calls: each sample runs `group`
-    calls back to back and is closed by sync() (group 1: every call synced; more: launches
-    overlap device work, as in a training loop)."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    samples = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        for _ in range(group):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - t0) / group)
-    return samples
-
-
 def time_modes(
     cfg: ModelConfig,
     inputs: np.ndarray,
@@ -258,13 +244,12 @@ def time_modes(
     *,
     compile_mode: str | None,
     warmup: int,
-    steps: int,
+    samples: int,
     device: str = "cuda",
     group: int = 1,
 ) -> dict[str, list[float] | None]:
-    """Per-call seconds (`steps` samples of `group` back-to-back calls each, see `_time`) of
-    each mode (logits, forward, forward_backward, train_step; as in jaxllm.profiling.bench) of
-    the PyTorch model of `cfg`, eager (compile_mode None) or torch.compile'd (`compile_model`'s
+    """Per-call seconds (`samples` samples of `group` back-to-back calls each, as
+    harness.time_calls) of each mode (as in jaxllm.profiling.bench) of the PyTorch model of `cfg`, eager (compile_mode None) or torch.compile'd (`compile_model`'s
     "regional" or "model"), on inputs, targets (B, T) ints; None for a mode that ran out of
     memory. The first warm-up calls compile."""
     torch = require_torch(cuda=device == "cuda")
@@ -275,7 +260,7 @@ def time_modes(
         torch._dynamo.reset()  # no graphs or recompile budget left over from another config
     try:
         return _time_model(
-            torch, cfg, inputs, targets, modes, compile_mode, warmup, steps, device, group
+            torch, cfg, inputs, targets, modes, compile_mode, warmup, samples, device, group
         )
     finally:  # the model, its gradients and AdamW state are gone: hand their memory back
         gc.collect()
@@ -291,14 +276,16 @@ def _time_model(
     modes: Sequence[str],
     compile_mode: str | None,
     warmup: int,
-    steps: int,
+    samples: int,
     device: str,
     group: int,
 ) -> dict[str, list[float] | None]:
-    from jaxllm.profiling.bench import is_oom
-
     cuda = device == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def sync(_: Any) -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     bf16 = cfg.compute_dtype == "bfloat16"
     out: dict[str, list[float] | None] = {m: None for m in modes}
     try:
@@ -346,7 +333,8 @@ def _time_model(
              "forward_backward": forward_backward, "train_step": train_step}  # fmt: skip
     for mode in modes:
         try:
-            out[mode] = _time(calls[mode], warmup, steps, sync, group)
+            timing = time_calls(calls[mode], warmup=warmup, group=group, samples=samples, sync=sync)
+            out[mode] = list(timing.samples)
         except Exception as e:
             if not is_oom(e):
                 raise

@@ -1,26 +1,19 @@
 """Traces of train steps: jax.profiler (TensorBoard / Perfetto) and NVTX ranges for Nsight Systems.
 
 `python profile.py trace --out DIR` (trace_train_steps): a few train steps after warm-up,
-recorded with jax.profiler into DIR/trace (open with `tensorboard --logdir DIR/trace`, or load
+recorded with jax.profiler into DIR/trace (`tensorboard --logdir DIR/trace`, or
 DIR/trace/plugins/profile/*/perfetto_trace.json.gz in ui.perfetto.dev), the optimized HLO in
-DIR/step.hlo.txt, and a table of the kernels that take the most device time per step, each
-with its named scope (jaxllm.models.decoder lists them: block_3/attn/qkv, loss, optimizer ...).
-A scope comes from the HLO instruction behind each launch: the `hlo_op` argument XLA annotates
-GPU kernel launches (and XLA:CPU ops) with, else the kernel name read against the HLO
-(HloKernels: fusions and Triton/Pallas kernels are named after their instructions, cuBLAS and
-cuDNN kernels only after their library) and the launch order (align_launches). A line above the
-table says which path resolved how many launches and which event arguments the trace had.
-`python -m jaxllm.profiling.trace --hlo OUT/step.hlo.txt --kernels-md TABLE.md` redoes the
-kernel table's scopes from the HLO alone (kernels_table_from_hlo): the H100 run of 2026-11-23
-printed "(no scope)" for every kernel (its kernel events carried no `hlo_op` that named an
-instruction of the HLO; that trace's event arguments were not kept).
+DIR/step.hlo.txt, and a table of the kernels that take the most device time per step, each with
+its named scope (jaxllm.models.decoder names them: block_3/attn/qkv, loss, optimizer ...). A
+launch's scope comes from the HLO instruction behind it: the `hlo_op` argument XLA annotates
+launches with, else the kernel name read against the HLO (HloKernels: fusions and Triton/Pallas
+kernels are named after their instructions, cuBLAS and cuDNN kernels only after their library)
+and the launch order (align_launches).
 
-`--nvtx` (phase_steps) is the mode to run under Nsight Systems: no jax.profiler trace (nsys
-and jax.profiler would both attach CUPTI); instead the step runs as three separately jitted
-programs, forward (the loss), backward (its gradient) and optimizer (clipping + AdamW), each
-inside an NVTX range of its name and synced before the range closes, all inside a `steps`
-range, after a `warmup` range. `python profile.py nsys` runs it under `nsys profile --trace=
-cuda,nvtx` and prints `nsys stats` per phase.
+`--nvtx` (phase_steps) is the mode to run under Nsight Systems: no jax.profiler trace (both
+would attach CUPTI); the step runs as three jitted programs, forward, backward and optimizer,
+each in an NVTX range of its name, synced before the range closes. `python profile.py nsys`
+runs it under `nsys profile --trace=cuda,nvtx` and prints `nsys stats` per phase.
 
 `StepRangeTrace` is the training loop's `train.trace_steps` option.
 """
@@ -286,33 +279,6 @@ class HloKernels:
         ):  # every call of the family: it says no scope
             return f"(one of {len(instructions)} {_FAMILY_NAMES[fam]} calls)"
         return f"one of {len(instructions)}: {label}"
-
-    def scope_of_kernel(self, kernel: str) -> tuple[str, str]:
-        """(scope, how) for a kernel name alone, no trace: what the HLO says. `how` names the
-        path: 'fusion name', 'Triton kernel name', 'cuDNN fprop family', ... with the number
-        of HLO instructions behind the name."""
-        calls, how = self.candidates(kernel)
-        if not calls:
-            return "(no scope)", "not in the HLO"
-        n = f"{len(calls)} call{'s' if len(calls) > 1 else ''}"
-        if how == "kernel name":
-            kind = "Triton kernel name" if self.family.get(calls[0]) == "triton" else "fusion name"
-            what = f"{kind}, {n}" + (" (deduplicated kernel)" if len(calls) > 1 else "")
-        else:
-            what = f"{_FAMILY_NAMES[self.family[calls[0]]]} family, {n}"
-            if kernel.startswith("nvjet") and calls[0] in self.bias:
-                epilogue = "bias" if self.bias[calls[0]] else "no-bias"
-                what = f"{_FAMILY_NAMES['cublas']} family, {epilogue} epilogue, {n}"
-        return self.scope(calls, one_of=how != "kernel name"), what
-
-
-def scopes_from_hlo(hlo_text: str, kernels: Iterable[str] | None = None) -> dict[str, str]:
-    """{GPU kernel name: scope} from optimized HLO text alone (HloKernels): for `kernels`, or
-    for every kernel name the HLO itself determines (fusions, Triton calls)."""
-    hk = HloKernels(hlo_text)
-    names = list(hk.groups) if kernels is None else list(kernels)
-    return {k: hk.scope_of_kernel(k)[0] for k in names}
-
 
 def align_launches(
     kernels: Sequence[str], hk: HloKernels, known: Sequence[str | None] | None = None
@@ -810,45 +776,3 @@ class StepRangeTrace:
             f"trace: wrote steps {self._first}{upto} to {latest_profile_dir(self.log_dir)}",
             self._last if last is None else last,
         )
-
-
-# ----------------------------------------------------------------------------- offline
-
-
-_MD_ROW = re.compile(r"^\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|\s*`([^`]+)`")
-
-
-def kernels_table_from_hlo(hlo_text: str, kernels_md: str) -> str:
-    """The kernel table `profile.py trace` printed (Markdown), with each kernel's scope as the
-    optimized HLO alone gives it (HloKernels.scope_of_kernel): post-processing for a trace
-    whose events carried no usable `hlo_op`."""
-    hk = HloKernels(hlo_text)
-    lines = [
-        "| ms/step | calls/step | kernel | scope (from the HLO) | how |",
-        "|---:|---:|---|---|---|",
-    ]
-    for line in kernels_md.splitlines():
-        if m := _MD_ROW.match(line):
-            ms, _, n, kernel = m.groups()
-            scope, how = hk.scope_of_kernel(kernel)
-            lines.append(f"| {ms} | {n} | `{kernel}` | {scope} | {how} |")
-    return "\n".join(lines)
-
-
-def _main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(
-        prog="python -m jaxllm.profiling.trace",
-        description="Scopes of the kernels in a `profile.py trace` table, from the run's "
-        "optimized HLO alone (fusion and Triton kernels by name, cuBLAS / cuDNN by family).",
-    )
-    p.add_argument("--hlo", required=True, help="the run's OUT/step.hlo.txt")
-    p.add_argument("--kernels-md", required=True, help="a file holding the printed table")
-    args = p.parse_args(argv)
-    print(kernels_table_from_hlo(Path(args.hlo).read_text(), Path(args.kernels_md).read_text()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())
