@@ -123,6 +123,8 @@ def _roofline(args: argparse.Namespace, overrides: list[str]) -> None:
     from jaxllm.config import load_config
     from jaxllm.profiling import roofline
 
+    if args.conv and len(args.conv) != 4:
+        raise ValueError(f"--conv takes B,L,D,K, got {','.join(map(str, args.conv))}")
     base = [] if args.config else ["--train.batch_size=4"]
     cfg = load_config(args.config, base + overrides)
     print(roofline.report(
@@ -163,7 +165,7 @@ def _breakdown(args: argparse.Namespace, overrides: list[str]) -> None:
 
     size = args.size or ("small" if gpu else "tiny")
     if not (args.size or gpu):
-        _no_gpu("one layer of size tiny", "--size small")
+        _no_gpu("timing a layer of size tiny", "--size small")
     cfg = size_config(size, overrides)
     context = args.context or min(1024, cfg.model.context_length)
     breakdown.run(cfg.model, size, cfg.train.batch_size, context, warmup=args.warmup,
@@ -217,7 +219,7 @@ def _memory(args: argparse.Namespace, overrides: list[str]) -> None:
 
     size = args.size or ("large" if gpu else "tiny")
     if not (args.size or gpu):
-        _no_gpu("size tiny", "--size large")
+        _no_gpu("measuring size tiny", "--size large")
     limit = size_config(size, overrides).model.context_length
     memory.run(size, args.contexts or _fitting(CONTEXTS[:3], limit), args.remats, overrides,
                args.out, args.jsonl, args.isolate, args.samples)  # fmt: skip

@@ -69,9 +69,8 @@ from jaxllm import parallel
 from jaxllm.config import Config, ConfigError, load_config
 from jaxllm.models import build_model
 from jaxllm.pipeline import bubble_fraction
-from jaxllm.profiling.bench import is_oom
 from jaxllm.profiling.flops import train_flops_per_token
-from jaxllm.profiling.harness import random_batch, time_calls
+from jaxllm.profiling.harness import is_oom, random_batch, time_calls
 from jaxllm.train.optim import make_optimizer
 from jaxllm.train.state import create_state, train_step
 
@@ -225,7 +224,7 @@ def measure(args: argparse.Namespace, v: Variant, devices: list[jax.Device]) -> 
     """Time variant `v`: step ms (median, spread), tokens/s, MFU, loss, bytes per device."""
     cfg = variant_config(args, v)
     run = Run(cfg, devices, v.label, args.seed)
-    timing = time_calls(run.step, warmup=args.warmup, steps=args.steps, repeats=args.repeats)
+    timing = time_calls(run.step, warmup=args.warmup, group=args.steps, samples=args.repeats)
     loss = float(run.step()["loss"])
     tps = v.global_batch * cfg.model.context_length / timing.median_s
     return {

@@ -38,7 +38,7 @@ def bench(cfg: Config, batch: int, steps: int, repeats: int) -> dict:
         holder["state"], metrics = train_step(holder["state"], data, key)
         return metrics
 
-    timing = time_calls(step, steps=steps, repeats=repeats)
+    timing = time_calls(step, group=steps, samples=repeats)
     tps = batch * cfg.model.context_length / timing.median_s
     return {
         "step_ms": 1e3 * timing.median_s,

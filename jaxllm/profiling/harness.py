@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.training.train_state import TrainState
 
-from jaxllm.config import Config, load_config
+from jaxllm.config import Config, load_config, parse_overrides
 from jaxllm.models import build_model
 from jaxllm.train.optim import make_optimizer
 from jaxllm.train.state import Batch, create_state
@@ -60,11 +60,9 @@ def size_config(size: str, overrides: Sequence[str] = ()) -> Config:
     # vocabulary and context against its task: make that task as small as allowed.
     args = [f"--model.{k}={v}" for k, v in model.items()] + ["--train.batch_size=4",
             "--data.associative_recall.vocab_size=4", "--data.associative_recall.num_pairs=1"]  # fmt: skip
-    cfg = load_config(None, [*args, *overrides])
-    if cfg.model.arch == "transformer_lm":
-        cs336 = ["--model.bias=false", "--model.qkv_bias=false", "--model.tie_embeddings=false"]
-        cfg = load_config(None, [*args, *cs336, *overrides])
-    return cfg
+    if parse_overrides(list(overrides)).get("model.arch") == "transformer_lm":
+        args += ["--model.bias=false", "--model.qkv_bias=false", "--model.tie_embeddings=false"]
+    return load_config(None, [*args, *overrides])
 
 
 def random_batch(cfg: Config, batch_size: int | None = None, seed: int = 0) -> Batch:
