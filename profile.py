@@ -194,8 +194,10 @@ def _trace(args: argparse.Namespace, overrides: list[str]) -> None:
     if args.nvtx:
         print("phases (host ms per step, each synced):",
               ", ".join(f"{p} {ms:.2f}" for p, ms in res.phase_ms.items()))  # fmt: skip
-        print(f"NVTX ranges warmup, steps, {', '.join(trace.PHASES)} via {trace.nvtx_source()} "
-              f"(none: XLA's own ranges still name each program); wrote {res.hlo_path}")  # fmt: skip
+        print(
+            f"NVTX ranges warmup, steps, {', '.join(trace.PHASES)} via {trace.nvtx_source()}"
+            f" (none: XLA's own ranges still name each program); wrote {res.hlo_path}"
+        )
         return
     print(trace.format_summary(res.summary, jax.default_backend()))
     print(f"\nwrote {trace.latest_profile_dir(res.trace_dir)} (*.xplane.pb, *.trace.json.gz, "
@@ -366,7 +368,9 @@ def _one_line(e: Exception, command: str) -> str | None:
         return None
     first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
     hint = " (e.g. --config configs/ar.yaml)" if command in ("trace", "nsys") else ""
-    return f"profile.py {command}: out of memory ({first[:200]}); use a smaller model or batch{hint}"
+    return (
+        f"profile.py {command}: out of memory ({first[:200]}); use a smaller model or batch{hint}"
+    )
 
 
 if __name__ == "__main__":

@@ -304,9 +304,19 @@ def test_forward_flops_match_the_training_flops_per_token():
         (["bench", "--sizes", "tiny", "--contexts", "64,256"], "exceeds size tiny's context 128"),
         (["bench", "--contexts", "0"], "integers >= 1"),
         (["bench", "--group", "0"], "an integer >= 1"),
-        (["bench", "--sizes", "tiny", "--contexts", "16", "--model.compute_dtype=bfloat16",
-          "--model.loss_impl=pallas", "--model.loss_backend=mosaic_gpu"],
-         "loss_backend=mosaic_gpu needs a GPU"),  # fmt: skip
+        (
+            [
+                "bench",
+                "--sizes",
+                "tiny",
+                "--contexts",
+                "16",
+                "--model.compute_dtype=bfloat16",
+                "--model.loss_impl=pallas",
+                "--model.loss_backend=mosaic_gpu",
+            ],
+            "loss_backend=mosaic_gpu needs a GPU",
+        ),  # fmt: skip
         (["breakdown", "--size", "huge"], "invalid choice: 'huge'"),
         (["breakdown", "--model.compute_dtype=float16"], "model.compute_dtype"),
         (["breakdown", "--size", "tiny", "--context", "512"], "exceeds size tiny's context 128"),

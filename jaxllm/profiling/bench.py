@@ -349,7 +349,10 @@ def _child_cells(
         return  # all measured, or it stopped after an OOM: the caller runs the rest
     if child.returncode != 0 and is_oom(child.stderr):
         oom = {m: dict(OOM) for m in sweep.timed_modes}
-        yield cells[done], {"eager": oom, "compile": dict(oom)} if cells[done][2] == TORCH else dict(OOM)
+        yield (
+            cells[done],
+            {"eager": oom, "compile": dict(oom)} if cells[done][2] == TORCH else dict(OOM),
+        )
         return
     raise BenchChildError(f"size {size}: the child measuring {cells[done]} failed (exit "
                           f"{child.returncode}): {child.last_words()}")  # fmt: skip
@@ -451,7 +454,9 @@ def header(torch: bool = False) -> str:
 def _ms(rec: dict[str, Any], impl: str) -> str:
     if rec[f"torch_{impl}_status"] != "ok":
         return rec[f"torch_{impl}_status"]
-    return f"{1e3 * rec[f'torch_{impl}_seconds']:.2f} ± {1e3 * rec[f'torch_{impl}_std_seconds']:.2f}"
+    return (
+        f"{1e3 * rec[f'torch_{impl}_seconds']:.2f} ± {1e3 * rec[f'torch_{impl}_std_seconds']:.2f}"
+    )
 
 
 def format_row(rec: dict[str, Any], torch: bool = False) -> str:
@@ -486,13 +491,14 @@ def run(sweep: Sweep, jsonl_path: str | None = None, progress: bool = True) -> l
     isolated = sweep.isolate == "always" or (sweep.isolate == "auto" and on_gpu)
     device = jax.devices()[0].device_kind
     cfg = sweep.config(sweep.sizes[0], sweep.dtypes[0])
+    torch = f"; PyTorch eager and torch.compile ({sweep.torch_compile})" if sweep.torch else ""
+    isolation = ("a process per size, a new one after an OOM (its cell re-run alone)" if isolated
+                 else "none (an OOM can leave memory behind for the cells after it)")  # fmt: skip
     print(f"bench: batch {cfg.train.batch_size}, vocab {cfg.model.vocab_size}"
           f"{''.join(f', {o}' for o in sweep.overrides)}; {sweep.warmup} warm-up + "
           f"{sweep.samples} timed samples of {sweep.group} call(s) each (mean ± std per call, a "
-          f"device sync per sample)" + (f"; PyTorch eager and torch.compile ({sweep.torch_compile})"
-          if sweep.torch else "") + f"; device {device}, jax {jax.__version__}; isolation: "
-          + ("a process per size, a new one after an OOM (its cell re-run alone)" if isolated
-             else "none (an OOM can leave memory behind for the cells after it)"), flush=True)  # fmt: skip
+          f"device sync per sample){torch}; device {device}, jax {jax.__version__}; isolation: "
+          f"{isolation}", flush=True)  # fmt: skip
     for dtype in sweep.dtypes:  # the op paths of every size: they depend on the dtype
         print(f"{dtype}: {ops.plan_ops(sweep.config(sweep.sizes[0], dtype).model).describe()}")
     print(header(sweep.torch), flush=True)

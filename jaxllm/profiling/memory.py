@@ -117,8 +117,9 @@ def _trace(case: dict[str, Any], rec: dict[str, Any]) -> tuple[dict[str, Any], A
     forward, AdamW state, train step); the parameter count and saved-for-backward bytes go
     into `rec`. Returns (lowered programs, the batch)."""
     cfg = case_config(case)
-    at_t = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
-                                                              context_length=case["context"]))
+    at_t = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, context_length=case["context"])
+    )
     batch = random_batch(at_t)  # `context` tokens; the model keeps its whole position table
     model, tx = build_model(cfg.model), make_optimizer_for(cfg)
 
@@ -230,8 +231,8 @@ def _ratio(rec: dict[str, Any], base: dict[str, Any], key: str) -> str:
 
 def format_row(rec: dict[str, Any], allocator: bool, baseline: dict[str, Any] | None) -> str:
     """A Markdown row; the last cell compares with the same context without remat."""
-    cells = [rec["size"], rec["context"], rec.get("dtype", "-"), rec["remat"],
-             *(_gib(rec.get(k)) for k in ("saved_bytes", "forward_xla_bytes", "train_xla_bytes"))]  # fmt: skip
+    cells = [rec["size"], rec["context"], rec.get("dtype", "-"), rec["remat"]]
+    cells += [_gib(rec.get(k)) for k in ("saved_bytes", "forward_xla_bytes", "train_xla_bytes")]
     if rec["status"] != "ok":  # XLA's numbers are known before running: what it would need
         return md_row(cells + [rec["status"]] * (3 if allocator else 1) + ["-"])
     if allocator:
@@ -239,8 +240,10 @@ def format_row(rec: dict[str, Any], allocator: bool, baseline: dict[str, Any] | 
     vs = "-"
     if baseline is not None and baseline is not rec and baseline.get("status") == "ok":
         peak = "train_allocator_bytes" if allocator else "train_xla_bytes"
-        vs = (f"saved {_ratio(rec, baseline, 'saved_bytes')}, peak "
-              f"{_ratio(rec, baseline, peak)}, time {_ratio(rec, baseline, 'step_ms')}")  # fmt: skip
+        vs = (
+            f"saved {_ratio(rec, baseline, 'saved_bytes')}, peak {_ratio(rec, baseline, peak)}, "
+            f"time {_ratio(rec, baseline, 'step_ms')}"
+        )
     return md_row(cells + [f"{rec['step_ms']:.2f}", vs])
 
 

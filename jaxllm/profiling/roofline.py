@@ -138,8 +138,11 @@ def measured_from_row(row: object) -> Measured | None:
         return Measured(str(row["name"]), row["flops"], row["bytes"], row["seconds"], dtype)
     if all(k in row for k in KERNEL_KEYS):
         dtype, ms = row["dtype"], row["ms"]
-        if dtype not in DTYPE_BYTES or not _positive_number(ms) or row["direction"] not in (
-            "fwd", "bwd"):
+        if (
+            dtype not in DTYPE_BYTES
+            or not _positive_number(ms)
+            or row["direction"] not in ("fwd", "bwd")
+        ):
             return None
         try:
             shape = tuple(int(x) for x in str(row["shape"]).split("x"))
@@ -193,8 +196,8 @@ def layer_report(
     rows = [[op.name, component_of(op.name), f"{op.flops / 1e9:.3f}", f"{op.bytes / 1e6:.2f}",
              f"{op.intensity:.1f}", *(_short_verdict(op, d, dtype) for d in devices.values()),
              f"{min_seconds(op, hw, dtype) * 1e6:.1f}"] for op in ops]  # fmt: skip
-    rows.append(["total", "", f"{flops / 1e9:.3f}", f"{nbytes / 1e6:.2f}",
-                 f"{flops / nbytes:.1f}", *([""] * len(devices)), f"{t_min * 1e6:.1f}"])  # fmt: skip
+    rows.append(["total", "", f"{flops / 1e9:.3f}", f"{nbytes / 1e6:.2f}", f"{flops / nbytes:.1f}",
+                 *([""] * len(devices)), f"{t_min * 1e6:.1f}"])  # fmt: skip
     shares = []
     for comp in ("attention", "mlp", "norm/other"):
         mine = [op for op in ops if component_of(op.name) == comp]
@@ -316,16 +319,19 @@ def plot_roofline(
         ax.plot(grid, [hw.attainable(x, d) for x in grid], lw=1.5, color=f"C{i}",
                 label=f"{hw.name} {d} roof (ridge {hw.ridge(d):.0f} FLOP/B)")  # fmt: skip
     if extra is not None:
-        ax.plot(grid, [extra.attainable(x, dtype) for x in grid], "--", lw=1, color="k",
-                label=f"measured peaks {dtype} (ridge {extra.ridge(dtype):.0f} FLOP/B)")  # fmt: skip
+        label = f"measured peaks {dtype} (ridge {extra.ridge(dtype):.0f} FLOP/B)"
+        ax.plot(
+            grid, [extra.attainable(x, dtype) for x in grid], "--", lw=1, color="k", label=label
+        )
     if dtype in hw.peak_flops:
-        ax.scatter([op.intensity for op in ops], [hw.attainable(op.intensity, dtype) for op in ops],
-                   s=18, color="C0", zorder=3, label=f"analytic ops ({dtype}), on the roof")  # fmt: skip
+        xs = [op.intensity for op in ops]
+        ax.scatter(xs, [hw.attainable(x, dtype) for x in xs], s=18, color="C0", zorder=3,
+                   label=f"analytic ops ({dtype}), on the roof")  # fmt: skip
         # ops of (nearly) the same intensity share one label: norm1/norm2, scores/av, ...
         for i, group in enumerate(_close_groups(ops)):
             x = group[0].intensity
-            ax.annotate(", ".join(op.name for op in group), (x, hw.attainable(x, dtype)),
-                        fontsize=6, xytext=(4, -10 if i % 2 else 4), textcoords="offset points")  # fmt: skip
+            ax.annotate(", ".join(op.name for op in group), (x, hw.attainable(x, dtype)), fontsize=6,
+                        xytext=(4, -10 if i % 2 else 4), textcoords="offset points")  # fmt: skip
     if measured:
         ax.scatter([p.intensity for p in measured], [p.flops_per_s for p in measured], s=22,
                    marker="x", color="C3", zorder=4, label="measured")  # fmt: skip

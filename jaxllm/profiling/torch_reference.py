@@ -249,8 +249,9 @@ def time_modes(
     group: int = 1,
 ) -> dict[str, list[float] | None]:
     """Per-call seconds (`samples` samples of `group` back-to-back calls each, as
-    harness.time_calls) of each mode (as in jaxllm.profiling.bench) of the PyTorch model of `cfg`, eager (compile_mode None) or torch.compile'd (`compile_model`'s
-    "regional" or "model"), on inputs, targets (B, T) ints; None for a mode that ran out of
+    harness.time_calls) of each mode (as in jaxllm.profiling.bench) of the PyTorch model of
+    `cfg`, eager (compile_mode None) or torch.compile'd (`compile_model`'s "regional" or
+    "model"), on inputs, targets (B, T) ints; None for a mode that ran out of
     memory. The first warm-up calls compile."""
     torch = require_torch(cuda=device == "cuda")
     torch.backends.cuda.matmul.allow_tf32 = True  # XLA's default f32 matmul precision on GPU

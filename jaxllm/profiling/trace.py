@@ -280,6 +280,7 @@ class HloKernels:
             return f"(one of {len(instructions)} {_FAMILY_NAMES[fam]} calls)"
         return f"one of {len(instructions)}: {label}"
 
+
 def align_launches(
     kernels: Sequence[str], hk: HloKernels, known: Sequence[str | None] | None = None
 ) -> list[list[str]]:
