@@ -329,8 +329,8 @@ def plot_roofline(
                    label=f"analytic ops ({dtype}), on the roof")  # fmt: skip
         # ops of (nearly) the same intensity share one label: norm1/norm2, scores/av, ...
         for i, group in enumerate(_close_groups(ops)):
-            x = group[0].intensity
-            ax.annotate(", ".join(op.name for op in group), (x, hw.attainable(x, dtype)), fontsize=6,
+            x, names = group[0].intensity, ", ".join(op.name for op in group)
+            ax.annotate(names, (x, hw.attainable(x, dtype)), fontsize=6,
                         xytext=(4, -10 if i % 2 else 4), textcoords="offset points")  # fmt: skip
     if measured:
         ax.scatter([p.intensity for p in measured], [p.flops_per_s for p in measured], s=22,
