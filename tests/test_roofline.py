@@ -309,7 +309,7 @@ def test_streams_reference_moves_the_rows_traffic_and_stays_bounded():
     assert jnp.allclose(state[0], a, atol=1e-5)  # period 2
     (neg,) = kernel_bench.streams_step((a,), 1)
     assert jnp.array_equal(neg, -a)
-    case = next(kernel_bench.layer_norm_cases([(16, 128)], [jnp.float32]))  # forward first
+    case = next(kernel_bench.norm_cases([(16, 128)], [jnp.float32]))  # LayerNorm forward first
     assert (case.array_shape, case.streams) == ((16, 128), (1, 1))
     row = kernel_bench.run_case(dataclasses.replace(case, configs=[]), copy_gbps=1.0, tune=False)
     assert row.streams_ms > 0

@@ -236,77 +236,16 @@ def load_flax_params(model: Any, params: Any) -> None:
     model.load_state_dict(state, strict=True)
 
 
-def time_modes(
-    cfg: ModelConfig,
-    inputs: np.ndarray,
-    targets: np.ndarray,
-    modes: Sequence[str],
-    *,
-    compile_mode: str | None,
-    warmup: int,
-    samples: int,
-    device: str = "cuda",
-    group: int = 1,
-) -> dict[str, list[float] | None]:
-    """Per-call seconds (`samples` samples of `group` back-to-back calls each, as
-    harness.time_calls) of each mode (as in jaxllm.profiling.bench) of the PyTorch model of
-    `cfg`, eager (compile_mode None) or torch.compile'd (`compile_model`'s "regional" or
-    "model"), on inputs, targets (B, T) ints; None for a mode that ran out of
-    memory. The first warm-up calls compile."""
-    torch = require_torch(cuda=device == "cuda")
-    torch.backends.cuda.matmul.allow_tf32 = True  # XLA's default f32 matmul precision on GPU
-    torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(0)
-    if compile_mode:
-        torch._dynamo.reset()  # no graphs or recompile budget left over from another config
-    try:
-        return _time_model(
-            torch, cfg, inputs, targets, modes, compile_mode, warmup, samples, device, group
-        )
-    finally:  # the model, its gradients and AdamW state are gone: hand their memory back
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
-
-
-def _time_model(
-    torch: Any,
-    cfg: ModelConfig,
-    inputs: np.ndarray,
-    targets: np.ndarray,
-    modes: Sequence[str],
-    compile_mode: str | None,
-    warmup: int,
-    samples: int,
-    device: str,
-    group: int,
-) -> dict[str, list[float] | None]:
-    cuda = device == "cuda"
-
-    def sync(_: Any) -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    bf16 = cfg.compute_dtype == "bfloat16"
-    out: dict[str, list[float] | None] = {m: None for m in modes}
-    try:
-        model = build(cfg).to(device)
-        # torch.tensor copies: arrays that come from jax are read-only
-        x = torch.tensor(inputs, dtype=torch.long, device=device)
-        y = torch.tensor(targets, dtype=torch.long, device=device)
-    except Exception as e:
-        if not is_oom(e):
-            raise
-        return out
+def _calls(torch: Any, model: Any, x: Any, y: Any, compile_mode: str | None, device: str):
+    """{mode: a call of it} on `model` (eager, or compiled as `compile_mode` says)."""
     fwd = compile_model(model, compile_mode) if compile_mode else model
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    params = list(model.parameters())
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=3e-4,
-        betas=(0.9, 0.95),
-        fused=cuda,
-    )
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=3e-4, betas=(0.9, 0.95), fused=device == "cuda",
+    )  # fmt: skip
+    bf16 = model.cfg.compute_dtype == "bfloat16"
 
     def autocast() -> Any:
         return torch.autocast(device, dtype=torch.bfloat16, enabled=bf16)
@@ -330,14 +269,57 @@ def _time_model(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
-    calls = {"logits": logits, "forward": forward,
-             "forward_backward": forward_backward, "train_step": train_step}  # fmt: skip
-    for mode in modes:
-        try:
-            timing = time_calls(calls[mode], warmup=warmup, group=group, samples=samples, sync=sync)
-            out[mode] = list(timing.samples)
-        except Exception as e:
-            if not is_oom(e):
-                raise
-            model.zero_grad(set_to_none=True)  # drop what the failed call left
+    return {"logits": logits, "forward": forward, "forward_backward": forward_backward,
+            "train_step": train_step}  # fmt: skip
+
+
+def time_modes(
+    cfg: ModelConfig,
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    modes: Sequence[str],
+    *,
+    compile_mode: str | None,
+    warmup: int,
+    samples: int,
+    device: str = "cuda",
+    group: int = 1,
+) -> dict[str, list[float] | None]:
+    """Per-call seconds (`samples` samples of `group` back-to-back calls each, as
+    harness.time_calls) of each mode (as in jaxllm.profiling.bench) of the PyTorch model of
+    `cfg`, eager (compile_mode None) or torch.compile'd (`compile_model`'s "regional" or
+    "model"), on inputs, targets (B, T) ints; None for a mode that ran out of memory. The first
+    warm-up calls compile."""
+    torch = require_torch(cuda=device == "cuda")
+    torch.backends.cuda.matmul.allow_tf32 = True  # XLA's default f32 matmul precision on GPU
+    torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(0)
+    if compile_mode:
+        torch._dynamo.reset()  # no graphs or recompile budget left over from another config
+
+    def sync(_: Any) -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    out: dict[str, list[float] | None] = {m: None for m in modes}
+    try:
+        model = build(cfg).to(device)
+        # torch.tensor copies: arrays that come from jax are read-only
+        x, y = (torch.tensor(a, dtype=torch.long, device=device) for a in (inputs, targets))
+        calls = _calls(torch, model, x, y, compile_mode, device)
+        for mode in modes:
+            try:
+                t = time_calls(calls[mode], warmup=warmup, group=group, samples=samples, sync=sync)
+                out[mode] = list(t.samples)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                model.zero_grad(set_to_none=True)  # drop what the failed call left
+    except Exception as e:  # the model itself did not fit
+        if not is_oom(e):
+            raise
+    finally:  # the model, its gradients and AdamW state are gone: hand their memory back
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return out

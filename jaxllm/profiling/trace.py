@@ -43,7 +43,7 @@ import jax
 
 from jaxllm.atomic_file import write_text_atomic
 from jaxllm.config import Config
-from jaxllm.profiling.harness import make_state, random_batch
+from jaxllm.profiling.harness import make_state, md_header, md_row, random_batch
 from jaxllm.train.state import loss_and_sums, train_step
 
 PHASES = ("forward", "backward", "optimizer")
@@ -345,26 +345,14 @@ class KernelSummary:
     arg_keys: tuple[str, ...] = ()  # the argument names the events carried
 
 
-def _thread_names(events: list[dict[str, Any]]) -> dict[tuple[Any, Any], str]:
-    return {
-        (e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "thread_name"
-    }
-
-
 def _device_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Complete events on the GPU timelines: kernel (and memcpy) events of the 'Stream #N'
     lines when the trace has them, else every event of the GPU processes."""
-    gpu_pids = {
-        e["pid"]
-        for e in events
-        if e.get("ph") == "M"
-        and e.get("name") == "process_name"
-        and "GPU" in str(e.get("args", {}).get("name", ""))
-    }
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") ==
+                "process_name" and "GPU" in str(e.get("args", {}).get("name", ""))}  # fmt: skip
     on_gpu = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
-    threads = _thread_names(events)
+    threads = {(e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
+               for e in events if e.get("name") == "thread_name"}  # fmt: skip
     streams = [e for e in on_gpu if threads.get((e["pid"], e.get("tid")), "").startswith("Stream")]
     return streams or on_gpu
 
@@ -464,101 +452,74 @@ def format_summary(s: KernelSummary | None, backend: str) -> str:
     """Two Markdown tables: the top kernels, then time per scope (blocks merged)."""
     if s is None:
         return f"no device kernel events and no XLA op events in the trace (backend {backend})"
-    what = "device kernels" if s.source == "device" else "host XLA ops"
     lines = []
     if s.source == "host":
-        lines.append(
-            f"no device kernel events in the trace (backend {backend}): the table lists the "
-            "host XLA ops (XLA:CPU thunks) instead"
-        )
-    lines.append(
-        f"{what}: {s.total_ms_per_step:.2f} ms per step summed over {s.steps} traced steps"
-    )
+        lines.append(f"no device kernel events in the trace (backend {backend}): the table lists "
+                     "the host XLA ops (XLA:CPU thunks) instead")  # fmt: skip
+    what = "device kernels" if s.source == "device" else "host XLA ops"
+    lines.append(f"{what}: {s.total_ms_per_step:.2f} ms per step summed over {s.steps} steps")
     if s.resolved:
-        lines.append(
-            "scopes of the launches: " + ", ".join(f"{how} {n}" for how, n in s.resolved)
-            + (f" (event args: {', '.join(s.arg_keys)})" if s.arg_keys else " (no event args)")
-        )  # fmt: skip
-    lines += [
-        "",
-        "| ms/step | % | calls/step | kernel | scope |",
-        "|---:|---:|---:|---|---|",
-    ]
+        args = f"event args: {', '.join(s.arg_keys)}" if s.arg_keys else "no event args"
+        lines.append(f"scopes of the launches: {', '.join(f'{h} {n}' for h, n in s.resolved)} "
+                     f"({args})")  # fmt: skip
     total = s.total_ms_per_step or 1.0
+    lines += ["", md_header(["ms/step", "%", "calls/step", "kernel", "scope"])]
     for r in s.rows:
-        lines.append(
-            f"| {r.ms_per_step:.3f} | {100 * r.ms_per_step / total:.1f} | "
-            f"{r.calls_per_step:g} | `{r.name}` | {r.scope} |"
-        )
-    lines += ["", "| ms/step | % | scope (all blocks) |", "|---:|---:|---|"]
-    for scope, t in s.by_scope[:25]:
-        lines.append(f"| {t:.3f} | {100 * t / total:.1f} | {scope} |")
+        share = f"{100 * r.ms_per_step / total:.1f}"
+        lines.append(md_row([f"{r.ms_per_step:.3f}", share, f"{r.calls_per_step:g}", f"`{r.name}`",
+                             r.scope]))  # fmt: skip
+    lines += ["", md_header(["ms/step", "%", "scope (all blocks)"])]
+    lines += [md_row([f"{t:.3f}", f"{100 * t / total:.1f}", scope]) for scope, t in s.by_scope[:25]]
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- NVTX
 
 
-class _Nvtx:
-    """nvtxRangePushA / nvtxRangePop through ctypes (libnvToolsExt, CUDA's NVTX library), or
-    the `nvtx` Python package. They do nothing unless a tool (nsys) is attached."""
+@functools.cache
+def _nvtx() -> tuple[Callable[[str], Any] | None, Callable[[], Any] | None, str]:
+    """(push, pop, where from) of NVTX ranges: the `nvtx` package (optional), else
+    nvtxRangePushA / nvtxRangePop of CUDA's libnvToolsExt through ctypes, else none. They do
+    nothing unless a tool (nsys) is attached."""
+    try:
+        import nvtx  # type: ignore[import-not-found]  # optional
 
-    def __init__(self) -> None:
-        self.push: Callable[[str], Any] | None = None
-        self.pop: Callable[[], Any] | None = None
-        self.source = "none"
-        try:
-            import nvtx  # type: ignore[import-not-found]
-
-            self.push, self.pop, self.source = nvtx.push_range, nvtx.pop_range, "nvtx package"
-            return
-        except ImportError:
-            pass
-        for path in _nvtx_library_candidates():
-            try:
-                lib = ctypes.CDLL(path)
-                push, pop = lib.nvtxRangePushA, lib.nvtxRangePop
-            except (OSError, AttributeError):
-                continue
-            push.argtypes, push.restype, pop.restype = [ctypes.c_char_p], ctypes.c_int, ctypes.c_int
-            self.push = lambda name, _push=push: _push(name.encode())
-            self.pop, self.source = pop, path
-            return
-
-
-def _nvtx_library_candidates() -> list[str]:
+        return nvtx.push_range, nvtx.pop_range, "nvtx package"
+    except ImportError:
+        pass
     found = ctypes.util.find_library("nvToolsExt")
     paths = [found] if found else []
     for root in sys.path:  # pip's nvidia-nvtx-cu12 wheel
         paths += sorted(glob.glob(os.path.join(root, "nvidia", "nvtx", "lib", "libnvToolsExt.so*")))
-    paths += sorted(glob.glob("/usr/local/cuda*/lib64/libnvToolsExt.so*"))
-    return paths
-
-
-_NVTX: _Nvtx | None = None
+    for path in paths + sorted(glob.glob("/usr/local/cuda*/lib64/libnvToolsExt.so*")):
+        try:
+            lib = ctypes.CDLL(path)
+            push, pop = lib.nvtxRangePushA, lib.nvtxRangePop
+        except (OSError, AttributeError):
+            continue
+        push.argtypes, push.restype, pop.restype = [ctypes.c_char_p], ctypes.c_int, ctypes.c_int
+        return (lambda name, push=push: push(name.encode())), pop, path
+    return None, None, "none"
 
 
 def nvtx_source() -> str:
     """Where NVTX ranges come from: a library path, 'nvtx package', or 'none'."""
-    global _NVTX
-    _NVTX = _NVTX or _Nvtx()
-    return _NVTX.source
+    return _nvtx()[2]
 
 
 @contextlib.contextmanager
 def annotate(name: str) -> Iterator[None]:
     """A named range in both profilers: jax.profiler.TraceAnnotation (TensorBoard / Perfetto)
     and an NVTX range (Nsight Systems), when an NVTX library is found."""
-    nvtx_source()
-    assert _NVTX is not None
+    push, pop, _ = _nvtx()
     with jax.profiler.TraceAnnotation(name):
-        if _NVTX.push is not None:
-            _NVTX.push(name)
+        if push is not None:
+            push(name)
         try:
             yield
         finally:
-            if _NVTX.pop is not None:
-                _NVTX.pop()
+            if pop is not None:
+                pop()
 
 
 # ----------------------------------------------------------------------------- profile.py trace
