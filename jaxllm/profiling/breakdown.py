@@ -18,7 +18,7 @@ a kernel between einsums: they are timed together (ops.causal_attention) as `att
 The whole Block, jitted as one function, is timed too: against the sum of the pieces it shows
 what XLA's fusion across pieces saves.
 
-FLOPs and bytes per piece are the sums of `jaxllm.profiling.roofline.layer_ops` (forward);
+FLOPs and bytes per piece are the sums of `jaxllm.profiling.flops.layer_ops` (forward);
 forward + backward counts 3x both (backward = 2 x forward, as for the matmuls). Times are
 medians of `harness.time_calls` (back-to-back calls, one device sync per sample).
 """
@@ -39,7 +39,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.layers import AttentionInputs, FeedForward, LayerNorm, Linear, RMSNorm, SwiGLU
 from jaxllm.models import gpt2, transformer_lm
 from jaxllm.profiling.flops import layer_ops
-from jaxllm.profiling.harness import DTYPE_TAG, append_jsonl, md_header, time_calls
+from jaxllm.profiling.harness import DTYPE_TAG, append_jsonl, md_header, md_row, time_calls
 
 COMPONENTS = ("attention", "mlp", "norm/other")
 # piece -> (component, the layer_ops names it computes)
@@ -53,34 +53,6 @@ PIECES: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp": ("mlp", ("mlp_up", "mlp_act", "mlp_down")),
     "norms+residuals": ("norm/other", ("norm1", "norm2", "residual1", "residual2")),
 }
-
-
-@dataclass(frozen=True)
-class PieceTime:
-    piece: str
-    component: str
-    flops: float  # forward, analytic
-    bytes: float  # forward, minimal (layer_ops)
-    forward_s: float  # median seconds per call
-    forward_backward_s: float
-
-
-@dataclass(frozen=True)
-class Breakdown:
-    cfg: ModelConfig
-    batch: int
-    length: int
-    pieces: tuple[PieceTime, ...]
-    layer_forward_s: float  # the whole Block as one jitted function
-    layer_forward_backward_s: float
-
-    @property
-    def flops(self) -> float:
-        return sum(p.flops for p in self.pieces)
-
-    @property
-    def bytes(self) -> float:
-        return sum(p.bytes for p in self.pieces)
 
 
 @dataclass(frozen=True)
@@ -239,101 +211,88 @@ def _time_piece(piece: _Piece, warmup: int, group: int, samples: int) -> tuple[f
 
 
 def run_breakdown(
-    cfg: ModelConfig, batch: int, length: int, *, warmup: int = 3, group: int = 10,
+    cfg: ModelConfig, size: str, batch: int, length: int, *, warmup: int = 3, group: int = 10,
     samples: int = 5,
-) -> Breakdown:  # fmt: skip
-    """Time every piece of one layer of `cfg` at (batch, length), forward and forward+backward."""
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Time every piece of one layer of `cfg` at (batch, length), forward and forward+backward
+    (3x the forward's FLOPs and bytes), then the whole layer: one record per piece and
+    direction, with the roofline plot's keys (name, flops, bytes, seconds)."""
     pieces, layer = build_pieces(cfg, batch, length)
     costs = piece_costs(cfg, batch, length, [p.name for p in pieces])
-    timed = []
-    for piece in pieces:
-        t_fwd, t_fb = _time_piece(piece, warmup, group, samples)
+    costs["layer"] = tuple(map(sum, zip(*costs.values(), strict=True)))
+    tag = f"breakdown {size} T{length} {DTYPE_TAG[cfg.compute_dtype]}"
+    records = []
+    for piece in [*pieces, layer]:
+        label = f"{PIECES[piece.name][0]}/{piece.name}" if piece is not layer else "layer"
         flops, nbytes = costs[piece.name]
-        timed.append(PieceTime(piece.name, PIECES[piece.name][0], flops, nbytes, t_fwd, t_fb))
-    layer_fwd, layer_fb = _time_piece(layer, warmup, group, samples)
+        times = _time_piece(piece, warmup, group, samples)
+        for (direction, mult), seconds in zip(DIRECTIONS.items(), times, strict=True):
+            records.append({
+                "name": f"{tag} {direction} {label}", "flops": mult * flops,
+                "bytes": mult * nbytes, "seconds": seconds, "dtype": cfg.compute_dtype,
+                "size": size, "arch": cfg.arch, "batch": batch, "context": length,
+                "direction": direction, "piece": label, "device": jax.devices()[0].device_kind,
+            })  # fmt: skip
     jax.clear_caches()
-    return Breakdown(cfg, batch, length, tuple(timed), layer_fwd, layer_fb)
+    return records
 
 
 # ----------------------------------------------------------------------------- output
 
-DIRECTIONS = {"forward": ("forward_s", 1), "forward+backward": ("forward_backward_s", 3)}
+DIRECTIONS = {"forward": 1, "forward+backward": 3}  # FLOPs and bytes relative to the forward's
 
 
-def table(bd: Breakdown, direction: str) -> str:
+def table(records: list[dict[str, Any]], direction: str) -> str:
     """Markdown: each piece, each component's subtotal, their sum, and the whole layer jitted
     as one function; time and FLOP shares are of the sum of the pieces."""
-    attr, mult = DIRECTIONS[direction]
-    total_s = sum(getattr(p, attr) for p in bd.pieces)
-    total_f = bd.flops
+    mine = [r for r in records if r["direction"] == direction]
+    pieces, (layer,) = mine[:-1], mine[-1:]
+    total_s, total_f = sum(r["seconds"] for r in pieces), layer["flops"]
 
-    def line(label: str, seconds: float, flops: float, share: bool = True) -> str:
-        f_share = f"{100 * flops / total_f:.1f}" if share else "-"
-        return (f"| {label} | {1e3 * seconds:.3f} | {100 * seconds / total_s:.1f} | {f_share} "
-                f"| {mult * flops / seconds / 1e12:.3g} |")  # fmt: skip
+    def line(label: str, rows: list[dict[str, Any]]) -> str:
+        seconds, flops = sum(r["seconds"] for r in rows), sum(r["flops"] for r in rows)
+        shares = f"{100 * seconds / total_s:.1f}", f"{100 * flops / total_f:.1f}"
+        return md_row([label, f"{1e3 * seconds:.3f}", *shares, f"{flops / seconds / 1e12:.3g}"])
 
-    rows = [md_header([f"component ({direction})", "time ms", "time share %", "FLOP share %",
-                       "TFLOP/s"])]  # fmt: skip
+    out = [md_header([f"component ({direction})", "time ms", "time share %", "FLOP share %",
+                      "TFLOP/s"])]  # fmt: skip
     for comp in COMPONENTS:
-        mine = [p for p in bd.pieces if p.component == comp]
-        for p in mine:
-            rows.append(line(f"{comp}: {p.piece}", getattr(p, attr), p.flops))
-        if len(mine) > 1:
-            sec, fl = sum(getattr(p, attr) for p in mine), sum(p.flops for p in mine)
-            rows.append(line(f"**{comp} total**", sec, fl))
-    rows.append(line("sum of pieces", total_s, total_f))
-    layer_s = bd.layer_forward_s if direction == "forward" else bd.layer_forward_backward_s
-    rows.append(line("whole layer, one jit", layer_s, total_f))
-    return "\n".join(rows)
+        rows = [r for r in pieces if r["piece"].startswith(f"{comp}/")]
+        out += [line(f"{comp}: {r['piece'][len(comp) + 1 :]}", [r]) for r in rows]
+        if len(rows) > 1:
+            out.append(line(f"**{comp} total**", rows))
+    out += [line("sum of pieces", pieces), line("whole layer, one jit", [layer])]
+    return "\n".join(out)
 
 
-def report(bd: Breakdown) -> str:
+def report(cfg: ModelConfig, records: list[dict[str, Any]]) -> str:
     """The text of `profile.py breakdown`: a header, the two tables, the per-model totals."""
-    c = bd.cfg
+    c, r = cfg, records[0]
     head = (
-        f"breakdown: one {c.arch} layer, batch {bd.batch}, length {bd.length}, d_model "
+        f"breakdown: one {c.arch} layer, batch {r['batch']}, length {r['context']}, d_model "
         f"{c.d_model}, {c.n_heads} heads, d_ff {c.ffn_dim}, {c.compute_dtype}, "
-        f"{ops.plan_ops(c).describe()}; device {jax.devices()[0].device_kind}\n"
-        "times: median per call, each piece jitted alone; FLOPs: roofline.layer_ops (forward; "
+        f"{ops.plan_ops(c).describe()}; device {r['device']}\n"
+        "times: median per call, each piece jitted alone; FLOPs: flops.layer_ops (forward; "
         "forward+backward = 3x)"
     )
+    fwd, fb = (r["seconds"] for r in records if r["piece"] == "layer")
     per_model = (
-        f"x {c.n_layers} layers (whole layer): forward {1e3 * c.n_layers * bd.layer_forward_s:.2f}"
-        f" ms, forward+backward {1e3 * c.n_layers * bd.layer_forward_backward_s:.2f} ms "
-        "(blocks only: no embeddings, LM head or loss)"
+        f"x {c.n_layers} layers (whole layer): forward {1e3 * c.n_layers * fwd:.2f} ms, "
+        f"forward+backward {1e3 * c.n_layers * fb:.2f} ms (blocks only: no embeddings, LM head "
+        "or loss)"
     )
-    return "\n\n".join([head, table(bd, "forward"), table(bd, "forward+backward"), per_model])
-
-
-def json_rows(bd: Breakdown, size: str) -> list[dict[str, Any]]:
-    """One row per piece and direction (and the whole layer) with the roofline plot's keys."""
-    c = bd.cfg
-    tag = f"breakdown {size} T{bd.length} {DTYPE_TAG[c.compute_dtype]}"
-    rows = []
-    for direction, (attr, mult) in DIRECTIONS.items():
-        items = [(f"{p.component}/{p.piece}", p.flops, p.bytes, getattr(p, attr))
-                 for p in bd.pieces]  # fmt: skip
-        layer_s = bd.layer_forward_s if direction == "forward" else bd.layer_forward_backward_s
-        items.append(("layer", bd.flops, bd.bytes, layer_s))
-        for name, flops, nbytes, seconds in items:
-            rows.append({
-                "name": f"{tag} {direction} {name}", "flops": mult * flops,
-                "bytes": mult * nbytes, "seconds": seconds, "dtype": c.compute_dtype,
-                "size": size, "arch": c.arch, "batch": bd.batch, "context": bd.length,
-                "direction": direction, "piece": name, "device": jax.devices()[0].device_kind,
-            })  # fmt: skip
-    return rows
+    return "\n\n".join([head, *(table(records, d) for d in DIRECTIONS), per_model])
 
 
 def run(
     cfg: ModelConfig, size: str, batch: int, length: int, *, warmup: int = 3, group: int = 10,
     samples: int = 5, jsonl_path: str | None = None,
-) -> Breakdown:  # fmt: skip
+) -> list[dict[str, Any]]:  # fmt: skip
     """Run the breakdown, print the report, append the JSON rows to `jsonl_path`."""
     if length > cfg.context_length:
         raise ValueError(f"--context {length} exceeds size {size}'s context {cfg.context_length}; "
                          "raise it with --model.context_length=N")  # fmt: skip
-    bd = run_breakdown(cfg, batch, length, warmup=warmup, group=group, samples=samples)
-    print(report(bd), flush=True)
-    append_jsonl(jsonl_path, json_rows(bd, size))
-    return bd
+    records = run_breakdown(cfg, size, batch, length, warmup=warmup, group=group, samples=samples)
+    print(report(cfg, records), flush=True)
+    append_jsonl(jsonl_path, records)
+    return records
