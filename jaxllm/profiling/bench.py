@@ -54,15 +54,15 @@ from jaxllm.profiling.harness import (
     DTYPE_TAG,
     append_jsonl,
     is_oom,
-    make_optimizer_for,
     md_header,
     md_row,
+    model_fns,
     random_batch,
     size_config,
     time_calls,
 )
 from jaxllm.profiling.isolate import Child, child_command, child_main, stop_children_on_exit
-from jaxllm.train.state import Batch, LMTrainState, loss_and_sums, train_step
+from jaxllm.train.state import Batch, loss_and_sums, train_step
 
 MODES = ("logits", "forward", "forward_backward", "train_step")
 DEFAULT_MODES = MODES[1:]
@@ -216,16 +216,7 @@ class _Resident:
     "params", or for train_step "state" (AdamW's moments made then, dropped after the cell)."""
 
     def __init__(self, cfg: Config, batch: Batch, holder: dict[str, Any]) -> None:
-        model, tx = build_model(cfg.model), make_optimizer_for(cfg)
-
-        def init(key: jax.Array, inputs: jax.Array) -> Any:
-            return model.init(key, inputs)["params"]
-
-        def new_state(params: Any) -> LMTrainState:
-            return LMTrainState.create(
-                apply_fn=model.apply, params=params, tx=tx, vocab_size=cfg.model.vocab_size
-            )
-
+        init, new_state, _ = model_fns(cfg)
         key = jax.random.PRNGKey(0)
         self._init = functools.partial(jax.jit(init), key, batch["inputs"])  # same key: same values
         self._new_state = jax.jit(new_state, donate_argnums=0)  # the parameters move in

@@ -19,12 +19,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.training.train_state import TrainState
 
 from jaxllm.config import Config, load_config, parse_overrides
 from jaxllm.models import build_model
 from jaxllm.train.optim import make_optimizer
-from jaxllm.train.state import Batch, create_state
+from jaxllm.train.state import Batch, LMTrainState, loss_and_sums
 
 
 @dataclass(frozen=True)
@@ -76,15 +75,31 @@ def random_batch(cfg: Config, batch_size: int | None = None, seed: int = 0) -> B
     }
 
 
-def make_optimizer_for(cfg: Config) -> Any:
-    """cfg's AdamW; the schedule's length does not change what a step costs."""
-    return make_optimizer(cfg.optim, cfg.train.steps or cfg.optim.warmup_steps + 1)
-
-
-def make_state(cfg: Config, batch: Batch, seed: int = 0) -> TrainState:
-    """Fresh float32 parameters and AdamW state for cfg."""
+def model_fns(cfg: Config) -> tuple[Callable, Callable, Callable]:
+    """(init, new_state, loss) of cfg's model, to jit or trace: init(key, inputs) -> float32
+    parameters; new_state(params) -> the TrainState with AdamW's moments (the schedule's length
+    does not change what a step costs); loss(params, batch) -> the mean loss, no dropout."""
     model = build_model(cfg.model)
-    return create_state(model, make_optimizer_for(cfg), jax.random.PRNGKey(seed), batch["inputs"])
+    tx = make_optimizer(cfg.optim, cfg.train.steps or cfg.optim.warmup_steps + 1)
+
+    def init(key: jax.Array, inputs: jax.Array) -> Any:
+        return model.init(key, inputs)["params"]
+
+    def new_state(params: Any) -> LMTrainState:
+        return LMTrainState.create(
+            apply_fn=model.apply, params=params, tx=tx, vocab_size=cfg.model.vocab_size
+        )
+
+    def loss(params: Any, batch: Batch) -> jax.Array:
+        return loss_and_sums(params, model.apply, batch, None)[0]
+
+    return init, new_state, loss
+
+
+def make_state(cfg: Config, batch: Batch, seed: int = 0) -> LMTrainState:
+    """Fresh float32 parameters and AdamW state for cfg."""
+    init, new_state, _ = model_fns(cfg)
+    return new_state(init(jax.random.PRNGKey(seed), batch["inputs"]))
 
 
 @dataclass(frozen=True)

@@ -34,20 +34,19 @@ from typing import Any
 import jax
 
 from jaxllm.atomic_file import save_figure_atomic
-from jaxllm.models import build_model
 from jaxllm.ops import plan_ops
 from jaxllm.profiling.harness import (
     append_jsonl,
     is_oom,
-    make_optimizer_for,
     md_header,
     md_row,
+    model_fns,
     random_batch,
     size_config,
     time_calls,
 )
 from jaxllm.profiling.isolate import Child, child_command, child_main, stop_children_on_exit
-from jaxllm.train.state import LMTrainState, loss_and_sums, train_step
+from jaxllm.train.state import train_step
 
 REMATS = ("none", "block")
 PROGRESS_TAG = "memory "  # the start of every progress line (stderr)
@@ -121,17 +120,9 @@ def _trace(case: dict[str, Any], rec: dict[str, Any]) -> tuple[dict[str, Any], A
         cfg, model=dataclasses.replace(cfg.model, context_length=case["context"])
     )
     batch = random_batch(at_t)  # `context` tokens; the model keeps its whole position table
-    model, tx = build_model(cfg.model), make_optimizer_for(cfg)
-
-    def forward(p: Any, b: Any) -> jax.Array:
-        return loss_and_sums(p, model.apply, b, None)[0]
-
-    def new_state(params: Any) -> LMTrainState:
-        return LMTrainState.create(apply_fn=model.apply, params=params, tx=tx,
-                                   vocab_size=cfg.model.vocab_size)  # fmt: skip
-
-    init = jax.jit(model.init).trace(jax.random.PRNGKey(0), batch["inputs"])
-    params = init.out_info["params"]
+    init_fn, new_state, forward = model_fns(cfg)
+    init = jax.jit(init_fn).trace(jax.random.PRNGKey(0), batch["inputs"])
+    params = init.out_info
     rec["n_params"] = int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
     rec["saved_bytes"] = saved_for_backward_bytes(lambda p: forward(p, batch), params)
     state = jax.jit(new_state).trace(params)
@@ -166,7 +157,7 @@ def measure_case(
     rec["train_xla_bytes"] = _compiled_peak(compiled["train step"])
     key0, key1 = jax.random.PRNGKey(0), jax.random.PRNGKey(1)
     try:
-        params = compiled["init"](key0, batch["inputs"])["params"]
+        params = compiled["init"](key0, batch["inputs"])
         jax.block_until_ready(compiled["forward"](params, batch))
         rec["forward_allocator_bytes"] = _allocator_peak()
         holder = {"state": compiled["AdamW state"](params)}
