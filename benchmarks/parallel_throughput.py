@@ -76,7 +76,7 @@ from jaxllm.train.state import create_state, train_step
 
 VARIANTS = ("single", "single_scan", "dp", "fsdp", "pp")  # run order: baselines first
 # pp against the plain (unrolled) model: the stages unroll their layers too (jaxllm.pipeline),
-# and the scanned model's loop overheads would flatter the pipeline (RESULTS.md, issue 14).
+# and the scanned model's loop overheads would flatter the pipeline.
 BASELINE = {"dp": "single", "fsdp": "single_scan", "pp": "single"}
 MIB = 2**20
 

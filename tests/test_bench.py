@@ -133,7 +133,7 @@ with open(log, "a") as f:
 for cell in cells:
     kind = next((k for k, c in special.items() if c == cell), None)
     if kind == "DIES":
-        sys.exit("2026-11-23 E external/xla: RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB")
+        sys.exit("E external/xla: RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB")
     if kind == "BOOM":
         sys.exit("Segmentation fault in the fake child")
     oom = kind == "CROWDED" and len(cells) > 1

@@ -215,7 +215,7 @@ def test_measured_rows_of_both_schemas(tmp_path):
     assert (p.flops, p.bytes, p.seconds, p.dtype) == (7 * n, 2 * n * 2, 0.5e-3, "bfloat16")
     conv_bwd = {**kernel_row, "kernel": "conv1d", "direction": "bwd", "shape": "1x64x8x3"}
     assert roofline.measured_from_row(conv_bwd).bytes == (3 * 64 * 8 + 2 * 8 * 3 + 8) * 2
-    # every kernel `profile.py kernels` times has a cost model (RMSNorm rows were skipped)
+    # every kernel `profile.py kernels` times has a cost model
     rms = {**kernel_row, "kernel": "rms_norm", "shape": "16384x768"}
     assert roofline.measured_from_row(rms).flops == 4 * 16384 * 768  # square, sum, 2 multiplies
     rms_bwd = roofline.measured_from_row({**rms, "direction": "bwd"})

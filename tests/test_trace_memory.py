@@ -149,8 +149,8 @@ def test_top_kernels_counts_only_gpu_stream_kernels():
     assert trace.top_kernels(meta, steps=1) is None
 
 
-# Lines of the optimized HLO of `profile.py trace` on the H100 (GPT-2 124M preset, 2026-11-23:
-# /tmp/r3/trace_small/step.hlo.txt), in their schedule order, blocks 0 and 1 of the forward;
+# Lines of the optimized HLO of `profile.py trace` on an H100 (GPT-2 124M preset), in their
+# schedule order, blocks 0 and 1 of the forward;
 # shortened: operand_layout_constraints and most of each backend_config dropped, the Triton IR
 # cut. The ENTRY header is reduced to one parameter.
 GPU_HLO = r"""
