@@ -111,8 +111,10 @@ def _fitting(contexts: tuple[int, ...], limit: int) -> tuple[int, ...]:
 
 # ----------------------------------------------------------------------------- subcommands
 def _kernels(args: argparse.Namespace, overrides: list[str]) -> None:
+    from jaxllm.profiling.harness import BadInput
+
     if not _backend(prealloc=False):  # on demand: PyTorch's baselines share the GPU
-        raise ValueError("needs a GPU (jax's backend here is not 'gpu'); the kernels' analytic "
+        raise BadInput("needs a GPU (jax's backend here is not 'gpu'); the kernels' analytic "
                          "roofline runs anywhere: python profile.py roofline")  # fmt: skip
     from jaxllm.profiling import kernel_bench
 
@@ -122,9 +124,10 @@ def _kernels(args: argparse.Namespace, overrides: list[str]) -> None:
 def _roofline(args: argparse.Namespace, overrides: list[str]) -> None:
     from jaxllm.config import load_config
     from jaxllm.profiling import roofline
+    from jaxllm.profiling.harness import BadInput
 
     if args.conv and len(args.conv) != 4:
-        raise ValueError(f"--conv takes B,L,D,K, got {','.join(map(str, args.conv))}")
+        raise BadInput(f"--conv takes B,L,D,K, got {','.join(map(str, args.conv))}")
     base = [] if args.config else ["--train.batch_size=4"]
     cfg = load_config(args.config, base + overrides)
     print(roofline.report(
@@ -324,16 +327,18 @@ class UsageError(SystemExit):
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse output paths the run could not write, before it measures anything."""
+    from jaxllm.profiling.harness import BadInput
+
     for flag in ("jsonl", "png"):
         path = getattr(args, flag, None)
         if path and (Path(path).is_dir() or not Path(path).parent.is_dir()):
             why = "is a directory" if Path(path).is_dir() else f"no directory {Path(path).parent}"
-            raise ValueError(f"--{flag} {path}: {why}")
+            raise BadInput(f"--{flag} {path}: {why}")
     out = getattr(args, "out", None)
     if out is not None:
         first = next(p for p in (Path(out), *Path(out).parents) if p.exists() or p == Path("."))
         if first.exists() and not first.is_dir():
-            raise ValueError(f"--out {out}: {first} is not a directory")
+            raise BadInput(f"--out {out}: {first} is not a directory")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,11 +363,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _one_line(e: Exception, command: str) -> str | None:
     """The one-line error for bad input, a missing tool and out of memory; None: a traceback."""
-    from jaxllm.profiling.harness import is_oom
+    from jaxllm.config import ConfigError
+    from jaxllm.profiling.harness import BadInput, is_oom
     from jaxllm.profiling.torch_reference import TorchUnavailableError
     from jaxllm.profiling.trace import NsysError
 
-    if isinstance(e, ValueError | TorchUnavailableError | NsysError) and not is_oom(e):
+    if isinstance(e, ConfigError | BadInput | TorchUnavailableError | NsysError):
         return f"profile.py {command}: {e}"
     if not is_oom(e):
         return None

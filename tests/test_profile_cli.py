@@ -42,4 +42,4 @@ def test_cli_still_runs_as_a_script():
     assert out.returncode == 0, out.stderr
     assert "kernels" in out.stdout
     out = run("profile.py", "kernels", "--only", "nope")
-    assert out.returncode == 2 and "error: --only: unknown kernel" in out.stderr
+    assert out.returncode == 2 and "--only: ['nope']; allowed: softmax" in out.stderr

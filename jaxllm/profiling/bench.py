@@ -52,6 +52,7 @@ from jaxllm.profiling import torch_reference
 from jaxllm.profiling.harness import (
     CS336_SIZES,
     DTYPE_TAG,
+    BadInput,
     append_jsonl,
     is_oom,
     md_header,
@@ -476,7 +477,7 @@ def run(sweep: Sweep, jsonl_path: str | None = None, progress: bool = True) -> l
     for size in sweep.sizes:
         limit = sweep.config(size, sweep.dtypes[0]).model.context_length
         if max(sweep.contexts) > limit:
-            raise ValueError(f"--contexts: {max(sweep.contexts)} exceeds size {size}'s context "
+            raise BadInput(f"--contexts: {max(sweep.contexts)} exceeds size {size}'s context "
                              f"{limit}; raise it with --model.context_length=N")  # fmt: skip
     on_gpu = jax.default_backend() == "gpu"
     isolated = sweep.isolate == "always" or (sweep.isolate == "auto" and on_gpu)

@@ -39,7 +39,14 @@ from jaxllm.config import ModelConfig
 from jaxllm.layers import AttentionInputs, FeedForward, LayerNorm, Linear, RMSNorm, SwiGLU
 from jaxllm.models import gpt2, transformer_lm
 from jaxllm.profiling.flops import layer_ops
-from jaxllm.profiling.harness import DTYPE_TAG, append_jsonl, md_header, md_row, time_calls
+from jaxllm.profiling.harness import (
+    DTYPE_TAG,
+    BadInput,
+    append_jsonl,
+    md_header,
+    md_row,
+    time_calls,
+)
 
 COMPONENTS = ("attention", "mlp", "norm/other")
 # piece -> (component, the layer_ops names it computes)
@@ -136,7 +143,7 @@ def build_pieces(
     branch output in the compute dtype, as in `Decoder.hidden`. On the Pallas or cuDNN
     attention path the scores, softmax and AV are one piece, `attention core`."""
     if cfg.short_conv:
-        raise ValueError("breakdown does not cover model.short_conv")
+        raise BadInput("breakdown does not cover model.short_conv")
     fn = _functions(cfg, batch, length)
     dtype, shape = jnp.dtype(cfg.compute_dtype), (batch, length, cfg.d_model)
     k_x, k_h, k_h2, k_p = jax.random.split(jax.random.PRNGKey(seed), 4)
@@ -290,7 +297,7 @@ def run(
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Run the breakdown, print the report, append the JSON rows to `jsonl_path`."""
     if length > cfg.context_length:
-        raise ValueError(f"--context {length} exceeds size {size}'s context {cfg.context_length}; "
+        raise BadInput(f"--context {length} exceeds size {size}'s context {cfg.context_length}; "
                          "raise it with --model.context_length=N")  # fmt: skip
     records = run_breakdown(cfg, size, batch, length, warmup=warmup, group=group, samples=samples)
     print(report(cfg, records), flush=True)

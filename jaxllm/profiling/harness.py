@@ -26,6 +26,10 @@ from jaxllm.train.optim import make_optimizer
 from jaxllm.train.state import Batch, LMTrainState, loss_and_sums
 
 
+class BadInput(ValueError):
+    """Input a profiler cannot run: the message says what, and what is allowed."""
+
+
 @dataclass(frozen=True)
 class Size:
     d_model: int

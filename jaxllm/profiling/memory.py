@@ -36,6 +36,7 @@ import jax
 from jaxllm.atomic_file import save_figure_atomic
 from jaxllm.ops import plan_ops
 from jaxllm.profiling.harness import (
+    BadInput,
     append_jsonl,
     is_oom,
     md_header,
@@ -295,7 +296,7 @@ def run(
     the device keeps allocator stats), "always" or "never"."""
     model = size_config(size, overrides).model
     if max(contexts) > model.context_length:
-        raise ValueError(f"--contexts must be in 1..{model.context_length} for size {size}, got "
+        raise BadInput(f"--contexts must be in 1..{model.context_length} for size {size}, got "
                          f"{list(contexts)} (raise it with --model.context_length=N)")  # fmt: skip
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ from jaxllm.profiling.flops import (
     mha_crossover_length,
     mha_flops,
 )
-from jaxllm.profiling.harness import md_header, md_row
+from jaxllm.profiling.harness import BadInput, md_header, md_row
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Hardware:
         """Peak FLOP/s for `dtype`; ValueError if the device has none."""
         if dtype not in self.peak_flops:
             allowed = ", ".join(self.peak_flops)
-            raise ValueError(f"{self.name} has no {dtype} peak; allowed: {allowed}")
+            raise BadInput(f"{self.name} has no {dtype} peak; allowed: {allowed}")
         return self.peak_flops[dtype]
 
     def ridge(self, dtype: str) -> float:
@@ -160,7 +160,7 @@ def load_measured(paths: Iterable[str | Path]) -> tuple[list[Measured], int, int
         try:
             lines = Path(path).read_text().splitlines()
         except OSError as e:
-            raise ValueError(f"cannot read measurements file {path}: {e.strerror}") from e
+            raise BadInput(f"cannot read measurements file {path}: {e.strerror}") from e
         for line in filter(str.strip, lines):
             total += 1
             try:

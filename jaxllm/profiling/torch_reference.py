@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.models import unstack_blocks
-from jaxllm.profiling.harness import is_oom, time_calls
+from jaxllm.profiling.harness import BadInput, is_oom, time_calls
 
 
 class TorchUnavailableError(RuntimeError):
@@ -143,7 +143,7 @@ def _modules() -> SimpleNamespace:
         def __init__(self, cfg: ModelConfig) -> None:
             super().__init__()
             if cfg.short_conv:
-                raise ValueError("the PyTorch reference has no short_conv")
+                raise BadInput("the PyTorch reference has no model.short_conv")
             self.cfg = cfg
             d = cfg.d_model
             self.wte = nn.Embedding(cfg.vocab_size, d)
@@ -190,13 +190,10 @@ def build(cfg: ModelConfig) -> Any:
     return _modules().LM(cfg)
 
 
-COMPILE_MODES = ("regional", "model")
-
-
 def compile_model(model: Any, how: str) -> Any:
     """torch.compile `model` (static shapes), returning what to call in its place.
 
-    "model": the whole model, one graph (minutes of compilation for tens of layers). "regional":
+    how "model": the whole model, one graph (minutes of compilation for tens of layers). "regional":
     each block and the output (final norm, head, loss) compiled on their own; the blocks share
     one compiled graph, so compilation costs about one block, whatever the depth (PyTorch's
     regional compilation recipe); only the embedding lookup stays eager. `model` is changed in
@@ -205,8 +202,6 @@ def compile_model(model: Any, how: str) -> Any:
     torch = require_torch(cuda=False)
     if how == "model":
         return torch.compile(model, dynamic=False)
-    if how != "regional":
-        raise ValueError(f"unknown compile mode {how!r}; allowed: {', '.join(COMPILE_MODES)}")
     for block in model.blocks:
         block.compile(dynamic=False)
     model.output = torch.compile(model.output, dynamic=False)
