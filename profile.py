@@ -101,8 +101,9 @@ def _backend(prealloc: bool = True) -> bool:
             os.environ[key] = old
 
 
-def _no_gpu(what: str, how: str) -> None:
-    print(f"no GPU: {what} on the XLA path; pass {how} for another", flush=True)
+def _no_gpu(what: str, how: str, kernels: str) -> None:
+    path = "the XLA path" if kernels == "xla" else "Pallas kernels, interpreted"
+    print(f"no GPU: {what} on {path}; pass {how} for another", flush=True)
 
 
 def _fitting(contexts: tuple[int, ...], limit: int) -> tuple[int, ...]:
@@ -147,9 +148,9 @@ def _bench(args: argparse.Namespace, overrides: list[str]) -> None:
     from jaxllm.profiling.harness import CS336_SIZES, size_config
 
     sizes = args.sizes or (CS336_SIZES if gpu else ("tiny",))
-    if not (args.sizes or gpu):
-        _no_gpu("benching size tiny", "--sizes small,...")
     base = size_config(sizes[0], overrides)  # bad overrides: one line before anything runs
+    if not (args.sizes or gpu):
+        _no_gpu("benching size tiny", "--sizes small,...", base.model.kernels)
     limit = min(size_config(s, overrides).model.context_length for s in sizes)
     sweep = bench.Sweep(
         sizes=sizes, contexts=args.contexts or _fitting(CONTEXTS, limit),
@@ -167,9 +168,9 @@ def _breakdown(args: argparse.Namespace, overrides: list[str]) -> None:
     from jaxllm.profiling.harness import size_config
 
     size = args.size or ("small" if gpu else "tiny")
-    if not (args.size or gpu):
-        _no_gpu("timing a layer of size tiny", "--size small")
     cfg = size_config(size, overrides)
+    if not (args.size or gpu):
+        _no_gpu("timing a layer of size tiny", "--size small", cfg.model.kernels)
     context = args.context or min(1024, cfg.model.context_length)
     breakdown.run(cfg.model, size, cfg.train.batch_size, context, warmup=args.warmup,
                   group=args.group, samples=args.samples, jsonl_path=args.jsonl)  # fmt: skip
@@ -184,9 +185,9 @@ def _trace(args: argparse.Namespace, overrides: list[str]) -> None:
     from jaxllm.profiling import trace
 
     config = args.config or ROOT / ("configs/gpt2_124m.yaml" if gpu else "configs/ar.yaml")
-    if not (args.config or gpu):
-        _no_gpu("tracing configs/ar.yaml", "--config configs/...")
     cfg = load_config(config, overrides)
+    if not (args.config or gpu):
+        _no_gpu("tracing configs/ar.yaml", "--config configs/...", cfg.model.kernels)
     m = cfg.model
     print(f"trace: {m.arch} d_model {m.d_model}, {m.n_layers} layers, context "
           f"{m.context_length}, batch {cfg.train.batch_size}, {m.compute_dtype}, remat {m.remat}; "
@@ -223,11 +224,12 @@ def _memory(args: argparse.Namespace, overrides: list[str]) -> None:
     from jaxllm.profiling.harness import size_config
 
     size = args.size or ("large" if gpu else "tiny")
+    model = size_config(size, overrides).model
     if not (args.size or gpu):
-        _no_gpu("measuring size tiny", "--size large")
-    limit = size_config(size, overrides).model.context_length
-    memory.run(size, args.contexts or _fitting(CONTEXTS[:3], limit), args.remats, overrides,
-               args.out, args.jsonl, args.isolate, args.samples)  # fmt: skip
+        _no_gpu("measuring size tiny", "--size large", model.kernels)
+    contexts = args.contexts or _fitting(CONTEXTS[:3], model.context_length)
+    memory.run(size, contexts, args.remats, overrides, args.out, args.jsonl, args.isolate,
+               args.samples)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the parser
