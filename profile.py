@@ -33,6 +33,8 @@ if __name__ == "profile":
     sys.modules["profile"] = _stdlib_profile
     _spec.loader.exec_module(_stdlib_profile)
 
+# jaxllm (and so jax) is imported inside the subcommands: the parser and --help stay fast, and
+# XLA's flags are set before jax's backend starts (_backend).
 ROOT = Path(__file__).resolve().parent
 KERNELS = ("softmax", "layer_norm", "conv1d")
 CONTEXTS = (128, 256, 512, 1024)

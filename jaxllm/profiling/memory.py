@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxllm.atomic_file import save_figure_atomic
 from jaxllm.ops import plan_ops
@@ -246,7 +247,6 @@ def plot(records: Sequence[dict[str, Any]], path: str | Path, allocator: bool) -
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     src = "allocator" if allocator else "xla"
     contexts = sorted({r["context"] for r in records})

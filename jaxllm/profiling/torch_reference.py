@@ -40,7 +40,7 @@ class TorchUnavailableError(RuntimeError):
 def require_torch(cuda: bool = True) -> Any:
     """The torch module; TorchUnavailableError with a one-line reason if it cannot be used."""
     try:
-        import torch
+        import torch  # optional: see the module docstring
     except ImportError:
         raise TorchUnavailableError(
             "the PyTorch side-by-side needs torch (pip install torch); jaxllm does not depend "
