@@ -473,12 +473,12 @@ def format_row(rec: dict[str, Any], torch: bool = False) -> str:
 def run(sweep: Sweep, jsonl_path: str | None = None, progress: bool = True) -> list[dict]:
     """Run the sweep: a preamble and the Markdown table on stdout (a row per config x mode as it
     finishes), a JSON line per row appended to `jsonl_path`, a tqdm bar on stderr (on a
-    terminal). ValueError when a context exceeds a size's model.context_length."""
+    terminal). BadInput when a context exceeds a size's model.context_length."""
     for size in sweep.sizes:
         limit = sweep.config(size, sweep.dtypes[0]).model.context_length
         if max(sweep.contexts) > limit:
             raise BadInput(f"--contexts: {max(sweep.contexts)} exceeds size {size}'s context "
-                             f"{limit}; raise it with --model.context_length=N")  # fmt: skip
+                           f"{limit}; raise it with --model.context_length=N")  # fmt: skip
     on_gpu = jax.default_backend() == "gpu"
     isolated = sweep.isolate == "always" or (sweep.isolate == "auto" and on_gpu)
     device = jax.devices()[0].device_kind

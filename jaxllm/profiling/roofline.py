@@ -50,7 +50,7 @@ class Hardware:
     mem_bytes_per_s: float
 
     def peak(self, dtype: str) -> float:
-        """Peak FLOP/s for `dtype`; ValueError if the device has none."""
+        """Peak FLOP/s for `dtype`; BadInput if the device has none."""
         if dtype not in self.peak_flops:
             allowed = ", ".join(self.peak_flops)
             raise BadInput(f"{self.name} has no {dtype} peak; allowed: {allowed}")
@@ -358,7 +358,7 @@ def report(
     peak_tflops: float | None = None, peak_gbps: float | None = None,
     png: str | Path | None = None, measured: Sequence[str | Path] = (),
 ) -> str:  # fmt: skip
-    """The text of `python profile.py roofline` (writes `png` too); ValueError on bad input.
+    """The text of `python profile.py roofline` (writes `png` too); BadInput on bad input.
 
     Without `conv`: the per-op table of one decoder layer of `model` at (batch,
     model.context_length) on every device (model.short_conv adds its causal conv) and the MHA
