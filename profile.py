@@ -274,7 +274,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--measured", nargs="+", default=(), metavar="FILE", help="JSONL rows")
 
     b = add("bench", _bench, "end-to-end time of forward / backward / train step (CS336 5.2)")
-    b.add_argument("--sizes", type=_names(*SIZES), default=None, help="default: small..2.7B")
+    b.add_argument(
+        "--sizes", type=_names(*SIZES), default=None, help="default: small..2.7B; no GPU: tiny"
+    )
     b.add_argument("--contexts", type=_ints, default=None, help="default: 128..1024 that fit")
     b.add_argument("--dtypes", type=_names("float32", "bfloat16"), default=None,
                    help="compute dtypes (default: the model's)")  # fmt: skip
@@ -289,7 +291,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-progress", action="store_true", help="no tqdm bar")
 
     d = add("breakdown", _breakdown, "one layer: time per component vs its FLOP share")
-    d.add_argument("--size", choices=SIZES, default=None, help="default: small")
+    d.add_argument("--size", choices=SIZES, default=None, help="default: small; no GPU: tiny")
     d.add_argument("--context", type=_count, default=None, help="default: 1024 or the model's")
     _timing(d, warmup=3, samples=5, group=10)
     d.add_argument("--jsonl", **jsonl)
@@ -300,7 +302,9 @@ def _parser() -> argparse.ArgumentParser:
     ):
         t = add(name, func, help)
         t.add_argument("--out", required=True, help="output directory")
-        t.add_argument("--config", default=None, help="YAML preset (default: GPT-2 124M)")
+        t.add_argument(
+            "--config", default=None, help="default: GPT-2 124M; no GPU: configs/ar.yaml"
+        )
         _timing(t, warmup=3, samples=3, group=None)
     sub.choices["nsys"].add_argument("--nsys-bin", default="nsys", help="the nsys executable")
     t = sub.choices["trace"]
@@ -308,7 +312,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--nvtx", action="store_true", help="phases in NVTX ranges, for nsys")
 
     m = add("memory", _memory, "peak memory of forward / train step per context, remat or not")
-    m.add_argument("--size", choices=SIZES, default=None, help="default: large")
+    m.add_argument("--size", choices=SIZES, default=None, help="default: large; no GPU: tiny")
     m.add_argument("--contexts", type=_ints, default=None, help="default: 128,256,512 that fit")
     m.add_argument("--remats", type=_names("none", "block"), default=("none", "block"))
     m.add_argument("--samples", type=_count, default=3, help="timed train steps")
