@@ -1,16 +1,15 @@
-"""Profiling CLI. Subcommands:
+"""Profiling CLI: `python profile.py SUBCOMMAND [flags] [--section.key=value ...]`.
 
-  kernels   benchmark the Pallas kernels against XLA and PyTorch (jaxllm/profiling/kernel_bench.py)
-  roofline  FLOPs, bytes, intensity and roofline verdicts per op (jaxllm/profiling/roofline.py)
-  bench     end-to-end model timing over sizes x contexts x dtypes (jaxllm/profiling/bench.py)
-  breakdown one layer's time per component next to its FLOP share (jaxllm/profiling/breakdown.py)
-  trace     jax.profiler trace of train steps for TensorBoard, top kernels per step, HLO
-            (jaxllm/profiling/trace.py); `--nvtx`: phases as NVTX ranges for Nsight Systems
-  nsys      `trace --nvtx` under `nsys profile --trace=cuda,nvtx`, then `nsys stats` per phase
-  memory    peak memory of forward / train step per context, with and without remat, + PNG and
-            pprof files (jaxllm/profiling/memory.py)
+  kernels    the Pallas kernels against XLA and PyTorch: time, GB/s, % of copy (needs a GPU)
+  roofline   FLOPs, bytes, intensity and roofline verdicts per op of a layer; the conv1d question
+  bench      end-to-end time of forward / backward / train step over sizes x contexts (CS336 5.2)
+  breakdown  one layer's time per component next to its FLOP share
+  trace      jax.profiler trace of train steps (TensorBoard), top kernels per step, HLO
+  nsys       `trace --nvtx` under Nsight Systems, then `nsys stats` per phase
+  memory     peak memory of forward / train step per context, with and without remat
 
-Run on a GPU: `python profile.py kernels [--tune] [--only softmax,layer_norm,conv1d]`.
+Config overrides are train.py's: --execution.kernels=pallas --train.batch_size=16 ... Without a
+GPU every subcommand picks a CPU-sized model on the XLA path and says so in its first line.
 """
 
 from __future__ import annotations
@@ -25,9 +24,8 @@ from pathlib import Path
 if __name__ == "profile":
     # Imported as `profile`, not run: the repo root is on sys.path (cwd, for `python -m cProfile`
     # or `python -c` here), so this file shadows the standard library's `profile`, which cProfile
-    # imports (`module 'profile' has no attribute 'run'`). Load the real one from the stdlib
-    # directory and put it in sys.modules: the import system hands importers whatever
-    # sys.modules holds once this file has run, so they get the standard library's module.
+    # imports. Load the real one and put it in sys.modules: importers get whatever sys.modules
+    # holds once this file has run.
     _spec = importlib.util.spec_from_file_location(
         "profile", os.path.join(sysconfig.get_paths()["stdlib"], "profile.py")
     )
@@ -35,360 +33,301 @@ if __name__ == "profile":
     sys.modules["profile"] = _stdlib_profile
     _spec.loader.exec_module(_stdlib_profile)
 
+# jaxllm (and so jax) is imported inside the subcommands: the parser and --help stay fast, and
+# XLA's flags are set before jax's backend starts (_backend).
+ROOT = Path(__file__).resolve().parent
 KERNELS = ("softmax", "layer_norm", "conv1d")
+CONTEXTS = (128, 256, 512, 1024)
+# harness.SIZES and bench.MODES, named here so that building the parser imports no jax
+SIZES = ("tiny", "small", "medium", "large", "xl", "2.7B")
+MODES = ("logits", "forward", "forward_backward", "train_step")
+OVERRIDES = (
+    "Config overrides as train.py takes them: --execution.kernels=pallas --train.batch_size=16"
+)
 
 
-def _kernels(args: argparse.Namespace) -> int:
-    only = [k for k in args.only.split(",") if k]
-    bad = [k for k in only if k not in KERNELS]
-    if bad:
-        raise SystemExit(f"--only: unknown kernel(s) {bad}; allowed: {', '.join(KERNELS)}")
-    # Share the GPU with PyTorch's baselines: allocate on demand instead of grabbing 75%.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+def _ints(text: str) -> tuple[int, ...]:
+    """'128,1024' -> (128, 1024), each >= 1 (an argparse type)."""
+    try:
+        items = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        items = ()
+    if not items or min(items) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return items
+
+
+def _names(*allowed: str):
+    """An argparse type: 'a,b' -> ('a', 'b'), each one of `allowed`."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(x.strip() for x in text.split(",") if x.strip())
+        bad = [x for x in items if x not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{bad or text!r}; allowed: {', '.join(allowed)}")
+        return items
+
+    return parse
+
+
+def _count(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _backend(prealloc: bool = True) -> bool:
+    """Set XLA's flags, start jax's backend, say whether it is a GPU. prealloc False: this
+    process allocates on demand (it only reads the device, or shares it with PyTorch); the
+    environment its children inherit stays as it was."""
+    from jaxllm.xla_flags import apply_default_xla_flags
+
+    apply_default_xla_flags()  # before the backend starts: XLA reads its flags then
+    key, old = "XLA_PYTHON_CLIENT_PREALLOCATE", os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
+    if not prealloc:
+        os.environ[key] = "false"
     import jax
 
+    try:
+        return jax.default_backend() == "gpu"
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
+def _no_gpu(what: str, how: str, kernels: str) -> None:
+    path = "the XLA path" if kernels == "xla" else "Pallas kernels, interpreted"
+    print(f"no GPU: {what} on {path}; pass {how} for another", flush=True)
+
+
+def _fitting(contexts: tuple[int, ...], limit: int) -> tuple[int, ...]:
+    return tuple(t for t in contexts if t <= limit) or (limit,)
+
+
+# ----------------------------------------------------------------------------- subcommands
+def _kernels(args: argparse.Namespace, overrides: list[str]) -> None:
+    from jaxllm.profiling.harness import BadInput
+
+    if not _backend(prealloc=False):  # on demand: PyTorch's baselines share the GPU
+        raise BadInput("needs a GPU (jax's backend here is not 'gpu'); the kernels' analytic "
+                         "roofline runs anywhere: python profile.py roofline")  # fmt: skip
     from jaxllm.profiling import kernel_bench
 
-    if jax.default_backend() != "gpu":
-        raise SystemExit("profile.py kernels needs a GPU (jax.default_backend() is not 'gpu')")
-    kernel_bench.run(only or list(KERNELS), tune=args.tune, jsonl_path=args.jsonl)
-    return 0
+    kernel_bench.run(list(args.only), tune=args.tune, jsonl_path=args.jsonl)
 
 
-# ----------------------------------------------------------------------------- roofline
-def _roofline(args: argparse.Namespace) -> int:
+def _roofline(args: argparse.Namespace, overrides: list[str]) -> None:
+    from jaxllm.config import load_config
     from jaxllm.profiling import roofline
+    from jaxllm.profiling.harness import BadInput
 
-    names = ("op", "arch", "batch", "length", "width", "heads", "d_ff", "dtype", "device",
-             "kernel", "conv_padding", "peak_tflops", "peak_gbps", "png", "measured")  # fmt: skip
-    try:
-        print(roofline.report(**{name: getattr(args, name) for name in names}))
-    except ValueError as e:  # bad input: one line naming it and what is allowed
-        raise SystemExit(f"profile.py roofline: {e}") from None
-    return 0
-
-
-def _add_roofline(sub) -> None:
-    r = sub.add_parser("roofline", help="per-op FLOPs, bytes, intensity, roofline verdicts, PNG")
-    r.add_argument("--op", default="layer", help="layer (one decoder layer's ops) or conv1d")
-    r.add_argument("--arch", default="gpt2", help="gpt2 or transformer_lm (RMSNorm, SwiGLU, RoPE)")
-    r.add_argument("--batch", type=int, default=4)
-    r.add_argument("--length", type=int, default=1024, help="sequence length")
-    r.add_argument("--width", "--d-model", dest="width", type=int, default=768, help="d_model")
-    r.add_argument("--heads", type=int, default=12)
-    r.add_argument("--d-ff", type=int, default=None, help="MLP width (default 4 * width)")
-    r.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
-    device_help = "A100, T4 or H100: the PNG's roof, the conv verdict, the measured machine"
-    r.add_argument("--device", default="H100", help=device_help)
-    conv_help = "conv1d kernel size (--op conv1d: default 3; layer: adds a short conv)"
-    r.add_argument("--kernel", type=int, default=None, help=conv_help)
-    pad_help = "full, causal or same (default: full for --op conv1d, causal in a layer)"
-    r.add_argument("--conv-padding", default=None, help=pad_help)
-    r.add_argument("--peak-tflops", type=float, default=None, help="measured peak TFLOP/s")
-    r.add_argument("--peak-gbps", type=float, default=None, help="measured memory GB/s")
-    r.add_argument("--png", default=None, help="write the roofline plot here")
-    rows_help = "JSONL files of `kernels --jsonl` or {name, flops, bytes, seconds} rows"
-    r.add_argument("--measured", nargs="+", default=(), metavar="FILE", help=rows_help)
-    r.set_defaults(func=_roofline)
+    if args.conv and len(args.conv) != 4:
+        raise BadInput(f"--conv takes B,L,D,K, got {','.join(map(str, args.conv))}")
+    base = [] if args.config else ["--train.batch_size=4"]
+    cfg = load_config(args.config, base + overrides)
+    print(roofline.report(
+        cfg.model, cfg.train.batch_size, dtype=args.dtype, device=args.device, conv=args.conv,
+        conv_padding=args.conv_padding, peak_tflops=args.peak_tflops, peak_gbps=args.peak_gbps,
+        png=args.png, measured=args.measured,
+    ))  # fmt: skip
 
 
-# ----------------------------------------------------------------------------- bench
-def _bench(args: argparse.Namespace) -> int:
-    from jaxllm.xla_flags import apply_default_xla_flags
+def _bench(args: argparse.Namespace, overrides: list[str]) -> None:
+    if args.torch:
+        from jaxllm.profiling.torch_reference import require_torch
 
-    apply_default_xla_flags()  # before jax starts its backend: XLA reads its flags then
-    if args.torch:  # share the GPU with PyTorch: allocate on demand instead of grabbing 75%
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        require_torch(cuda=True)
+    gpu = _backend(prealloc=False)  # the sweep's children allocate as a plain run does
     from jaxllm.profiling import bench
-    from jaxllm.profiling.torch_reference import TorchUnavailableError, require_torch
+    from jaxllm.profiling.harness import CS336_SIZES, size_config
 
-    try:
-        sweep = bench.Sweep(
-            sizes=bench.parse_choices(
-                args.sizes or ",".join(bench.CS336_SIZES), tuple(bench.SIZES), "--sizes"
-            ),
-            contexts=bench.parse_ints(args.contexts, "--contexts"),
-            dtypes=bench.parse_choices(args.dtypes, bench.DTYPES, "--dtypes"),
-            modes=bench.parse_choices(
-                args.modes or ",".join(bench.DEFAULT_MODES), bench.MODES, "--modes"
-            ),
-            arch=args.arch, batch=args.batch, vocab=args.vocab, kernels=args.kernels,
-            warmup=args.warmup, steps=args.steps, group=args.group, overrides=tuple(args.set),
-            torch=args.torch,
-            compile_workers=args.compile_workers, torch_compile=args.torch_compile,
-            isolate=args.isolate,
-        )  # fmt: skip
-        bench.check_sweep(sweep)
-        if args.torch:
-            require_torch(cuda=True)
-        bench.run(sweep, jsonl_path=args.jsonl, progress=not args.no_progress)
-    except (bench.BenchArgError, TorchUnavailableError) as e:  # one line: what and what is allowed
-        raise SystemExit(f"profile.py bench: {e}") from None
-    return 0
+    sizes = args.sizes or (CS336_SIZES if gpu else ("tiny",))
+    base = size_config(sizes[0], overrides)  # bad overrides: one line before anything runs
+    if not (args.sizes or gpu):
+        _no_gpu("benching size tiny", "--sizes small,...", base.execution.kernels)
+    limit = min(size_config(s, overrides).model.context_length for s in sizes)
+    sweep = bench.Sweep(
+        sizes=sizes, contexts=args.contexts or _fitting(CONTEXTS, limit),
+        dtypes=args.dtypes or (base.execution.compute_dtype,),
+        modes=args.modes or bench.DEFAULT_MODES,
+        overrides=tuple(overrides), warmup=args.warmup, samples=args.samples, group=args.group,
+        torch=args.torch, torch_compile=args.torch_compile,
+        compile_workers=args.compile_workers, isolate=args.isolate,
+    )  # fmt: skip
+    bench.run(sweep, jsonl_path=args.jsonl, progress=not args.no_progress)
 
 
-def _add_bench(sub) -> None:
-    # No jaxllm import here: building the parser must not import jax (flags first, in _bench).
-    # Defaults of None are filled in from jaxllm.profiling.bench; bad names list what is allowed.
-    b = sub.add_parser(
-        "bench", help="end-to-end time of forward / backward / train step (CS336 5.2)"
-    )
-    sizes_help = "model sizes: small, medium, large, xl, 2.7B (default: all), tiny (tests)"
-    b.add_argument("--sizes", default=None, help=sizes_help)
-    b.add_argument("--contexts", default="128,256,512,1024", help="context lengths")
-    b.add_argument("--dtypes", default="float32", help="compute dtypes: float32, bfloat16")
-    modes_help = (
-        "logits, forward (+ loss), forward_backward, train_step (+ clipping and AdamW); "
-        "default: the last three"
-    )
-    b.add_argument("--modes", default=None, help=modes_help)
-    b.add_argument("--arch", default="gpt2", help="gpt2 or transformer_lm")
-    b.add_argument("--batch", type=int, default=4)
-    b.add_argument("--vocab", type=int, default=10_000, help="vocabulary size (CS336: 10000)")
-    b.add_argument("--kernels", default="xla", help="xla or pallas (execution.kernels)")
-    b.add_argument("--warmup", type=int, default=5, help="untimed calls before the timed ones")
-    b.add_argument("--steps", type=int, default=10, help="timed samples, each closed by a sync")
-    group_help = "calls per timed sample, back to back (1: every call synced, CS336's recipe)"
-    b.add_argument("--group", type=int, default=1, help=group_help)
-    workers_help = "threads compiling a size's executables ahead of time (1: one at a time)"
-    b.add_argument("--compile-workers", type=int, default=8, help=workers_help)
-    set_help = "a config override, e.g. execution.attention_impl=dot_product_attention (repeatable)"
-    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=set_help)
-    torch_help = "also time the same model in PyTorch, eager and torch.compile (needs CUDA)"
-    b.add_argument("--torch", action="store_true", help=torch_help)
-    compile_help = (
-        "regional (default: each block compiled once, shared by all; the output too) or model "
-        "(the whole model, one graph: minutes per config)"
-    )
-    b.add_argument("--torch-compile", default="regional", help=compile_help)
-    isolate_help = (
-        "a fresh process per size, and a new one after an out-of-memory error (the cell "
-        "re-run alone): auto (on a GPU), always, never"
-    )
-    b.add_argument("--isolate", default="auto", help=isolate_help)
-    b.add_argument("--jsonl", default=None, help="append one JSON line per table row here")
-    bar_help = "no tqdm bar (there is one only when stderr is a terminal)"
-    b.add_argument("--no-progress", action="store_true", help=bar_help)
-    b.set_defaults(func=_bench)
+def _breakdown(args: argparse.Namespace, overrides: list[str]) -> None:
+    gpu = _backend()
+    from jaxllm.profiling import breakdown
+    from jaxllm.profiling.harness import size_config
+
+    size = args.size or ("small" if gpu else "tiny")
+    cfg = size_config(size, overrides)
+    if not (args.size or gpu):
+        _no_gpu("timing a layer of size tiny", "--size small", cfg.execution.kernels)
+    context = args.context or min(1024, cfg.model.context_length)
+    breakdown.run(cfg.model, cfg.execution, size, cfg.train.batch_size, context, warmup=args.warmup,
+                  group=args.group, samples=args.samples, jsonl_path=args.jsonl)  # fmt: skip
 
 
-# ----------------------------------------------------------------------------- breakdown
-def _breakdown(args: argparse.Namespace) -> int:
-    from jaxllm.xla_flags import apply_default_xla_flags
-
-    apply_default_xla_flags()  # before jax starts its backend: XLA reads its flags then
-    from jaxllm.profiling import bench, breakdown
-
-    try:
-        for flag, value, allowed in (
-            ("--size", args.size, tuple(bench.SIZES)),
-            ("--dtype", args.dtype, bench.DTYPES),
-            ("--arch", args.arch, bench.ARCHS),
-            ("--kernels", args.kernels, bench.KERNELS),
-        ):
-            if value not in allowed:  # one value each, not a list
-                raise bench.BenchArgError(f"{flag}: unknown value {value!r}; allowed: "
-                                          f"{', '.join(allowed)} (one of them)")  # fmt: skip
-        size, dtype = args.size, args.dtype
-        if min(args.batch, args.context, args.steps, args.repeats) < 1 or args.warmup < 0:
-            raise bench.BenchArgError(
-                "--batch, --context, --steps and --repeats must be >= 1, --warmup >= 0"
-            )
-        cfg = bench.build_config(
-            size, arch=args.arch, dtype=dtype, kernels=args.kernels, batch=args.batch,
-            overrides=args.set,
-        )  # fmt: skip
-        breakdown.run(
-            cfg.model, size, args.batch, args.context, warmup=args.warmup, steps=args.steps,
-            repeats=args.repeats, jsonl_path=args.jsonl,
-        )  # fmt: skip
-    except bench.BenchArgError as e:  # one line: what and what is allowed
-        raise SystemExit(f"profile.py breakdown: {e}") from None
-    return 0
-
-
-def _add_breakdown(sub) -> None:
-    d = sub.add_parser("breakdown", help="one layer: time per component vs its FLOP share")
-    d.add_argument("--size", default="small", help="one of bench's sizes (small .. 2.7B, tiny)")
-    d.add_argument("--context", type=int, default=1024, help="sequence length")
-    d.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
-    d.add_argument("--batch", type=int, default=4)
-    d.add_argument("--arch", default="gpt2", help="gpt2 or transformer_lm")
-    d.add_argument("--kernels", default="xla", help="xla or pallas (execution.kernels)")
-    d.add_argument("--warmup", type=int, default=3, help="untimed calls per piece")
-    d.add_argument("--steps", type=int, default=10, help="back-to-back calls per sample")
-    d.add_argument("--repeats", type=int, default=5, help="samples; the median is reported")
-    set_help = "a config override, e.g. execution.attention_impl=dot_product_attention (repeatable)"
-    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=set_help)
-    d.add_argument("--jsonl", default=None, help="append one JSON line per piece here")
-    d.set_defaults(func=_breakdown)
-
-
-# ----------------------------------------------------------------------------- trace
-TRACE_DEFAULT_CONFIG = "configs/gpt2_124m.yaml"
-
-
-def _config_overrides(args: argparse.Namespace) -> list[str]:
-    """--set KEY=VALUE items, then trailing --section.key=value arguments (as train.py)."""
-    return [s if s.startswith("--") else f"--{s}" for s in args.set] + list(args.overrides)
-
-
-def _trace(args: argparse.Namespace) -> int:
-    from jaxllm.xla_flags import apply_default_xla_flags
-
-    apply_default_xla_flags()  # before jax starts its backend: XLA reads its flags then
+def _trace(args: argparse.Namespace, overrides: list[str]) -> None:
+    gpu = _backend()
     import jax
 
-    from jaxllm.config import ConfigError, load_config
-    from jaxllm.profiling import trace
-
-    try:
-        cfg = load_config(args.config, _config_overrides(args))
-    except ConfigError as e:
-        raise SystemExit(f"profile.py trace: {e}") from None
-    if args.warmup < 0 or args.steps < 1 or args.top < 1:
-        raise SystemExit("profile.py trace: --warmup must be >= 0, --steps and --top >= 1")
-    m = cfg.model
-    print(
-        f"trace: {m.arch} d_model {m.d_model}, {m.n_layers} layers, context {m.context_length}, "
-        f"batch {cfg.train.batch_size}, {m.compute_dtype}, remat {m.remat}; {args.warmup} "
-        f"warm-up + {args.steps} {'NVTX-ranged' if args.nvtx else 'traced'} train steps; "
-        f"device {jax.devices()[0].device_kind}, "
-        f"jax {jax.__version__}",
-        flush=True,
-    )
+    from jaxllm.config import load_config
     from jaxllm.ops import plan_ops
-
-    print(
-        plan_ops(cfg.model, cfg.execution).describe(), flush=True
-    )  # which paths run (e.g. Pallas interpreted)
-    res = trace.trace_train_steps(cfg, args.out, args.warmup, args.steps, args.nvtx, args.top)
-    if args.nvtx:
-        src = trace.nvtx_source()
-        print("phases (host ms per step, each synced):", ", ".join(
-            f"{p} {ms:.2f}" for p, ms in res.phase_ms.items()))  # fmt: skip
-        if src == "none":
-            print("NVTX: no NVTX library found (libnvToolsExt or the nvtx package): the "
-                  "warmup/steps/phase ranges exist only as jax.profiler annotations; under nsys, "
-                  "XLA's own NVTX ranges (domain TSL) still name each program: jit_forward, "
-                  "jit_backward, jit_optimizer")  # fmt: skip
-        else:
-            print(f"NVTX ranges warmup, steps, {', '.join(trace.PHASES)} via {src}")
-        print(f"wrote {res.hlo_path} (optimized HLO of the three phase programs)")
-        return 0
-    print(trace.format_summary(res.summary, jax.default_backend()))
-    print(
-        f"\nwrote {trace.latest_profile_dir(res.trace_dir)} (*.xplane.pb, *.trace.json.gz, "
-        f"perfetto_trace.json.gz) and {res.hlo_path} (optimized HLO: kernel names are its "
-        "fusion names, scopes its op_name metadata)\n"
-        f'open: pip install -e ".[profile]" && tensorboard --logdir {res.trace_dir}  '
-        "(Profile tab, trace_viewer), or load perfetto_trace.json.gz in https://ui.perfetto.dev"
-    )
-    return 0
-
-
-def _add_trace_args(t) -> None:
-    """The flags `trace` and `nsys` share: what to run and for how long."""
-    t.add_argument("--config", default=TRACE_DEFAULT_CONFIG, help="YAML preset")
-    set_help = "a config override, e.g. model.n_layers=2 (repeatable); trailing "
-    set_help += "--section.key=value arguments work too, as in train.py"
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=set_help)
-    t.add_argument("--warmup", type=int, default=3, help="untraced steps first (compile)")
-    t.add_argument("--steps", type=int, default=3, help="traced train steps")
-    t.set_defaults(overrides_ok=True)
-
-
-def _add_trace(sub) -> None:
-    t = sub.add_parser(
-        "trace", help="jax.profiler trace of train steps (TensorBoard), top kernels, HLO"
-    )
-    t.add_argument("--out", required=True, help="output dir: trace/, step.hlo.txt")
-    _add_trace_args(t)
-    t.add_argument("--top", type=int, default=30, help="kernels in the table")
-    nvtx_help = "for Nsight Systems: forward / backward / optimizer as separate programs in "
-    nvtx_help += "NVTX ranges (no jax.profiler trace); see `profile.py nsys`"
-    t.add_argument("--nvtx", action="store_true", help=nvtx_help)
-    t.set_defaults(func=_trace)
-
-
-# ----------------------------------------------------------------------------- nsys
-def _nsys(args: argparse.Namespace) -> int:
     from jaxllm.profiling import trace
 
-    trace_args = [f"--config={args.config}", f"--warmup={args.warmup}", f"--steps={args.steps}"]
-    trace_args += _config_overrides(args)
-    try:
-        trace.run_nsys(args.out, trace_args, args.nsys_bin)
-    except trace.NsysError as e:
-        raise SystemExit(f"profile.py nsys: {e}") from None
-    return 0
+    config = args.config or ROOT / ("configs/gpt2_124m.yaml" if gpu else "configs/ar.yaml")
+    cfg = load_config(config, overrides)
+    if not (args.config or gpu):
+        _no_gpu("tracing configs/ar.yaml", "--config configs/...", cfg.execution.kernels)
+    m, ex = cfg.model, cfg.execution
+    print(f"trace: {m.arch} d_model {m.d_model}, {m.n_layers} layers, context "
+          f"{m.context_length}, batch {cfg.train.batch_size}, {ex.compute_dtype}, "
+          f"remat {ex.remat}; "
+          f"{args.warmup} warm-up + {args.samples} {'NVTX-ranged' if args.nvtx else 'traced'} "
+          f"train steps; device {jax.devices()[0].device_kind}, jax {jax.__version__}")  # fmt: skip
+    print(plan_ops(m, ex).describe(), flush=True)  # which paths run
+    res = trace.trace_train_steps(cfg, args.out, args.warmup, args.samples, args.nvtx, args.top)
+    if args.nvtx:
+        print("phases (host ms per step, each synced):",
+              ", ".join(f"{p} {ms:.2f}" for p, ms in res.phase_ms.items()))  # fmt: skip
+        print(
+            f"NVTX ranges warmup, steps, {', '.join(trace.PHASES)} via {trace.nvtx_source()}"
+            f" (none: XLA's own ranges still name each program); wrote {res.hlo_path}"
+        )
+        return
+    print(trace.format_summary(res.summary, jax.default_backend()))
+    print(f"\nwrote {trace.latest_profile_dir(res.trace_dir)} (*.xplane.pb, *.trace.json.gz, "
+          f"perfetto_trace.json.gz) and {res.hlo_path} (optimized HLO)\nopen: pip install -e "
+          f'".[profile]" && tensorboard --logdir {res.trace_dir}  (Profile tab), or '
+          "perfetto_trace.json.gz in https://ui.perfetto.dev")  # fmt: skip
 
 
-def _add_nsys(sub) -> None:
-    n = sub.add_parser(
-        "nsys", help="Nsight Systems: `trace --nvtx` under nsys profile, then nsys stats"
+def _nsys(args: argparse.Namespace, overrides: list[str]) -> None:
+    from jaxllm.profiling import trace
+
+    trace_args = [f"--warmup={args.warmup}", f"--samples={args.samples}", *overrides]
+    trace_args += [f"--config={args.config}"] if args.config else []
+    trace.run_nsys(args.out, trace_args, args.nsys_bin)
+
+
+def _memory(args: argparse.Namespace, overrides: list[str]) -> None:
+    gpu = _backend(prealloc=False)  # this process only reads device stats
+    from jaxllm.profiling import memory
+    from jaxllm.profiling.harness import size_config
+
+    size = args.size or ("large" if gpu else "tiny")
+    cfg = size_config(size, overrides)
+    if not (args.size or gpu):
+        _no_gpu("measuring size tiny", "--size large", cfg.execution.kernels)
+    contexts = args.contexts or _fitting(CONTEXTS[:3], cfg.model.context_length)
+    memory.run(size, contexts, args.remats, overrides, args.out, args.jsonl, args.isolate,
+               args.samples)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the parser
+def _timing(p: argparse.ArgumentParser, warmup: int, samples: int, group: int | None) -> None:
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed calls (or steps) first")
+    p.add_argument("--samples", type=_count, default=samples, help="timed samples")
+    if group:
+        p.add_argument("--group", type=_count, default=group, help="calls per sample")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, func, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, allow_abbrev=False, epilog=OVERRIDES)
+        p.set_defaults(func=func)
+        return p
+
+    jsonl = dict(default=None, help="append a JSON line per row here")
+    isolate = dict(default="auto", choices=("auto", "always", "never"),
+                   help="child processes (auto: on a GPU)")  # fmt: skip
+    # help strings go through %-formatting (argparse): "%%" prints one "%"
+    k = add("kernels", _kernels, "Pallas kernels vs XLA and PyTorch: time, GB/s, %% of copy")
+    k.add_argument("--only", type=_names(*KERNELS), default=KERNELS, help=", ".join(KERNELS))
+    k.add_argument("--tune", action="store_true", help="also time a few block configs")
+    k.add_argument("--jsonl", **jsonl)
+
+    r = add("roofline", _roofline, "per-op FLOPs, bytes, intensity, roofline verdicts, PNG")
+    r.add_argument("--config", default=None, help="YAML preset (default: GPT-2 small, batch 4)")
+    r.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
+                   help="element dtype analysed")  # fmt: skip
+    r.add_argument("--device", default="H100", type=str.upper, choices=("A100", "T4", "H100"))
+    r.add_argument("--conv", type=_ints, default=None, metavar="B,L,D,K",
+                   help="the conv1d question at this shape instead of a layer")  # fmt: skip
+    r.add_argument("--conv-padding", default="full", choices=("full", "causal", "same"))
+    r.add_argument("--peak-tflops", type=_positive, default=None, help="measured peak TFLOP/s")
+    r.add_argument("--peak-gbps", type=_positive, default=None, help="measured memory GB/s")
+    r.add_argument("--png", default=None, help="write the roofline plot here")
+    r.add_argument("--measured", nargs="+", default=(), metavar="FILE", help="JSONL rows")
+
+    b = add("bench", _bench, "end-to-end time of forward / backward / train step (CS336 5.2)")
+    b.add_argument(
+        "--sizes", type=_names(*SIZES), default=None, help="default: small..2.7B; no GPU: tiny"
     )
-    n.add_argument("--out", required=True, help="output dir: report.nsys-rep, phases.hlo.txt")
-    n.add_argument("--nsys-bin", default="nsys", help="the nsys executable (name or path)")
-    _add_trace_args(n)
-    n.set_defaults(func=_nsys)
+    b.add_argument("--contexts", type=_ints, default=None, help="default: 128..1024 that fit")
+    b.add_argument("--dtypes", type=_names("float32", "bfloat16"), default=None,
+                   help="compute dtypes (default: the model's)")  # fmt: skip
+    b.add_argument("--modes", type=_names(*MODES), default=None,
+                   help=f"{', '.join(MODES)} (default: the last three)")  # fmt: skip
+    _timing(b, warmup=5, samples=10, group=1)
+    b.add_argument("--torch", action="store_true", help="also PyTorch, eager and compiled")
+    b.add_argument("--torch-compile", default="regional", choices=("regional", "model"))
+    b.add_argument("--compile-workers", type=_count, default=8, help="compile threads")
+    b.add_argument("--isolate", **isolate)
+    b.add_argument("--jsonl", **jsonl)
+    b.add_argument("--no-progress", action="store_true", help="no tqdm bar")
 
+    d = add("breakdown", _breakdown, "one layer: time per component vs its FLOP share")
+    d.add_argument("--size", choices=SIZES, default=None, help="default: small; no GPU: tiny")
+    d.add_argument("--context", type=_count, default=None, help="default: 1024 or the model's")
+    _timing(d, warmup=3, samples=5, group=10)
+    d.add_argument("--jsonl", **jsonl)
 
-# ----------------------------------------------------------------------------- memory
-def _memory(args: argparse.Namespace) -> int:
-    from jaxllm.xla_flags import apply_default_xla_flags
+    for name, func, help in (
+        ("trace", _trace, "jax.profiler trace of train steps (TensorBoard), top kernels, HLO"),
+        ("nsys", _nsys, "Nsight Systems: `trace --nvtx` under nsys profile, then nsys stats"),
+    ):
+        t = add(name, func, help)
+        t.add_argument("--out", required=True, help="output directory")
+        t.add_argument(
+            "--config", default=None, help="default: GPT-2 124M; no GPU: configs/ar.yaml"
+        )
+        _timing(t, warmup=3, samples=3, group=None)
+    sub.choices["nsys"].add_argument("--nsys-bin", default="nsys", help="the nsys executable")
+    t = sub.choices["trace"]
+    t.add_argument("--top", type=_count, default=30, help="kernels in the table")
+    t.add_argument("--nvtx", action="store_true", help="phases in NVTX ranges, for nsys")
 
-    apply_default_xla_flags()  # before jax starts its backend: XLA reads its flags then
-    # This process only reads device stats; each config's subprocess allocates on demand too,
-    # so a peak is what the program used, not a preallocated pool.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    from jaxllm.profiling import bench, memory
-
-    try:
-        contexts = bench.parse_ints(args.contexts, "--contexts")
-        remats = bench.parse_choices(args.remat, memory.REMATS, "--remat")
-        dtypes = bench.parse_choices(args.dtype, bench.DTYPES, "--dtype")
-        if len(dtypes) != 1:
-            raise bench.BenchArgError(f"--dtype takes one value, got {args.dtype!r}")
-        (dtype,) = dtypes
-        if args.isolate not in ("auto", "always", "never"):
-            raise bench.BenchArgError(f"--isolate: {args.isolate!r}; allowed: auto, always, never")
-        if min(args.batch, args.time_steps, args.jobs) < 1:
-            raise bench.BenchArgError("--batch, --time-steps and --jobs must be >= 1")
-        memory.run(
-            args.size, contexts, remats, dtype, args.batch, args.vocab, args.arch,
-            tuple(args.set), args.out, args.jsonl, args.isolate, args.time_steps, args.jobs,
-        )  # fmt: skip
-    except (bench.BenchArgError, ValueError) as e:  # one line: what and what is allowed
-        raise SystemExit(f"profile.py memory: {e}") from None
-    return 0
-
-
-def _add_memory(sub) -> None:
-    m = sub.add_parser(
-        "memory", help="peak memory of forward / train step per context, with and without remat"
-    )
-    m.add_argument("--size", default="large", help="tiny, small, medium, large, xl or 2.7B")
-    m.add_argument("--contexts", default="128,256,512", help="context lengths")
-    m.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16")
-    m.add_argument("--remat", default="none,block", help="execution.remat values to compare")
-    m.add_argument("--batch", type=int, default=4)
-    m.add_argument("--vocab", type=int, default=10_000, help="vocabulary size (CS336: 10000)")
-    m.add_argument("--arch", default="gpt2", help="gpt2 or transformer_lm")
-    set_help = "a config override, e.g. execution.attention_impl=dot_product_attention (repeatable)"
-    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+    m = add("memory", _memory, "peak memory of forward / train step per context, remat or not")
+    m.add_argument("--size", choices=SIZES, default=None, help="default: large; no GPU: tiny")
+    m.add_argument("--contexts", type=_ints, default=None, help="default: 128,256,512 that fit")
+    m.add_argument("--remats", type=_names("none", "block"), default=("none", "block"))
+    m.add_argument("--samples", type=_count, default=3, help="timed train steps")
+    m.add_argument("--isolate", **isolate)
     m.add_argument("--out", default="runs/memory", help="PNG and pprof files go here")
-    m.add_argument("--jsonl", default=None, help="append one JSON line per config here")
-    iso_help = "subprocess per config: auto (when the device has allocator stats), always, never"
-    m.add_argument("--isolate", default="auto", help=iso_help)
-    m.add_argument("--time-steps", type=int, default=3, help="timed train steps (median)")
-    jobs_help = "config processes started ahead (start-up, tracing); compile + run one at a time"
-    m.add_argument("--jobs", type=int, default=1, help=jobs_help)
-    m.set_defaults(func=_memory)
+    m.add_argument("--jsonl", **jsonl)
+    return parser
 
 
 class UsageError(SystemExit):
-    """A one-line error: exit status 2 (as train.py and prepare), the message as its str."""
+    """A one-line error: exit status 2 (as train.py), the message as its str."""
 
     def __init__(self, message: str) -> None:
         super().__init__(2)
@@ -399,66 +338,57 @@ class UsageError(SystemExit):
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Refuse output paths the run could not write, before it measures anything (a --jsonl in a
-    missing directory failed after the first row): --jsonl a file in an existing directory,
-    --out a directory or a path that can become one."""
-    jsonl = getattr(args, "jsonl", None)
-    if jsonl:  # "" means none, as the runners read it
-        path = Path(jsonl)
-        if path.is_dir() or not path.parent.is_dir():
-            why = "is a directory" if path.is_dir() else f"directory {path.parent} does not exist"
-            raise SystemExit(f"profile.py {args.command}: --jsonl {path}: {why}")
+    """Refuse output paths the run could not write, before it measures anything."""
+    from jaxllm.profiling.harness import BadInput
+
+    for flag in ("jsonl", "png"):
+        path = getattr(args, flag, None)
+        if path and (Path(path).is_dir() or not Path(path).parent.is_dir()):
+            why = "is a directory" if Path(path).is_dir() else f"no directory {Path(path).parent}"
+            raise BadInput(f"--{flag} {path}: {why}")
     out = getattr(args, "out", None)
     if out is not None:
         first = next(p for p in (Path(out), *Path(out).parents) if p.exists() or p == Path("."))
         if first.exists() and not first.is_dir():
-            raise SystemExit(f"profile.py {args.command}: --out {out}: {first} is not a directory")
+            raise BadInput(f"--out {out}: {first} is not a directory")
 
 
 def main(argv: list[str] | None = None) -> int:
     from jaxllm.console import use_one_line_warnings
 
     use_one_line_warnings()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    # help strings go through %-formatting (argparse): "%%" prints one "%"
-    k = sub.add_parser("kernels", help="Pallas kernels vs XLA and PyTorch: time, GB/s, %% copy")
-    k.add_argument("--only", default="", help=f"comma-separated subset of {', '.join(KERNELS)}")
-    k.add_argument("--tune", action="store_true", help="also time a few block configs per case")
-    k.add_argument("--jsonl", default=None, help="append one JSON line per table row here")
-    k.set_defaults(func=_kernels)
-    _add_roofline(sub)
-    _add_bench(sub)
-    _add_breakdown(sub)
-    _add_trace(sub)
-    _add_nsys(sub)
-    _add_memory(sub)
-    args, extra = parser.parse_known_args(argv)
-    # Only trace and nsys take train.py's trailing --section.key=value overrides.
-    if extra and not getattr(args, "overrides_ok", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.overrides = extra
+    parser = _parser()
+    args, overrides = parser.parse_known_args(argv)
+    if args.command == "kernels" and overrides:
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     try:
         check_outputs(args)
-        return args.func(args)
-    except SystemExit as e:  # the subcommands' one-line errors: "error: ..." and status 2
-        if not isinstance(e.code, str):
+        args.func(args, overrides)
+        return 0
+    except Exception as e:
+        message = _one_line(e, args.command)
+        if message is None:
             raise
-        print(f"error: {e.code}", file=sys.stderr)
-        raise UsageError(e.code) from None
-    except Exception as e:  # out of memory: one line, not XLA's traceback
-        from jaxllm.profiling.bench import is_oom
-
-        if not is_oom(e):
-            raise
-        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        hint = " (e.g. --config configs/ar.yaml)" if args.command in ("trace", "nsys") else ""
-        message = (
-            f"profile.py {args.command}: out of memory ({first[:200]}); use a smaller model or "
-            f"batch{hint}"
-        )
         print(f"error: {message}", file=sys.stderr)
         raise UsageError(message) from None
+
+
+def _one_line(e: Exception, command: str) -> str | None:
+    """The one-line error for bad input, a missing tool and out of memory; None: a traceback."""
+    from jaxllm.config import ConfigError
+    from jaxllm.profiling.harness import BadInput, is_oom
+    from jaxllm.profiling.torch_reference import TorchUnavailableError
+    from jaxllm.profiling.trace import NsysError
+
+    if isinstance(e, ConfigError | BadInput | TorchUnavailableError | NsysError):
+        return f"profile.py {command}: {e}"
+    if not is_oom(e):
+        return None
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    hint = " (e.g. --config configs/ar.yaml)" if command in ("trace", "nsys") else ""
+    return (
+        f"profile.py {command}: out of memory ({first[:200]}); use a smaller model or batch{hint}"
+    )
 
 
 if __name__ == "__main__":

@@ -69,15 +69,14 @@ from jaxllm import parallel
 from jaxllm.config import Config, ConfigError, load_config
 from jaxllm.models import build_model
 from jaxllm.pipeline import bubble_fraction
-from jaxllm.profiling.bench import is_oom
 from jaxllm.profiling.flops import train_flops_per_token
-from jaxllm.profiling.harness import random_batch, time_calls
+from jaxllm.profiling.harness import is_oom, random_batch, time_calls
 from jaxllm.train.optim import make_optimizer
 from jaxllm.train.state import create_state, train_step
 
 VARIANTS = ("single", "single_scan", "dp", "fsdp", "pp")  # run order: baselines first
 # pp against the plain (unrolled) model: the stages unroll their layers too (jaxllm.pipeline),
-# and the scanned model's loop overheads would flatter the pipeline (RESULTS.md, issue 14).
+# and the scanned model's loop overheads would flatter the pipeline.
 BASELINE = {"dp": "single", "fsdp": "single_scan", "pp": "single"}
 MIB = 2**20
 
@@ -225,7 +224,7 @@ def measure(args: argparse.Namespace, v: Variant, devices: list[jax.Device]) -> 
     """Time variant `v`: step ms (median, spread), tokens/s, MFU, loss, bytes per device."""
     cfg = variant_config(args, v)
     run = Run(cfg, devices, v.label, args.seed)
-    timing = time_calls(run.step, warmup=args.warmup, steps=args.steps, repeats=args.repeats)
+    timing = time_calls(run.step, warmup=args.warmup, group=args.steps, samples=args.repeats)
     loss = float(run.step()["loss"])
     tps = v.global_batch * cfg.model.context_length / timing.median_s
     return {
@@ -397,7 +396,8 @@ def run_big(args: argparse.Namespace, visible: list[jax.Device]) -> int:
     check_devices("big", n, visible)
     b = n * args.per_device_batch
     sets = base_overrides(args)
-    remat = [] if any(s.startswith("--execution.remat") for s in sets) else ["--execution.remat=block"]
+    own_remat = any(s.startswith("--execution.remat") for s in sets)
+    remat = [] if own_remat else ["--execution.remat=block"]
     mesh = ("--parallel.data=1", f"--parallel.fsdp={n}", "--parallel.pipeline=1")
     v = Variant("big", n, b, (*mesh, "--execution.scan_layers=true", *remat))
     cfg = variant_config(args, v)
@@ -468,8 +468,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pp: comma-separated microbatch counts, one row each",
     )
     p.add_argument("--devices", type=int, default=None, help="N for dp/fsdp/pp/big (all)")
-    p.add_argument("--kernels", default="pallas", choices=["xla", "pallas"], help="execution.kernels")
-    p.add_argument("--loss", default="pallas", choices=["xla", "pallas"], help="execution.loss_impl")
+    paths = ["xla", "pallas"]
+    p.add_argument("--kernels", default="pallas", choices=paths, help="execution.kernels")
+    p.add_argument("--loss", default="pallas", choices=paths, help="execution.loss_impl")
     p.add_argument(
         "--set",
         action="extend",

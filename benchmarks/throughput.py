@@ -38,7 +38,7 @@ def bench(cfg: Config, batch: int, steps: int, repeats: int) -> dict:
         holder["state"], metrics = train_step(holder["state"], data, key)
         return metrics
 
-    timing = time_calls(step, steps=steps, repeats=repeats)
+    timing = time_calls(step, group=steps, samples=repeats)
     tps = batch * cfg.model.context_length / timing.median_s
     return {
         "step_ms": 1e3 * timing.median_s,
@@ -73,7 +73,8 @@ def main() -> None:
             p.error(str(e))
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     for (b, attn, kern, loss), cfg in configs:
-        print(f"batch {b} {attn} {kern} {loss}: {build_model(cfg.model, cfg.execution).plan.describe()}")
+        plan = build_model(cfg.model, cfg.execution).plan
+        print(f"batch {b} {attn} {kern} {loss}: {plan.describe()}")
         try:
             r = bench(cfg, b, args.steps, args.repeats)
         except Exception as e:  # report OOM etc. in the table, keep going

@@ -187,8 +187,8 @@ def plan_ops(
             loss = "pallas_mgpu"
         elif ex.loss_backend == "mosaic_gpu":
             raise ConfigError(
-                f"execution.loss_backend=mosaic_gpu needs {refusal}; use execution.loss_backend=auto or "
-                "triton"
+                f"execution.loss_backend=mosaic_gpu needs {refusal}; use "
+                "execution.loss_backend=auto or triton"
             )
     return OpPlan(
         norm=ex.kernels,  # LayerNorm and RMSNorm both have kernels

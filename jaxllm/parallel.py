@@ -116,8 +116,8 @@ def check_pipeline(model: ModelConfig, ex: ExecutionConfig, n_stages: int) -> No
         return
     if not ex.scan_layers:
         raise ConfigError(
-            f"parallel.pipeline={n_stages} needs execution.scan_layers=true: the stages hold slices "
-            "of the stacked block parameters. Set --execution.scan_layers=true (or "
+            f"parallel.pipeline={n_stages} needs execution.scan_layers=true: the stages hold "
+            "slices of the stacked block parameters. Set --execution.scan_layers=true (or "
             "parallel.pipeline=1)"
         )
     if model.short_conv and ex.kernels == "pallas":
@@ -142,7 +142,8 @@ def kernel_model(model: Decoder, mesh: Mesh) -> Decoder:
         return model
     # Rows over every mesh axis. With stages, the pipeline's output rows are split over them too
     # (pipeline_apply): the final norm and the loss run on 1/S of the rows per stage (the
-    # stages' own kernels run inside the pipeline's shard_map, per device: BlockRunner.per_device). With
+    # stages' own kernels run inside the pipeline's shard_map, per device:
+    # BlockRunner.per_device). With
     # one stage the axis has size 1 and splits nothing; left out, shard_map's transpose would
     # all-reduce every kernel input's cotangent over it (a collective per call, of 1 device).
     shard = KernelShard(mesh, ROW_AXES)
@@ -404,7 +405,8 @@ def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) 
     `MeshApply` whose loss runs the stages with `pipeline_apply` (`microbatches`, default one
     per stage); with scan_layers and fsdp > 1, one whose loss gathers the block weights layer
     by layer (`gathered_scan`); else the model's apply. Both thread dropout keys per layer
-    (`Decoder.run_blocks`). A Decoder runs as `kernel_model` makes it (Pallas calls per batch shard)."""
+    (`Decoder.run_blocks`). A Decoder runs as `kernel_model` makes it (Pallas calls per batch
+    shard)."""
     model = getattr(apply_fn, "__self__", None)
     if isinstance(model, Decoder):
         sharded = kernel_model(model, mesh)

@@ -1,4 +1,4 @@
-"""`profile.py bench` and `profile.py breakdown` on the CPU with the tiny size (issue 10).
+"""`profile.py bench` and `profile.py breakdown` on the CPU with the tiny size.
 
 The CLI runs in-process (`profile.main([...])`), as a user would call it; the OOM path is
 simulated by making the step builder raise XLA's RESOURCE_EXHAUSTED error. Isolation (a child
@@ -6,7 +6,6 @@ process per size, a new one after an OOM) is tested with fake children (a few li
 that speak the protocol) and with real ones whose step is made to run out of memory.
 """
 
-import dataclasses
 import functools
 import gc
 import importlib.util
@@ -26,9 +25,12 @@ import pytest
 
 from jaxllm.profiling import bench, breakdown
 from jaxllm.profiling.flops import train_flops_per_token
+from jaxllm.profiling.harness import size_config
+from jaxllm.profiling.isolate import TAG
 
-TINY_RUN = ["--warmup", "1", "--steps", "2", "--no-progress"]
-TINY_SWEEP = ["--sizes", "tiny", "--vocab", "64", "--batch", "2", "--dtypes", "float32"]
+TINY_RUN = ["--warmup", "1", "--samples", "2", "--no-progress"]
+SMALL = ("--model.vocab_size=64", "--train.batch_size=2")
+TINY_SWEEP = ["--sizes", "tiny", *SMALL, "--dtypes", "float32"]
 JSON_KEYS = {"name", "flops", "bytes", "seconds", "status", "mean_ms", "std_ms", "tokens_per_s",
              "tflops_per_s", "size", "context", "dtype", "mode", "n_params"}  # fmt: skip
 
@@ -119,7 +121,7 @@ def test_bench_tiny_table_json_lines_and_an_oom_cell(tmp_path, capsys, monkeypat
     assert t32[0]["bytes"] < t32[1]["bytes"] < t32[2]["bytes"]
 
 
-# A child process as bench._child_main behaves, without jax: each cell "ok", but DIES (the
+# A child process as bench's behaves, without jax: each cell "ok", but DIES (the
 # process aborts with XLA's out-of-memory message), CROWDED (out of memory unless alone in its
 # process: compiled beside the others) and BOOM (an unrelated crash). argv: log, cells, spec.
 FAKE_CHILD = """
@@ -131,15 +133,15 @@ with open(log, "a") as f:
 for cell in cells:
     kind = next((k for k, c in special.items() if c == cell), None)
     if kind == "DIES":
-        sys.exit("2026-11-23 E external/xla: RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB")
+        sys.exit("E external/xla: RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB")
     if kind == "BOOM":
         sys.exit("Segmentation fault in the fake child")
     oom = kind == "CROWDED" and len(cells) > 1
     result = {"status": "OOM" if oom else "ok", "mean_s": None if oom else 1e-3, "std_s": 0.0}
-    print("BENCH_CELL " + json.dumps({"cell": cell, "result": result}), flush=True)
+    print(TAG + json.dumps({"cell": cell, "result": result}), flush=True)
     if oom:
-        break  # as _child_main: stop at the first OOM
-"""
+        break  # as bench._child: stop at the first OOM
+""".replace("TAG", repr(TAG))
 
 
 def _fake_children(monkeypatch, tmp_path, **special):
@@ -154,15 +156,15 @@ def test_isolated_sweep_confirms_an_oom_alone_and_measures_the_cells_after_it(
 ):
     """A child stops at its first OOM; that cell runs again alone, and only an OOM there is
     reported (a child that died with XLA's message counts); the rest go to a new child."""
-    sweep = bench.Sweep(sizes=("tiny",), contexts=(16, 32), vocab=64, batch=2)
+    sweep = bench.Sweep(sizes=("tiny",), contexts=(16, 32), overrides=SMALL)
     cells = [[t, "float32", m] for t in (16, 32) for m in bench.DEFAULT_MODES]
     f16, fb16, ts16, f32, fb32, ts32 = cells
     log = _fake_children(monkeypatch, tmp_path, CROWDED=fb16, DIES=f32)
     rows = [r for config in bench.bench_size(sweep, "tiny", dict(os.environ)) for r in config]
-    assert [(r.context, r.mode, r.ours.status) for r in rows] == [
+    assert [(r["context"], r["mode"], r["status"]) for r in rows] == [
         (t, m, "OOM" if [t, "float32", m] == f32 else "ok") for t, _, m in cells
     ]
-    assert all(r.ours.mean_s == 1e-3 for r in rows if r.ours.status == "ok")
+    assert all(r["seconds"] == 1e-3 for r in rows if r["status"] == "ok")
     runs = [json.loads(line) for line in log.read_text().splitlines()]
     assert runs == [cells, [fb16], [ts16, f32, fb32, ts32], [f32], [fb32, ts32]]
 
@@ -178,6 +180,7 @@ LEAKY_CHILD = """
 import sys
 import jax
 from jaxllm.profiling import bench
+from jaxllm.profiling.isolate import child_main
 
 log, real, leaked = sys.argv[1], bench.build_step, []
 
@@ -196,7 +199,7 @@ def build_step(mode, holder, batch, apply):
 bench.build_step = build_step
 with open(log, "a") as f:
     f.write(sys.argv[sys.argv.index("--child") + 1] + "\\n")
-sys.exit(bench._child_main(sys.argv[sys.argv.index("--child") :]))
+sys.exit(child_main(bench._child, sys.argv[sys.argv.index("--child") :]))
 """
 
 
@@ -210,7 +213,7 @@ def test_bench_isolate_always_measures_what_follows_an_oom(tmp_path, capsys, mon
             "--isolate", "always", "--jsonl", str(out)]  # fmt: skip
     assert cli(argv) == 0
     text = capsys.readouterr().out
-    assert "isolation (--isolate always): a fresh process per size" in text
+    assert "isolation: a process per size" in text
     rows = table_rows(text)
     assert [r[1] for r in rows] == ["16", "32"]
     assert rows[0][4:] == ["OOM", "-", "-", "-"]
@@ -246,51 +249,46 @@ def test_forward_holds_only_the_parameters_and_train_step_the_full_state(monkeyp
         return call
 
     monkeypatch.setattr(bench, "build_step", build_step)
-    sweep = bench.Sweep(sizes=("tiny",), contexts=(16, 32), vocab=64, batch=2, warmup=0,
-                        steps=1, modes=("forward", "train_step"), isolate="never")  # fmt: skip
+    sweep = bench.Sweep(sizes=("tiny",), contexts=(16, 32), overrides=SMALL, warmup=0,
+                        samples=1, modes=("forward", "train_step"), isolate="never")  # fmt: skip
     cells = bench.plan(sweep)[:3]  # T16 forward, T16 train_step, T32 forward
     results = dict(bench.measure_cells(sweep, "tiny", cells))
-    assert list(results) == cells and all(m.status == "ok" for m in results.values())
+    assert list(results) == cells and all(m["status"] == "ok" for m in results.values())
     assert [(t, m, live) for t, m, live, _ in seen] == [
         (t, m, {"state" if m == "train_step" else "params"}) for t, _, m in cells
     ]
     assert len({n for *_, n in seen}) == 1 and moments  # the same parameters throughout
-    before = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
-    assert not bench.use_children("auto")  # the CPU: in-process (the tests stay fast)
-    assert os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") == before
 
 
 def test_measure_reports_oom_and_raises_anything_else():
     def oom():
         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
 
-    assert bench.measure(lambda: oom, warmup=1, steps=2) == bench.Measured("OOM")
+    assert bench.measure(lambda: oom, warmup=1, samples=2) == bench.OOM
     with pytest.raises(ValueError, match="boom"):
-        bench.measure(lambda: (_ for _ in ()).throw(ValueError("boom")), warmup=1, steps=2)
+        bench.measure(lambda: (_ for _ in ()).throw(ValueError("boom")), warmup=1, samples=2)
 
 
 def test_table_marks_where_ours_is_slower_than_torch_compile():
-    row = bench.Row(
-        "small", "gpt2", 1024, 4, 10_000, "bfloat16", "forward", "xla", 1, 1e12, 1e9,
-        bench.Measured("ok", 2e-3, 1e-4), bench.Measured("ok", 3e-3, 1e-4),
-        bench.Measured("ok", 1e-3, 1e-4),
-    )  # fmt: skip
-    line = bench.format_row(row, torch=True)
-    assert "| 3.00 ± 0.10 | 1.00 ± 0.10 | 2.00 **slower** |" in line
+    ours = {"status": "ok", "mean_s": 2e-3, "std_s": 1e-4}
+    torch = {"eager": {"forward": {"status": "ok", "mean_s": 3e-3, "std_s": 1e-4}},
+             "compile": {"forward": {"status": "ok", "mean_s": 1e-3, "std_s": 1e-4}}}  # fmt: skip
+    (row,) = bench._records(bench.Sweep(torch=True), "small", 1024, "bfloat16", 1,
+                            {"forward": ours}, torch)  # fmt: skip
+    assert "| 3.00 ± 0.10 | 1.00 ± 0.10 | 2.00 **slower** |" in bench.format_row(row, torch=True)
     for compile_s, ratio in ((4e-3, "0.50"), (1.995e-3, "1.00")):  # 1.0025: a tie, as shown
-        other = dataclasses.replace(row, torch_compile=bench.Measured("ok", compile_s, 0.0))
+        other = row | {"torch_compile_seconds": compile_s}
         assert bench.format_row(other, torch=True).endswith(f"| {ratio} |")
-    keys = bench.row_json(row, bench.Sweep(), "cpu")
-    assert keys["torch_compile_seconds"] == 1e-3 and keys["torch_eager_status"] == "ok"
+    assert row["torch_compile_seconds"] == 1e-3 and row["torch_eager_status"] == "ok"
 
 
 def test_forward_flops_match_the_training_flops_per_token():
     """3 x forward_flops per token = PaLM's 6 N + 12 L d T, up to biases and norm scales; with
     the tied head (gpt2) and the untied one (transformer_lm: its token table is a lookup)."""
     for size, arch in itertools.product(("tiny", "small"), ("gpt2", "transformer_lm")):
-        cfg = bench.build_config(size, arch=arch).model
+        cfg = size_config(size, [f"--model.arch={arch}"]).model
         t = cfg.context_length
-        n = bench._param_count(cfg, {"inputs": np.zeros((1, 8), np.int32)})
+        n = bench.param_count(cfg)
         ours = 3 * bench.forward_flops(cfg, 1, t) / t
         assert ours == pytest.approx(train_flops_per_token(cfg, n), rel=0.01)
 
@@ -301,11 +299,11 @@ def test_forward_flops_match_the_training_flops_per_token():
         (["bench", "--sizes", "small,huge"], "allowed: tiny, small, medium, large, xl, 2.7B"),
         (["bench", "--modes", "backward"], "allowed: logits, forward, forward_backward, train"),
         (["bench", "--dtypes", "float16"], "allowed: float32, bfloat16"),
-        (["bench", "--arch", "llama"], "allowed: gpt2, transformer_lm"),
-        (["bench", "--isolate", "sometimes"], "allowed: auto, always, never"),
-        (["bench", "--sizes", "tiny", "--contexts", "64,256"], "allowed: 1..128"),
-        (["bench", "--contexts", "0"], "positive integers"),
-        (["bench", "--group", "0"], "--group and --compile-workers must be >= 1"),
+        (["bench", "--model.arch=llama"], "model.arch"),
+        (["bench", "--isolate", "sometimes"], "invalid choice: 'sometimes'"),
+        (["bench", "--sizes", "tiny", "--contexts", "64,256"], "exceeds size tiny's context 128"),
+        (["bench", "--contexts", "0"], "integers >= 1"),
+        (["bench", "--group", "0"], "an integer >= 1"),
         (
             [
                 "bench",
@@ -313,43 +311,45 @@ def test_forward_flops_match_the_training_flops_per_token():
                 "tiny",
                 "--contexts",
                 "16",
-                "--dtypes",
-                "bfloat16",
-                "--set",
-                "execution.loss_impl=pallas",
-                "--set",
-                "execution.loss_backend=mosaic_gpu",
+                "--execution.compute_dtype=bfloat16",
+                "--execution.loss_impl=pallas",
+                "--execution.loss_backend=mosaic_gpu",
             ],
             "loss_backend=mosaic_gpu needs a GPU",
         ),  # fmt: skip
-        (["breakdown", "--size", "huge"], "allowed: tiny, small"),
-        (["breakdown", "--dtype", "float16"], "allowed: float32, bfloat16"),
-        (["breakdown", "--size", "tiny", "--context", "512"], "allowed: 1..128"),
+        (["breakdown", "--size", "huge"], "invalid choice: 'huge'"),
+        (["breakdown", "--execution.compute_dtype=float16"], "execution.compute_dtype"),
+        (["breakdown", "--size", "tiny", "--context", "512"], "exceeds size tiny's context 128"),
     ],
 )
-def test_bad_flags_exit_with_one_line_naming_what_is_allowed(argv, allowed):
+def test_bad_flags_exit_with_one_line_naming_what_is_allowed(argv, allowed, capsys):
     with pytest.raises(SystemExit) as e:
         cli(argv)
-    msg = str(e.value)  # the one line printed as "error: ...", exit status 2
-    assert e.value.code == 2 and "\n" not in msg and allowed in msg, msg
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # argparse's, or ours: "error: ..."
+    assert e.value.code == 2 and allowed in err, err
 
 
 def test_rows_wait_for_the_torch_cell(monkeypatch):
     """With --torch a config's rows carry PyTorch's times: the row is made only after the
     config's torch cell (timed last), not as soon as our own modes are measured."""
-    sweep = bench.Sweep(sizes=("tiny",), contexts=(16,), vocab=64, batch=2, torch=True,
+    sweep = bench.Sweep(sizes=("tiny",), contexts=(16,), overrides=SMALL, torch=True,
                         modes=("forward", "train_step"))  # fmt: skip
-    torch_ms = {"eager": {m: bench.Measured("ok", 3e-3, 0.0) for m in sweep.modes},
-                "compile": {m: bench.Measured("ok", 2e-3, 0.0) for m in sweep.modes}}  # fmt: skip
+
+    def ok(seconds):
+        return {"status": "ok", "mean_s": seconds, "std_s": 0.0}
+
+    torch_ms = {"eager": {m: ok(3e-3) for m in sweep.modes},
+                "compile": {m: ok(2e-3) for m in sweep.modes}}  # fmt: skip
 
     def fake_cells(sweep, size, cells, stop_after_oom=False):
         for cell in cells:
-            yield cell, torch_ms if cell[2] == bench.TORCH else bench.Measured("ok", 1e-3, 0.0)
+            yield cell, torch_ms if cell[2] == bench.TORCH else ok(1e-3)
 
     monkeypatch.setattr(bench, "measure_cells", fake_cells)
     rows = [r for config in bench.bench_size(sweep, "tiny") for r in config]
-    assert [r.mode for r in rows] == ["forward", "train_step"]
-    assert all(r.torch_compile.mean_s == 2e-3 and r.torch_eager.mean_s == 3e-3 for r in rows)
+    assert [r["mode"] for r in rows] == ["forward", "train_step"]
+    assert all(r["torch_compile_seconds"] == 2e-3 and r["torch_eager_seconds"] == 3e-3
+               for r in rows)  # fmt: skip
 
 
 def test_torch_side_needs_torch_with_cuda():
@@ -366,8 +366,8 @@ def test_torch_side_needs_torch_with_cuda():
 
 def test_breakdown_tiny_flop_shares_add_up_to_100(tmp_path, capsys):
     out = tmp_path / "breakdown.jsonl"
-    argv = ["breakdown", "--size", "tiny", "--context", "32", "--batch", "2"]
-    assert cli([*argv, "--warmup", "1", "--steps", "2", "--repeats", "2", "--jsonl", str(out)]) == 0
+    argv = ["breakdown", "--size", "tiny", "--context", "32", "--train.batch_size=2"]
+    assert cli([*argv, "--warmup", "1", "--group", "2", "--samples", "2", "--jsonl", str(out)]) == 0
     text = capsys.readouterr().out
     columns = "| time ms | time share % | FLOP share % | TFLOP/s |"
     for direction in ("forward", "forward+backward"):
@@ -383,7 +383,7 @@ def test_breakdown_tiny_flop_shares_add_up_to_100(tmp_path, capsys):
     layer = next(r for r in fwd if r["piece"] == "layer")
     # against the matmuls counted by hand (q/k/v + out: 4 d^2, MLP: 2 d f per token; QK^T and
     # PV: 2 T d each): the elementwise ops add a few percent on top, a missing piece far more
-    m = bench.build_config("tiny").model
+    m = size_config("tiny").model
     b, t, d, f = 2, 32, m.d_model, m.ffn_dim
     matmuls = 2 * b * t * (4 * d * d + 2 * d * f) + 4 * b * t * t * d
     assert matmuls < layer["flops"] < 1.1 * matmuls
@@ -392,7 +392,7 @@ def test_breakdown_tiny_flop_shares_add_up_to_100(tmp_path, capsys):
 
 def test_breakdown_pieces_chained_give_the_block(arch):
     """The pieces are the layer's own computation: chained, they reproduce the Block."""
-    cfg = bench.build_config("tiny", arch=arch).model
+    cfg = size_config("tiny", [f"--model.arch={arch}"]).model
     pieces, layer = breakdown.build_pieces(cfg, batch=2, length=16)
     by = {p.name: p for p in pieces}
     assert list(by)[-2:] == ["out_proj", "mlp"] and ("rope" in by) == (arch == "transformer_lm")
@@ -422,26 +422,26 @@ def test_torch_reference_computes_the_same_function(arch):
     from jaxllm.profiling.harness import make_state, random_batch
     from jaxllm.train.state import loss_and_sums
 
-    cfg = bench.build_config("tiny", arch=arch, vocab=64, batch=2)
+    cfg = size_config("tiny", [f"--model.arch={arch}", *SMALL])
     batch = random_batch(cfg, 2)
     state = make_state(cfg, batch)
     with jax.default_matmul_precision("float32"):  # a GPU would otherwise use TF32 (CPU torch)
         logits = state.apply_fn({"params": state.params}, batch["inputs"])
         loss = loss_and_sums(state.params, state.apply_fn, batch, None)[0]
-    model = torch_reference.build(cfg.model)
+    model = torch_reference.build(cfg.model, cfg.execution)
     torch_reference.load_flax_params(model, state.params)
     x, y = (torch.tensor(np.asarray(batch[k]), dtype=torch.long) for k in ("inputs", "targets"))
     with torch.no_grad():
         np.testing.assert_allclose(model(x).numpy(), np.asarray(logits), atol=2e-5, rtol=1e-4)
         assert model(x, y).item() == pytest.approx(float(loss), rel=1e-5)
     times = torch_reference.time_modes(
-        cfg.model, np.asarray(batch["inputs"]), np.asarray(batch["targets"]),
-        bench.MODES, compile_mode=None, warmup=1, steps=2, device="cpu",
+        cfg, np.asarray(batch["inputs"]), np.asarray(batch["targets"]),
+        bench.MODES, compile_mode=None, warmup=1, samples=2, device="cpu",
     )  # fmt: skip
     assert all(len(s) == 2 and min(s) > 0 for s in times.values())
     grouped = torch_reference.time_modes(  # 2 samples of 3 back-to-back calls each
-        cfg.model, np.asarray(batch["inputs"]), np.asarray(batch["targets"]),
-        ["train_step"], compile_mode=None, warmup=1, steps=2, device="cpu", group=3,
+        cfg, np.asarray(batch["inputs"]), np.asarray(batch["targets"]),
+        ["train_step"], compile_mode=None, warmup=1, samples=2, device="cpu", group=3,
     )  # fmt: skip
     assert len(grouped["train_step"]) == 2 and min(grouped["train_step"]) > 0
     jax.clear_caches()
@@ -455,12 +455,12 @@ def test_torch_reference_keeps_a_bf16_residual_stream_when_asked():
     from jaxllm.profiling.harness import make_state, random_batch
     from jaxllm.train.state import loss_and_sums
 
-    cfg = bench.build_config("tiny", vocab=64, batch=2, dtype="bfloat16",
-                             overrides=["execution.residual_dtype=bfloat16"])  # fmt: skip
+    cfg = size_config("tiny", [*SMALL, "--execution.compute_dtype=bfloat16",
+                               "--execution.residual_dtype=bfloat16"])  # fmt: skip
     batch = random_batch(cfg, 2)
     state = make_state(cfg, batch)
     loss = loss_and_sums(state.params, state.apply_fn, batch, None)[0]
-    model = torch_reference.build(cfg.model)
+    model = torch_reference.build(cfg.model, cfg.execution)
     torch_reference.load_flax_params(model, state.params)
     dtypes = []
     for block in model.blocks:
@@ -479,13 +479,13 @@ def test_group_times_back_to_back_calls(tmp_path, capsys):
     def make():
         return lambda: calls.append(1) or jnp.zeros(())
 
-    m = bench.measure(make, warmup=1, steps=2, group=3)
-    assert m.status == "ok" and len(calls) == 1 + 2 * 3
+    m = bench.measure(make, warmup=1, samples=2, group=3)
+    assert m["status"] == "ok" and len(calls) == 1 + 2 * 3
     out = tmp_path / "bench.jsonl"
     argv = ["bench", *TINY_SWEEP, "--contexts", "16", "--modes", "forward", *TINY_RUN,
             "--group", "3", "--isolate", "never", "--jsonl", str(out)]  # fmt: skip
     assert cli(argv) == 0
     text = capsys.readouterr().out
-    assert "2 timed samples of 3 back-to-back calls each" in text
+    assert "2 timed samples of 3 call(s) each" in text
     assert bench.OOM_HINT not in text  # no OOM, no advice
     assert [json.loads(line)["group"] for line in out.read_text().splitlines()] == [3]

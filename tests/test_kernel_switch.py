@@ -104,8 +104,7 @@ def test_fused_loss_matches_xla_loss(monkeypatch, arch, dtype, tol):
 
 def _fused_loss_matches_xla_loss(arch, dtype, tol):
     xla, fused = (
-        tiny_model(arch, **TINY, compute_dtype=dtype, loss_impl=impl)
-        for impl in ("xla", "pallas")
+        tiny_model(arch, **TINY, compute_dtype=dtype, loss_impl=impl) for impl in ("xla", "pallas")
     )
     tokens = jax.random.randint(jax.random.PRNGKey(6), (3, 8), 0, 37)
     targets = jnp.roll(tokens, -1, axis=1).at[:, :3].set(-1)  # IGNORE the first three

@@ -578,7 +578,11 @@ def _check_pallas_on_mesh() -> None:
     from jaxllm import ops
     from jaxllm.train.state import eval_step
 
-    base = ["--execution.scan_layers=true", "--execution.kernels=pallas", "--execution.loss_impl=pallas"]
+    base = [
+        "--execution.scan_layers=true",
+        "--execution.kernels=pallas",
+        "--execution.loss_impl=pallas",
+    ]
     cfg = _cfg(*base)
     single = parallel.make_mesh(cfg, jax.devices()[:1])
     init, batches = _state_and_batches(cfg, single, 2)

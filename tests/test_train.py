@@ -136,7 +136,9 @@ def test_a_run_names_its_loss_chunks(tmp_path, capsys):
         optim=dataclasses.replace(cfg.optim, warmup_steps=1),
     )
     train(cfg)
-    line = "loss: a full batch's 2176 rows per device in 2 chunks of 1088 (execution.loss_chunk_mib 1)"
+    line = (
+        "loss: a full batch's 2176 rows per device in 2 chunks of 1088 (execution.loss_chunk_mib 1)"
+    )
     assert line in "".join(capsys.readouterr())  # (tqdm's write: stdout)
     start = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert start["loss_chunks"] == line

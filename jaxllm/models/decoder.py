@@ -398,7 +398,7 @@ def lm_loss(
     label_smoothing > 0; the sums always hold the plain cross-entropy).
 
     x (B, T, D) final hidden states; head (V, D) the LM-head matrix (logits = x head^T, in
-    cfg.compute_dtype); targets (B, T) int. Returns (loss, {loss_sum, correct, count}): sums
+    ex.compute_dtype); targets (B, T) int. Returns (loss, {loss_sum, correct, count}): sums
     over the batch, so metrics of several batches add up exactly; "correct" counts targets whose
     logit is the row's maximum (a tie with another id counts: the kernels decide it the same way
     in one pass; greedy decoding's argmax takes the lower id). `path` ("xla" | "pallas") and

@@ -18,16 +18,14 @@ a kernel between einsums: they are timed together (ops.causal_attention) as `att
 The whole Block, jitted as one function, is timed too: against the sum of the pieces it shows
 what XLA's fusion across pieces saves.
 
-FLOPs and bytes per piece are the sums of `jaxllm.profiling.roofline.layer_ops` (forward);
+FLOPs and bytes per piece are the sums of `jaxllm.profiling.flops.layer_ops` (forward);
 forward + backward counts 3x both (backward = 2 x forward, as for the matmuls). Times are
 medians of `harness.time_calls` (back-to-back calls, one device sync per sample).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,10 +35,18 @@ import jax.numpy as jnp
 
 from jaxllm import functional as F
 from jaxllm import ops
-from jaxllm.config import ModelConfig
+from jaxllm.config import ExecutionConfig, ModelConfig
 from jaxllm.layers import AttentionInputs, FeedForward, LayerNorm, Linear, RMSNorm, SwiGLU
-from jaxllm.profiling.bench import DTYPE_TAG, BenchArgError
-from jaxllm.profiling.harness import time_calls
+from jaxllm.models import gpt2, transformer_lm
+from jaxllm.profiling.flops import layer_ops
+from jaxllm.profiling.harness import (
+    DTYPE_TAG,
+    BadInput,
+    append_jsonl,
+    md_header,
+    md_row,
+    time_calls,
+)
 
 COMPONENTS = ("attention", "mlp", "norm/other")
 # piece -> (component, the layer_ops names it computes)
@@ -57,34 +63,6 @@ PIECES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 
 @dataclass(frozen=True)
-class PieceTime:
-    piece: str
-    component: str
-    flops: float  # forward, analytic
-    bytes: float  # forward, minimal (layer_ops)
-    forward_s: float  # median seconds per call
-    forward_backward_s: float
-
-
-@dataclass(frozen=True)
-class Breakdown:
-    cfg: ModelConfig
-    batch: int
-    length: int
-    pieces: tuple[PieceTime, ...]
-    layer_forward_s: float  # the whole Block as one jitted function
-    layer_forward_backward_s: float
-
-    @property
-    def flops(self) -> float:
-        return sum(p.flops for p in self.pieces)
-
-    @property
-    def bytes(self) -> float:
-        return sum(p.bytes for p in self.pieces)
-
-
-@dataclass(frozen=True)
 class _Piece:
     name: str
     fn: Callable[..., Any]
@@ -92,8 +70,6 @@ class _Piece:
 
 
 def _block_class(arch: str) -> type:
-    from jaxllm.models import gpt2, transformer_lm
-
     return {"gpt2": gpt2.Block, "transformer_lm": transformer_lm.Block}[arch]
 
 
@@ -101,36 +77,32 @@ def _random(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-def build_pieces(
-    cfg: ModelConfig, batch: int, length: int, seed: int = 0
-) -> tuple[list[_Piece], _Piece]:
-    """The layer's pieces, each with inputs made by running the pieces before it, and the whole
-    Block as one piece. x (B, T, D) float32 residual stream, h (B, T, D) the previous block's
-    branch output in the compute dtype, as in `Decoder.hidden`."""
-    if cfg.short_conv:
-        raise BenchArgError("breakdown does not cover model.short_conv")
-    b, t, d, n_heads = batch, length, cfg.d_model, cfg.n_heads
-    dh = d // n_heads
-    dtype = jnp.dtype(cfg.compute_dtype)
-    plan = ops.plan_ops(cfg)
-    k_x, k_h, k_h2, k_p = jax.random.split(jax.random.PRNGKey(seed), 4)
-    x, h = _random(k_x, (b, t, d), jnp.float32), _random(k_h, (b, t, d), dtype)
-    h_attn = _random(k_h2, (b, t, d), dtype)  # stands in for the attention output in `norms`
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    inputs = AttentionInputs(positions)
-    block = _block_class(cfg.arch)(cfg, plan)
-    params = jax.jit(block.init)(k_p, x, h, inputs, None)["params"]  # one compile, not one per op
-
-    # The block's submodules, built as gpt2.Block / transformer_lm.Block build them (the tests
-    # check that the pieces chained give the Block's output).
+def _submodules(
+    cfg: ModelConfig, ex: ExecutionConfig, plan: ops.OpPlan
+) -> tuple[Any, Any, Linear, Linear]:
+    """(norm, mlp, qkv, out) built as gpt2.Block / transformer_lm.Block build them (the tests
+    check that the pieces chained give the Block's output)."""
+    dtype = jnp.dtype(ex.compute_dtype)
     if cfg.arch == "gpt2":
         norm = LayerNorm(cfg.norm_eps, cfg.bias, plan.norm, dtype)
-        mlp = FeedForward(cfg.ffn_dim, cfg.bias, cfg.dropout, compute_dtype=dtype)
+        mlp = FeedForward(cfg.ffn_dim, cfg.bias, ex.dropout, compute_dtype=dtype)
     else:
         norm, mlp = RMSNorm(cfg.norm_eps), SwiGLU(cfg.ffn_dim, compute_dtype=dtype)
-    qkv = Linear(3 * d, use_bias=cfg.qkv_bias, compute_dtype=dtype)
-    out = Linear(d, use_bias=cfg.bias, compute_dtype=dtype)
-    p = params
+    qkv = Linear(3 * cfg.d_model, use_bias=cfg.qkv_bias, compute_dtype=dtype)
+    return norm, mlp, qkv, Linear(cfg.d_model, use_bias=cfg.bias, compute_dtype=dtype)
+
+
+def _functions(
+    cfg: ModelConfig, ex: ExecutionConfig, batch: int, length: int
+) -> dict[str, Callable[..., Any]]:
+    """The layer's pieces as functions of (parameters, inputs), keyed by PIECES name (+
+    "layer": the whole Block)."""
+    b, t, d, n_heads = batch, length, cfg.d_model, cfg.n_heads
+    dh = d // n_heads
+    plan = ops.plan_ops(cfg, ex)
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    block = _block_class(cfg.arch)(cfg, ex, plan)
+    norm, mlp, qkv, out = _submodules(cfg, ex, plan)
 
     def norms(p1: Any, p2: Any, x: jax.Array, h: jax.Array, h2: jax.Array) -> tuple:
         """ln1 (with the previous block's residual add), then ln2 (with attention's)."""
@@ -147,74 +119,81 @@ def build_pieces(
 
     def scores_softmax(q: jax.Array, k: jax.Array) -> jax.Array:
         """functional.attention's first half: (B, H, T, T) float32 probabilities."""
-        scale = 1.0 / math.sqrt(dh)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        mask = F.attention_mask(t, t)
-        return F.softmax(jnp.where(mask, scores * scale, F.MASK_VALUE), axis=-1)
+        scaled = jnp.where(F.attention_mask(t, t), scores * (1.0 / math.sqrt(dh)), F.MASK_VALUE)
+        return F.softmax(scaled, axis=-1)
 
     def av(probs: jax.Array, v: jax.Array) -> jax.Array:
         """functional.attention's second half: (B, T, H, Dh)."""
         return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
 
-    def core(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return ops.causal_attention(q, k, v, plan.attention)
+    return {
+        "norms+residuals": norms, "qkv_proj": qkv_proj, "rope": rope,
+        "scores+mask+softmax": scores_softmax, "av": av,
+        "attention core": lambda q, k, v: ops.causal_attention(q, k, v, plan.attention),
+        "out_proj": lambda po, o: out.apply({"params": po}, o.reshape(b, t, d)),
+        "mlp": lambda pm, y: mlp.apply({"params": pm}, y),
+        "layer": lambda pb, x, h: block.apply({"params": pb}, x, h, AttentionInputs(positions),
+                                              None)[:2],
+        "init": lambda key, x, h: block.init(key, x, h, AttentionInputs(positions), None),
+    }  # fmt: skip
 
-    def out_proj(po: Any, o: jax.Array) -> jax.Array:
-        return out.apply({"params": po}, o.reshape(b, t, d))
 
-    def feed_forward(pm: Any, y: jax.Array) -> jax.Array:
-        return mlp.apply({"params": pm}, y)
-
-    def layer(pb: Any, x: jax.Array, h: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return block.apply({"params": pb}, x, h, inputs, None)[:2]
-
-    attention_split = plan.attention == "xla"  # else one fused kernel (cuDNN) or one chain
-    # of einsum, Pallas softmax, einsum: not split
+def build_pieces(
+    cfg: ModelConfig, ex: ExecutionConfig, batch: int, length: int, seed: int = 0
+) -> tuple[list[_Piece], _Piece]:
+    """The layer's pieces, each with inputs made by running the pieces before it, and the whole
+    Block as one piece. x (B, T, D) float32 residual stream, h (B, T, D) the previous block's
+    branch output in the compute dtype, as in `Decoder.hidden`. On the Pallas or cuDNN
+    attention path the scores, softmax and AV are one piece, `attention core`."""
+    if cfg.short_conv:
+        raise BadInput("breakdown does not cover model.short_conv")
+    fn = _functions(cfg, ex, batch, length)
+    dtype, shape = jnp.dtype(ex.compute_dtype), (batch, length, cfg.d_model)
+    k_x, k_h, k_h2, k_p = jax.random.split(jax.random.PRNGKey(seed), 4)
+    x, h = _random(k_x, shape, jnp.float32), _random(k_h, shape, dtype)
+    h_attn = _random(k_h2, shape, dtype)  # stands in for the attention output in `norms`
+    p = jax.jit(fn["init"])(k_p, x, h)["params"]  # one compile, not one per op
+    split = ops.plan_ops(cfg, ex).attention == "xla"  # else one fused kernel or chain: not split
+    rope = cfg.arch == "transformer_lm"
 
     @jax.jit
     def activations(p: Any, x: jax.Array, h: jax.Array, h_attn: jax.Array) -> dict:
         """Every piece's inputs, from the pieces before it (one compile for all of them)."""
-        _, y1, y2 = norms(p["ln1"], p["ln2"], x, h, h_attn)
-        q0, k0, v = qkv_proj(p["attn"]["qkv"], y1)
-        q, k = rope(q0, k0) if cfg.arch == "transformer_lm" else (q0, k0)
-        probs = scores_softmax(q, k) if attention_split else None
-        o = av(probs, v) if attention_split else core(q, k, v)
+        _, y1, y2 = fn["norms+residuals"](p["ln1"], p["ln2"], x, h, h_attn)
+        q0, k0, v = fn["qkv_proj"](p["attn"]["qkv"], y1)
+        q, k = fn["rope"](q0, k0) if rope else (q0, k0)
+        probs = fn["scores+mask+softmax"](q, k) if split else None
+        o = fn["av"](probs, v) if split else fn["attention core"](q, k, v)
         return dict(y1=y1, y2=y2, q0=q0, k0=k0, q=q, k=k, v=v, probs=probs, o=o)
 
     a = activations(p, x, h, h_attn)
-    pieces = [
-        _Piece("norms+residuals", norms, (p["ln1"], p["ln2"], x, h, h_attn)),
-        _Piece("qkv_proj", qkv_proj, (p["attn"]["qkv"], a["y1"])),
-    ]
-    if cfg.arch == "transformer_lm":  # RoPE's inputs: q, k before the rotation
-        pieces.append(_Piece("rope", rope, (a["q0"], a["k0"])))
-    if attention_split:
-        pieces.append(_Piece("scores+mask+softmax", scores_softmax, (a["q"], a["k"])))
-        pieces.append(_Piece("av", av, (a["probs"], a["v"])))
-    else:
-        pieces.append(_Piece("attention core", core, (a["q"], a["k"], a["v"])))
-    pieces.append(_Piece("out_proj", out_proj, (p["attn"]["out"], a["o"])))
-    pieces.append(_Piece("mlp", feed_forward, (p["mlp"], a["y2"])))
-    return pieces, _Piece("layer", layer, (p, x, h))
+    args = {
+        "norms+residuals": (p["ln1"], p["ln2"], x, h, h_attn),
+        "qkv_proj": (p["attn"]["qkv"], a["y1"]),
+        "rope": (a["q0"], a["k0"]) if rope else None,
+        "scores+mask+softmax": (a["q"], a["k"]) if split else None,
+        "av": (a["probs"], a["v"]) if split else None,
+        "attention core": None if split else (a["q"], a["k"], a["v"]),
+        "out_proj": (p["attn"]["out"], a["o"]),
+        "mlp": (p["mlp"], a["y2"]),
+    }
+    pieces = [_Piece(name, fn[name], xs) for name, xs in args.items() if xs is not None]
+    return pieces, _Piece("layer", fn["layer"], (p, x, h))
 
 
-def piece_costs(cfg: ModelConfig, batch: int, length: int, pieces: Sequence[str]) -> dict:
-    """{piece: (forward FLOPs, forward bytes)} from roofline.layer_ops; every op of the layer
+def piece_costs(
+    cfg: ModelConfig, ex: ExecutionConfig, batch: int, length: int, pieces: Sequence[str]
+) -> dict:
+    """{piece: (forward FLOPs, forward bytes)} from flops.layer_ops; every op of the layer
     goes to exactly one piece, so the FLOP shares add up to 100%."""
-    from jaxllm.profiling import roofline
-
-    layer = roofline.layer_ops(
+    layer = layer_ops(
         batch=batch, length=length, d_model=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.ffn_dim,
-        dtype_bytes=jnp.dtype(cfg.compute_dtype).itemsize, arch=cfg.arch,
+        dtype_bytes=jnp.dtype(ex.compute_dtype).itemsize, arch=cfg.arch,
     )  # fmt: skip
     owner = {op: piece for piece in pieces for op in PIECES[piece][1]}
     costs = {piece: [0.0, 0.0] for piece in pieces}
     for op in layer:
-        if op.name not in owner:
-            raise ValueError(f"op {op.name!r} of roofline.layer_ops belongs to no piece")
-        if roofline.component_of(op.name) != PIECES[owner[op.name]][0]:
-            raise ValueError(f"op {op.name!r}: component {roofline.component_of(op.name)!r} "
-                             f"differs from its piece's {PIECES[owner[op.name]][0]!r}")  # fmt: skip
         costs[owner[op.name]][0] += op.flops
         costs[owner[op.name]][1] += op.bytes
     return {k: tuple(v) for k, v in costs.items()}
@@ -230,7 +209,7 @@ def _forward_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
     return jax.jit(f)
 
 
-def _time_piece(piece: _Piece, warmup: int, steps: int, repeats: int) -> tuple[float, float]:
+def _time_piece(piece: _Piece, warmup: int, group: int, samples: int) -> tuple[float, float]:
     """(forward, forward + backward) median seconds per call; both compiled before any call,
     so that no timed call (--warmup 0 included) compiles."""
     fwd = jax.jit(piece.fn).lower(*piece.args).compile()
@@ -238,127 +217,97 @@ def _time_piece(piece: _Piece, warmup: int, steps: int, repeats: int) -> tuple[f
     keys = iter(jax.random.split(jax.random.PRNGKey(1), len(jax.tree_util.tree_leaves(out_shape))))
     cot = jax.tree_util.tree_map(lambda s: _random(next(keys), s.shape, s.dtype), out_shape)
     fb = _forward_backward(piece.fn).lower(piece.args, cot).compile()
-    recipe = dict(warmup=warmup, steps=steps, repeats=repeats)
+    recipe = dict(warmup=warmup, group=group, samples=samples)
     t_fwd = time_calls(lambda: fwd(*piece.args), **recipe).median_s
     t_fb = time_calls(lambda: fb(piece.args, cot), **recipe).median_s
     return t_fwd, t_fb
 
 
 def run_breakdown(
-    cfg: ModelConfig,
-    batch: int,
-    length: int,
-    *,
-    warmup: int = 3,
-    steps: int = 10,
-    repeats: int = 5,
-) -> Breakdown:
-    """Time every piece of one layer of `cfg` at (batch, length), forward and forward+backward."""
-    pieces, layer = build_pieces(cfg, batch, length)
-    costs = piece_costs(cfg, batch, length, [p.name for p in pieces])
-    timed = []
-    for piece in pieces:
-        t_fwd, t_fb = _time_piece(piece, warmup, steps, repeats)
+    cfg: ModelConfig, ex: ExecutionConfig, size: str, batch: int, length: int, *,
+    warmup: int = 3, group: int = 10, samples: int = 5,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Time every piece of one layer of `cfg` at (batch, length), forward and forward+backward
+    (3x the forward's FLOPs and bytes), then the whole layer: one record per piece and
+    direction, with the roofline plot's keys (name, flops, bytes, seconds)."""
+    pieces, layer = build_pieces(cfg, ex, batch, length)
+    costs = piece_costs(cfg, ex, batch, length, [p.name for p in pieces])
+    costs["layer"] = tuple(map(sum, zip(*costs.values(), strict=True)))
+    tag = f"breakdown {size} T{length} {DTYPE_TAG[ex.compute_dtype]}"
+    records = []
+    for piece in [*pieces, layer]:
+        label = f"{PIECES[piece.name][0]}/{piece.name}" if piece is not layer else "layer"
         flops, nbytes = costs[piece.name]
-        timed.append(PieceTime(piece.name, PIECES[piece.name][0], flops, nbytes, t_fwd, t_fb))
-    layer_fwd, layer_fb = _time_piece(layer, warmup, steps, repeats)
+        times = _time_piece(piece, warmup, group, samples)
+        for (direction, mult), seconds in zip(DIRECTIONS.items(), times, strict=True):
+            records.append({
+                "name": f"{tag} {direction} {label}", "flops": mult * flops,
+                "bytes": mult * nbytes, "seconds": seconds, "dtype": ex.compute_dtype,
+                "size": size, "arch": cfg.arch, "batch": batch, "context": length,
+                "direction": direction, "piece": label, "device": jax.devices()[0].device_kind,
+            })  # fmt: skip
     jax.clear_caches()
-    return Breakdown(cfg, batch, length, tuple(timed), layer_fwd, layer_fb)
+    return records
 
 
 # ----------------------------------------------------------------------------- output
 
-DIRECTIONS = {"forward": ("forward_s", 1), "forward+backward": ("forward_backward_s", 3)}
+DIRECTIONS = {"forward": 1, "forward+backward": 3}  # FLOPs and bytes relative to the forward's
 
 
-def table(bd: Breakdown, direction: str) -> str:
+def table(records: list[dict[str, Any]], direction: str) -> str:
     """Markdown: each piece, each component's subtotal, their sum, and the whole layer jitted
     as one function; time and FLOP shares are of the sum of the pieces."""
-    attr, mult = DIRECTIONS[direction]
-    total_s = sum(getattr(p, attr) for p in bd.pieces)
-    total_f = bd.flops
+    mine = [r for r in records if r["direction"] == direction]
+    pieces, (layer,) = mine[:-1], mine[-1:]
+    total_s, total_f = sum(r["seconds"] for r in pieces), layer["flops"]
 
-    def line(label: str, seconds: float, flops: float, share: bool = True) -> str:
-        f_share = f"{100 * flops / total_f:.1f}" if share else "-"
-        return (f"| {label} | {1e3 * seconds:.3f} | {100 * seconds / total_s:.1f} | {f_share} "
-                f"| {mult * flops / seconds / 1e12:.3g} |")  # fmt: skip
+    def line(label: str, rows: list[dict[str, Any]]) -> str:
+        seconds, flops = sum(r["seconds"] for r in rows), sum(r["flops"] for r in rows)
+        shares = f"{100 * seconds / total_s:.1f}", f"{100 * flops / total_f:.1f}"
+        return md_row([label, f"{1e3 * seconds:.3f}", *shares, f"{flops / seconds / 1e12:.3g}"])
 
-    rows = [
-        f"| component ({direction}) | time ms | time share % | FLOP share % | TFLOP/s |",
-        "|---|---|---|---|---|",
-    ]
+    out = [md_header([f"component ({direction})", "time ms", "time share %", "FLOP share %",
+                      "TFLOP/s"])]  # fmt: skip
     for comp in COMPONENTS:
-        mine = [p for p in bd.pieces if p.component == comp]
-        for p in mine:
-            rows.append(line(f"{comp}: {p.piece}", getattr(p, attr), p.flops))
-        if len(mine) > 1:
-            sec, fl = sum(getattr(p, attr) for p in mine), sum(p.flops for p in mine)
-            rows.append(line(f"**{comp} total**", sec, fl))
-    rows.append(line("sum of pieces", total_s, total_f))
-    layer_s = bd.layer_forward_s if direction == "forward" else bd.layer_forward_backward_s
-    rows.append(line("whole layer, one jit", layer_s, total_f))
-    return "\n".join(rows)
+        rows = [r for r in pieces if r["piece"].startswith(f"{comp}/")]
+        out += [line(f"{comp}: {r['piece'][len(comp) + 1 :]}", [r]) for r in rows]
+        if len(rows) > 1:
+            out.append(line(f"**{comp} total**", rows))
+    out += [line("sum of pieces", pieces), line("whole layer, one jit", [layer])]
+    return "\n".join(out)
 
 
-def report(bd: Breakdown) -> str:
+def report(cfg: ModelConfig, ex: ExecutionConfig, records: list[dict[str, Any]]) -> str:
     """The text of `profile.py breakdown`: a header, the two tables, the per-model totals."""
-    c = bd.cfg
+    c, r = cfg, records[0]
     head = (
-        f"breakdown: one {c.arch} layer, batch {bd.batch}, length {bd.length}, d_model "
-        f"{c.d_model}, {c.n_heads} heads, d_ff {c.ffn_dim}, {c.compute_dtype}, "
-        f"{ops.plan_ops(c).describe()}; device {jax.devices()[0].device_kind}\n"
-        "times: median per call, each piece jitted alone; FLOPs: roofline.layer_ops (forward; "
+        f"breakdown: one {c.arch} layer, batch {r['batch']}, length {r['context']}, d_model "
+        f"{c.d_model}, {c.n_heads} heads, d_ff {c.ffn_dim}, {ex.compute_dtype}, "
+        f"{ops.plan_ops(c, ex).describe()}; device {r['device']}\n"
+        "times: median per call, each piece jitted alone; FLOPs: flops.layer_ops (forward; "
         "forward+backward = 3x)"
     )
+    fwd, fb = (r["seconds"] for r in records if r["piece"] == "layer")
     per_model = (
-        f"x {c.n_layers} layers (whole layer): forward {1e3 * c.n_layers * bd.layer_forward_s:.2f}"
-        f" ms, forward+backward {1e3 * c.n_layers * bd.layer_forward_backward_s:.2f} ms "
-        "(blocks only: no embeddings, LM head or loss)"
+        f"x {c.n_layers} layers (whole layer): forward {1e3 * c.n_layers * fwd:.2f} ms, "
+        f"forward+backward {1e3 * c.n_layers * fb:.2f} ms (blocks only: no embeddings, LM head "
+        "or loss)"
     )
-    return "\n\n".join([head, table(bd, "forward"), table(bd, "forward+backward"), per_model])
-
-
-def json_rows(bd: Breakdown, size: str) -> list[dict[str, Any]]:
-    """One row per piece and direction (and the whole layer) with the roofline plot's keys."""
-    c = bd.cfg
-    tag = f"breakdown {size} T{bd.length} {DTYPE_TAG[c.compute_dtype]}"
-    rows = []
-    for direction, (attr, mult) in DIRECTIONS.items():
-        items = [(f"{p.component}/{p.piece}", p.flops, p.bytes, getattr(p, attr))
-                 for p in bd.pieces]  # fmt: skip
-        layer_s = bd.layer_forward_s if direction == "forward" else bd.layer_forward_backward_s
-        items.append(("layer", bd.flops, bd.bytes, layer_s))
-        for name, flops, nbytes, seconds in items:
-            rows.append({
-                "name": f"{tag} {direction} {name}", "flops": mult * flops,
-                "bytes": mult * nbytes, "seconds": seconds, "dtype": c.compute_dtype,
-                "size": size, "arch": c.arch, "batch": bd.batch, "context": bd.length,
-                "direction": direction, "piece": name, "device": jax.devices()[0].device_kind,
-            })  # fmt: skip
-    return rows
+    return "\n\n".join([head, *(table(records, d) for d in DIRECTIONS), per_model])
 
 
 def run(
-    cfg: ModelConfig,
-    size: str,
-    batch: int,
-    length: int,
-    *,
-    warmup: int = 3,
-    steps: int = 10,
-    repeats: int = 5,
-    jsonl_path: str | None = None,
-) -> Breakdown:
+    cfg: ModelConfig, ex: ExecutionConfig, size: str, batch: int, length: int, *,
+    warmup: int = 3, group: int = 10, samples: int = 5, jsonl_path: str | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Run the breakdown, print the report, append the JSON rows to `jsonl_path`."""
     if length > cfg.context_length:
-        raise BenchArgError(
-            f"--context {length} exceeds size {size}'s maximum context {cfg.context_length}; "
-            f"allowed: 1..{cfg.context_length}"
-        )
-    bd = run_breakdown(cfg, batch, length, warmup=warmup, steps=steps, repeats=repeats)
-    print(report(bd), flush=True)
-    if jsonl_path:
-        with open(jsonl_path, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in json_rows(bd, size))
-    sys.stdout.flush()
-    return bd
+        raise BadInput(f"--context {length} exceeds size {size}'s context {cfg.context_length}; "
+                         "raise it with --model.context_length=N")  # fmt: skip
+    records = run_breakdown(
+        cfg, ex, size, batch, length, warmup=warmup, group=group, samples=samples
+    )
+    print(report(cfg, ex, records), flush=True)
+    append_jsonl(jsonl_path, records)
+    return records

@@ -1,191 +1,122 @@
-"""Profiler work in child processes: `profile.py memory` runs a config per child (its allocator
-peak is then its own), `profile.py bench` a model size per child (an out-of-memory error there
-cannot leave anything behind for the configs after it). Moved here from memory.py.
+"""Profiler work in child processes: `profile.py bench` measures a model size per child (an
+out-of-memory error there leaves nothing behind for the cells after it), `profile.py memory` a
+config per child (its allocator peak is then its own).
 
-`Child` starts one, hands the caller its stdout lines as they come (a protocol of tagged
-lines, each profiler its own), passes lines of its stderr that start with a progress tag on to
-our stderr and keeps the rest of it (XLA's logging) for the error message of a failed child.
-`Turns` lets children started ahead of time use the device one at a time, in order: a child
-says a ready tag on stdout and waits for "go" on stdin (`stdin_turn`). Every running child is
-killed when the parent stops (`kill_children`; `stop_children_on_exit` for a whole sweep,
-SIGTERM from `timeout` included).
+A child is `python -m <module> --child SPEC_JSON`; `child_main` runs its measurement and prints
+each record on a TAG line, `Child` starts one and hands the parent those records as they come,
+passes stderr lines that start with a progress tag on to our stderr, and keeps the rest of its
+stderr (XLA's logging) for the error message of a failed child. No child outlives the parent
+(`stop_children_on_exit`, SIGTERM from `timeout` included).
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
+import json
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
-_CHILDREN: set[subprocess.Popen] = set()  # running children (killed on exit)
-_CHILDREN_LOCK = threading.Lock()
+TAG = "PROFILE_RECORD "  # the start of a child's result lines on stdout
+_CHILDREN: set[subprocess.Popen] = set()  # running children, killed on exit
+_LOCK = threading.Lock()
 
 
-class Turns:
-    """The device, one child at a time, in order: turn i starts once turn i - 1 is over (its
-    process exited). `abort` releases every waiter."""
-
-    def __init__(self) -> None:
-        self.next = 0
-        self.aborted = False
-        self.cond = threading.Condition()
-
-    def wait(self, i: int) -> bool:
-        """Block until turn i; False when the sweep was aborted."""
-        with self.cond:
-            self.cond.wait_for(lambda: self.next == i or self.aborted)
-            return not self.aborted
-
-    def done(self, i: int) -> None:
-        """Turn i is over (after it started, or without using it: a failed child)."""
-        if self.wait(i):
-            with self.cond:
-                self.next = i + 1
-                self.cond.notify_all()
-
-    def abort(self) -> None:
-        with self.cond:
-            self.aborted = True
-            self.cond.notify_all()
+def child_command(module: str, spec: dict[str, Any]) -> list[str]:
+    """The command of a child that runs `module`'s measurement of `spec`."""
+    return [sys.executable, "-m", module, "--child", json.dumps(spec)]
 
 
-@contextlib.contextmanager
-def stdin_turn(ready_tag: str, stopped: str) -> Iterator[None]:
-    """In a child: its turn on the device. Say `ready_tag`, wait for the parent's "go"; exit
-    with the message `stopped` on anything else."""
-    print(ready_tag, flush=True)
-    if sys.stdin.readline().strip() != "go":
-        raise SystemExit(stopped)
-    yield
+def child_main(measure: Callable[[dict[str, Any]], Iterator[dict[str, Any]]], argv=None) -> int:
+    """A child's entry point: `measure(spec)`'s records, each on a TAG line as it comes."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--child", required=True, help="JSON spec of what to measure")
+    for record in measure(json.loads(p.parse_args(argv).child)):
+        print(TAG + json.dumps(record), flush=True)
+    return 0
 
 
 class Child:
-    """One child process, as a context manager: `with Child(cmd, env) as c: for line in
-    c.lines(): ...`; afterwards `returncode`, `stderr` (its last 200 lines, progress lines
-    included) and `wall_s` (with the interpreter's start and any wait for a turn). Leaving the
-    block early (an exception, a generator closed) kills the child.
+    """One child process: `with Child(cmd, env) as c: for record in c.records(): ...`; then
+    `returncode`, `stderr` (its last 200 lines) and `wall_s`. Leaving the block early (an
+    exception, a closed generator) kills the child."""
 
-    progress_tag: stderr lines starting with it go on to our stderr as they come. turns, index,
-    ready_tag: the child waits for turn `index` (it prints `ready_tag`, see `stdin_turn`);
-    with `turns` aborted before the start, SystemExit(`stopped`)."""
-
-    def __init__(
-        self,
-        cmd: Sequence[str],
-        env: dict[str, str],
-        *,
-        progress_tag: str | None = None,
-        turns: Turns | None = None,
-        index: int = 0,
-        ready_tag: str | None = None,
-        stopped: str = "the sweep stopped",
-    ) -> None:
-        self.cmd, self.env = list(cmd), env
-        self.progress_tag, self.turns, self.index = progress_tag, turns, index
-        self.ready_tag, self.stopped = ready_tag, stopped
-        self.proc: subprocess.Popen | None = None
+    def __init__(self, cmd: list[str], env: dict[str, str], progress_tag: str | None = None):
+        self.cmd, self.env, self.progress_tag = cmd, env, progress_tag
         self.returncode: int | None = None
         self.wall_s = 0.0
         self._tail: collections.deque[str] = collections.deque(maxlen=200)
-        self._pump: threading.Thread | None = None
-        self._t0 = time.perf_counter()
 
     @property
     def stderr(self) -> str:
         return "".join(self._tail)
 
+    def last_words(self) -> str:
+        return (self.stderr.strip().splitlines() or ["no output"])[-1][:300]
+
     def __enter__(self) -> Child:
         self._t0 = time.perf_counter()
-        try:
-            if self.turns is not None and self.turns.aborted:
-                raise SystemExit(self.stopped)
-            self.proc = subprocess.Popen(
-                self.cmd, stdin=subprocess.PIPE if self.turns else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
-            )  # fmt: skip
-        except BaseException:
-            self._finish()
-            raise
-        with _CHILDREN_LOCK:
+        self.proc = subprocess.Popen(
+            self.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=self.env,
+        )  # fmt: skip
+        with _LOCK:
             _CHILDREN.add(self.proc)
         self._pump = threading.Thread(target=self._read_stderr, daemon=True)
         self._pump.start()
         return self
 
     def _read_stderr(self) -> None:
-        assert self.proc is not None and self.proc.stderr is not None
         for line in self.proc.stderr:
             self._tail.append(line)
             if self.progress_tag and line.startswith(self.progress_tag):
                 sys.stderr.write(line)
                 sys.stderr.flush()
 
-    def lines(self) -> Iterator[str]:
-        """The child's stdout lines as they come, but for the turn handshake."""
-        assert self.proc is not None and self.proc.stdout is not None
+    def records(self) -> Iterator[dict[str, Any]]:
+        """The records the child prints (child_main), as they come."""
         for line in self.proc.stdout:
-            if self.turns is not None and self.ready_tag and line.startswith(self.ready_tag):
-                go = "go\n" if self.turns.wait(self.index) else "stop\n"
-                with contextlib.suppress(OSError):  # the child may have died meanwhile
-                    assert self.proc.stdin is not None
-                    self.proc.stdin.write(go)
-                    self.proc.stdin.flush()
-            else:
-                yield line
+            if line.startswith(TAG):
+                yield json.loads(line[len(TAG) :])
 
     def __exit__(self, *exc: Any) -> None:
-        proc = self.proc
         try:
-            if proc is not None:
-                if exc[0] is not None:  # left early: the child's output is not wanted
-                    with contextlib.suppress(OSError):
-                        proc.kill()
-                else:
-                    for _ in self.lines():  # the rest of its stdout, so that it cannot block
-                        pass
-                self.returncode = proc.wait()
-                if self._pump is not None:
-                    self._pump.join()
+            if exc[0] is not None:  # left early: its output is not wanted
+                with contextlib.suppress(OSError):
+                    self.proc.kill()
+            else:
+                self.proc.stdout.read()  # the rest, so that it cannot block on a full pipe
+            self.returncode = self.proc.wait()
+            self._pump.join()
         finally:
-            self._finish()
-
-    def _finish(self) -> None:
-        if self.proc is not None:
-            with _CHILDREN_LOCK:
+            with _LOCK:
                 _CHILDREN.discard(self.proc)
-        if self.turns is not None:
-            self.turns.done(self.index)
-        self.wall_s = round(time.perf_counter() - self._t0, 3)
-
-
-def kill_children() -> None:
-    """Kill every child still running."""
-    with _CHILDREN_LOCK:
-        children = list(_CHILDREN)
-    for proc in children:
-        with contextlib.suppress(OSError):
-            proc.kill()
+            self.wall_s = round(time.perf_counter() - self._t0, 3)
 
 
 @contextlib.contextmanager
 def stop_children_on_exit() -> Iterator[None]:
-    """For a sweep of children: SIGTERM (`timeout`) raises SystemExit in the main thread, and
-    however the sweep ends, no child outlives it."""
+    """For a sweep of children: SIGTERM raises SystemExit in the main thread, and however the
+    sweep ends, every child still running is killed."""
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
     in_main = threading.current_thread() is threading.main_thread()
-    old_handler = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
+    old = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
     try:
         yield
     finally:
-        kill_children()
+        with _LOCK:
+            children = list(_CHILDREN)
+        for proc in children:
+            with contextlib.suppress(OSError):
+                proc.kill()
         if in_main:
-            signal.signal(signal.SIGTERM, old_handler)
+            signal.signal(signal.SIGTERM, old)

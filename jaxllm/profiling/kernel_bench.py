@@ -243,14 +243,12 @@ def _softmax_torch(shape, dtype):
     return fwd, bwd
 
 
-def layer_norm_cases(shapes=LN_SHAPES, dtypes=DTYPES) -> Iterator[Case]:
-    yield from _norm_cases(False, shapes, dtypes)
-
-
-def rms_norm_cases(shapes=LN_SHAPES, dtypes=DTYPES) -> Iterator[Case]:
-    """RMSNorm (the Llama norm: gamma only) on the LayerNorm shapes and tilings; the same minimal
-    bytes (read x, write y; read x and dy, write dx), gamma (and dgamma partials) aside."""
-    yield from _norm_cases(True, shapes, dtypes)
+def norm_cases(shapes=LN_SHAPES, dtypes=DTYPES) -> Iterator[Case]:
+    """The layer_norm family: LayerNorm rows, then RMSNorm rows (the Llama norm: gamma only) on
+    the same shapes and tilings, with the same minimal bytes (read x, write y; read x and dy,
+    write dx), gamma (and dgamma partials) aside."""
+    for rms in (False, True):
+        yield from _norm_cases(rms, shapes, dtypes)
 
 
 def _norm_cases(rms: bool, shapes, dtypes) -> Iterator[Case]:
@@ -447,12 +445,6 @@ def conv_cases(shapes=CONV_SHAPES, dtypes=CONV_DTYPES, mode: str = "same") -> It
             yield dataclasses.replace(bwd, configs=conv_sweep(shape, dtype, backward=True))
 
 
-def norm_cases(shapes=LN_SHAPES, dtypes=DTYPES) -> Iterator[Case]:
-    """The layer_norm family: LayerNorm rows, then RMSNorm rows."""
-    yield from layer_norm_cases(shapes, dtypes)
-    yield from rms_norm_cases(shapes, dtypes)
-
-
 def _time_impl(case: Case, impl) -> tuple[float, jax.Array]:
     states = case.states(impl)
     seconds = chained_median_seconds(case.step(impl), states)
@@ -492,8 +484,7 @@ HEADER = (
 
 
 def format_row(r: Row) -> str:
-    torch = "-" if r.torch_ms is None else f"{r.torch_ms:.3f} | {r.torch_ms / r.ms:.2f}"
-    torch = torch if r.torch_ms is not None else "- | -"
+    torch = "- | -" if r.torch_ms is None else f"{r.torch_ms:.3f} | {r.torch_ms / r.ms:.2f}"
     return (
         f"| {r.kernel} | {r.direction} | {r.shape} | {r.dtype} | {r.config} | {r.ms:.3f} "
         f"| {r.gbps:.0f} | {r.pct_copy:.0f} | {100 * r.streams_ms / r.ms:.0f} "

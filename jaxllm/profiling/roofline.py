@@ -1,20 +1,15 @@
-"""Roofline of a decoder layer's ops (issue 10) and the CS229S conv1d question (issue 11).
+"""Roofline of a decoder layer's ops and the CS229S conv1d question: `python profile.py roofline`.
 
 The FLOP/IO model (OpCost, layer_ops, component_of; conventions in its docstring) lives in
-`jaxllm/profiling/flops.py` and is re-exported here. This module adds the hardware peaks, the
-compute- or memory-bound verdict (intensity against the ridge point peak FLOP/s / bytes/s),
-measured points, the text reports of `python profile.py roofline` and the roofline PNG.
+`jaxllm/profiling/flops.py`. This module adds the hardware peaks, the compute- or memory-bound
+verdict (intensity against the ridge point, peak FLOP/s / bytes/s), measured points, the text
+report and the roofline PNG.
 
-Measured points, THE interface: `--measured FILE ...` reads JSONL files, one object per line:
-  - a row of `python profile.py kernels --jsonl F` (kernel_bench.Row: kernel, direction, shape,
-    dtype, ms, ...): its FLOPs and bytes come from `flops.kernel_cost` at that shape;
-  - any other row with the keys
-        name: str        what was timed, e.g. "mlp_up"
-        flops: number    FLOPs of one call
-        bytes: number    bytes moved by one call (e.g. the minimal model of `layer_ops`)
-        seconds: number  time of one call
-    and optionally dtype ("float32" | "bfloat16" | "float16": picks the roof it is drawn under).
-    `python profile.py bench --jsonl F` writes rows like these for the model's matmuls.
+Measured points: `--measured FILE ...` reads JSONL files, one object per line:
+  - a row of `python profile.py kernels --jsonl F` (kernel, direction, shape, dtype, ms, ...):
+    its FLOPs and bytes come from `flops.kernel_cost` at that shape;
+  - any row with the keys name, flops, bytes (of one call) and seconds (its time), optionally
+    dtype (picks the roof it is drawn under), as `profile.py bench` and `breakdown` write them.
 Rows that are neither (or carry non-positive numbers) are skipped and counted.
 """
 
@@ -27,37 +22,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxllm.atomic_file import save_figure_atomic
-
-from .flops import (
+from jaxllm.config import ModelConfig
+from jaxllm.profiling.flops import (
     ATTENTION_LINEAR,
     ATTENTION_QUADRATIC,
     DTYPE_BYTES,
     OpCost,
-    check_positive,
     component_of,
     conv1d,
     conv1d_bytes,
     conv1d_output_length,
     conv1d_padding,
-    dtype_bytes,
     kernel_cost,
     layer_ops,
     mha_crossover_length,
     mha_flops,
 )
-
-__all__ = [
-    "HARDWARE",
-    "Hardware",
-    "Measured",
-    "OpCost",
-    "component_of",
-    "layer_ops",
-    "load_measured",
-    "plot_roofline",
-    "report",
-    "verdict",
-]
+from jaxllm.profiling.harness import BadInput, md_header, md_row
 
 
 @dataclass(frozen=True)
@@ -69,10 +50,10 @@ class Hardware:
     mem_bytes_per_s: float
 
     def peak(self, dtype: str) -> float:
-        """Peak FLOP/s for `dtype`; ValueError if the device has none."""
+        """Peak FLOP/s for `dtype`; BadInput if the device has none."""
         if dtype not in self.peak_flops:
             allowed = ", ".join(self.peak_flops)
-            raise ValueError(f"{self.name} has no {dtype} peak; allowed: {allowed}")
+            raise BadInput(f"{self.name} has no {dtype} peak; allowed: {allowed}")
         return self.peak_flops[dtype]
 
     def ridge(self, dtype: str) -> float:
@@ -105,26 +86,6 @@ HARDWARE: dict[str, Hardware] = {
         "NVIDIA H100 SXM", {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 66.9e12}, 3.35e12
     ),
 }
-
-
-def hardware(name: str) -> Hardware:
-    """HARDWARE entry by key, case-insensitive."""
-    for key, hw in HARDWARE.items():
-        if key.lower() == name.lower():
-            return hw
-    raise ValueError(f"unknown device {name!r}; allowed: {', '.join(HARDWARE)}")
-
-
-def measured_hardware(
-    base: Hardware, dtype: str, peak_tflops: float | None, peak_gbps: float | None
-) -> Hardware:
-    """Peaks measured on the machine (TFLOP/s for `dtype`, GB/s); a missing one is `base`'s."""
-    for flag, value in (("peak TFLOP/s", peak_tflops), ("peak GB/s", peak_gbps)):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{flag} must be a finite number > 0, got {value}")
-    flops = peak_tflops * 1e12 if peak_tflops is not None else base.peak(dtype)
-    bw = peak_gbps * 1e9 if peak_gbps is not None else base.mem_bytes_per_s
-    return Hardware("peaks measured on the machine", {dtype: flops}, bw)
 
 
 def verdict(op: OpCost, hw: Hardware, dtype: str) -> str:
@@ -177,7 +138,11 @@ def measured_from_row(row: object) -> Measured | None:
         return Measured(str(row["name"]), row["flops"], row["bytes"], row["seconds"], dtype)
     if all(k in row for k in KERNEL_KEYS):
         dtype, ms = row["dtype"], row["ms"]
-        if dtype not in DTYPE_BYTES or not _positive_number(ms):
+        if (
+            dtype not in DTYPE_BYTES
+            or not _positive_number(ms)
+            or row["direction"] not in ("fwd", "bwd")
+        ):
             return None
         try:
             shape = tuple(int(x) for x in str(row["shape"]).split("x"))
@@ -195,7 +160,7 @@ def load_measured(paths: Iterable[str | Path]) -> tuple[list[Measured], int, int
         try:
             lines = Path(path).read_text().splitlines()
         except OSError as e:
-            raise ValueError(f"cannot read measurements file {path}: {e.strerror}") from e
+            raise BadInput(f"cannot read measurements file {path}: {e.strerror}") from e
         for line in filter(str.strip, lines):
             total += 1
             try:
@@ -209,16 +174,12 @@ def load_measured(paths: Iterable[str | Path]) -> tuple[list[Measured], int, int
     return points, skipped, total
 
 
-# ----------------------------------------------------------------------------- text reports
 def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    return "\n".join([md_header(header), *map(md_row, rows)])
 
 
 def _short_verdict(op: OpCost, hw: Hardware, dtype: str) -> str:
-    if dtype not in hw.peak_flops:
-        return "n/a"
-    return verdict(op, hw, dtype).removesuffix("-bound")
+    return verdict(op, hw, dtype).removesuffix("-bound") if dtype in hw.peak_flops else "n/a"
 
 
 def layer_report(
@@ -230,53 +191,32 @@ def layer_report(
         f"{key} {d.ridge(dtype):.1f}" if dtype in d.peak_flops else f"{key} n/a (no {dtype} peak)"
         for key, d in devices.items()
     )
-    header = ["op", "component", "GFLOP", "MB", "FLOP/B", *devices, f"t_min us ({device})"]
-    rows = [
-        [
-            op.name,
-            component_of(op.name),
-            f"{op.flops / 1e9:.3f}",
-            f"{op.bytes / 1e6:.2f}",
-            f"{op.intensity:.1f}",
-            *(_short_verdict(op, d, dtype) for d in devices.values()),
-            f"{min_seconds(op, hw, dtype) * 1e6:.1f}",
-        ]
-        for op in ops
-    ]
     flops, nbytes = sum(op.flops for op in ops), sum(op.bytes for op in ops)
     t_min = sum(min_seconds(op, hw, dtype) for op in ops)
-    rows.append(
-        [
-            "total",
-            "",
-            f"{flops / 1e9:.3f}",
-            f"{nbytes / 1e6:.2f}",
-            f"{flops / nbytes:.1f}",
-            *([""] * len(devices)),
-            f"{t_min * 1e6:.1f}",
-        ]
-    )
+    rows = [[op.name, component_of(op.name), f"{op.flops / 1e9:.3f}", f"{op.bytes / 1e6:.2f}",
+             f"{op.intensity:.1f}", *(_short_verdict(op, d, dtype) for d in devices.values()),
+             f"{min_seconds(op, hw, dtype) * 1e6:.1f}"] for op in ops]  # fmt: skip
+    rows.append(["total", "", f"{flops / 1e9:.3f}", f"{nbytes / 1e6:.2f}", f"{flops / nbytes:.1f}",
+                 *([""] * len(devices)), f"{t_min * 1e6:.1f}"])  # fmt: skip
     shares = []
     for comp in ("attention", "mlp", "norm/other"):
         mine = [op for op in ops if component_of(op.name) == comp]
         f_share = sum(op.flops for op in mine) / flops
         t_share = sum(min_seconds(op, hw, dtype) for op in mine) / t_min
         shares.append(f"{comp} {100 * f_share:.1f}% of FLOPs, {100 * t_share:.1f}% of t_min")
-    return "\n".join(
-        [
-            title,
-            "FLOPs: 2 per multiply-add; bytes: each input read once, each output written once, per "
-            "op run alone (unfused), all tensors in the one dtype",
-            f"ridge point (FLOP/byte) = peak FLOP/s / memory bytes/s at {dtype}: {ridges}",
-            _table(header, rows),
-            "by component: " + "; ".join(shares),
-        ]
-    )
+    header = ["op", "component", "GFLOP", "MB", "FLOP/B", *devices, f"t_min us ({device})"]
+    return "\n".join([
+        title,
+        "FLOPs: 2 per multiply-add; bytes: each input read once, each output written once, per "
+        "op run alone (unfused), all tensors in the one dtype",
+        f"ridge point (FLOP/byte) = peak FLOP/s / memory bytes/s at {dtype}: {ridges}",
+        _table(header, rows),
+        "by component: " + "; ".join(shares),
+    ])  # fmt: skip
 
 
-def scaling_report(
-    *, batch: int, d_model: int, n_heads: int, arch: str, lengths: Sequence[int]
-) -> str:
+def scaling_report(*, batch: int, d_model: int, n_heads: int, arch: str,
+                   lengths: Sequence[int]) -> str:  # fmt: skip
     """MHA forward FLOPs over lengths: projections linear in L, score-sized ops quadratic."""
     rows = []
     for t in lengths:
@@ -284,50 +224,36 @@ def scaling_report(
         rows.append([str(t), f"{lin / 1e9:.2f}", f"{quad / 1e9:.2f}", f"{quad / lin:.2f}"])
     cross = mha_crossover_length(d_model=d_model, n_heads=n_heads, arch=arch)
     linear = " + ".join(n for n in ATTENTION_LINEAR if n != "rope" or arch != "gpt2")  # no RoPE
-    quadratic = " + ".join(ATTENTION_QUADRATIC)
-    header = ["L", f"{linear} GFLOP (~L)", f"{quadratic} GFLOP (~L^2)", "quadratic / linear"]
-    return "\n".join(
-        [
-            f"MHA forward FLOPs vs length L ({arch}, batch {batch}, d_model {d_model}, "
-            f"{n_heads} heads; one layer)",
-            _table(header, rows),
-            f"quadratic = linear at L = {cross:.0f} (matmuls alone, 8 L D^2 = 4 L^2 D: L = 2 D = "
-            f"{2 * d_model})",
-        ]
-    )
+    header = ["L", f"{linear} GFLOP (~L)", f"{' + '.join(ATTENTION_QUADRATIC)} GFLOP (~L^2)",
+              "quadratic / linear"]  # fmt: skip
+    return "\n".join([
+        f"MHA forward FLOPs vs length L ({arch}, batch {batch}, d_model {d_model}, {n_heads} "
+        "heads; one layer)",
+        _table(header, rows),
+        f"quadratic = linear at L = {cross:.0f} (matmuls alone, 8 L D^2 = 4 L^2 D: L = 2 D = "
+        f"{2 * d_model})",
+    ])  # fmt: skip
 
 
-def conv_report(
-    *,
-    batch: int,
-    length: int,
-    width: int,
-    kernel: int,
-    dtype: str,
-    padding: str,
-    devices: dict[str, Hardware],
-) -> str:
+def conv_report(shape: Sequence[int], dtype: str, padding: str,
+                devices: dict[str, Hardware]) -> str:  # fmt: skip
     """The CS229S conv question: bandwidth, throughput, ridge, FLOPs, bytes, intensity, verdict."""
-    s = dtype_bytes(dtype)
-    op = conv1d(
-        batch=batch, length=length, width=width, kernel=kernel, dtype_bytes=s, padding=padding
-    )
-    parts = conv1d_bytes(
-        batch=batch, length=length, width=width, kernel=kernel, dtype_bytes=s, padding=padding
-    )
-    out_len = conv1d_output_length(length, kernel, padding)
+    batch, length, width, kernel = shape
+    s = DTYPE_BYTES[dtype]
+    conv = dict(batch=batch, length=length, width=width, kernel=kernel, dtype_bytes=s,
+                padding=padding)  # fmt: skip
+    op, parts = conv1d(**conv), conv1d_bytes(**conv)
     left, right = conv1d_padding(kernel, padding)
     lines = [
         f"depthwise conv1d, {dtype} ({s} B/element): batch {batch}, length {length}, width "
         f"{width}, kernel {kernel}, padding {padding} ({left} zeros left, {right} right) -> "
-        f"output length {out_len}",
+        f"output length {conv1d_output_length(length, kernel, padding)}",
         f"  FLOPs                 {op.flops:,.0f} ({op.flops / 1e9:.3f} GFLOP) = B * Lo * D * "
         "(2K + 1): 2 per multiply-add (K per output), 1 per bias add",
         f"  bytes                 {op.bytes:,.0f} ({op.bytes / 1e6:.1f} MB) = "
-        + " + ".join(f"{k} {v:,.0f}" for k, v in parts.items())
-        + ", each moved once",
+        + " + ".join(f"{k} {v:,.0f}" for k, v in parts.items()) + ", each moved once",
         f"  arithmetic intensity  {op.intensity:.3f} FLOP/byte",
-    ]
+    ]  # fmt: skip
     for key, hw in devices.items():
         ridge = hw.ridge(dtype)
         sign = ">=" if op.intensity >= ridge else "<"
@@ -350,16 +276,10 @@ def measured_report(points: list[Measured], roofs: dict[str, Hardware], dtype: s
     rows = []
     for p in points:
         dt = p.dtype or dtype
-        shares = [
-            f"{100 * p.flops_per_s / hw.attainable(p.intensity, dt):.0f}"
-            if dt in hw.peak_flops
-            else "n/a"  # no peak for this dtype
-            for hw in roofs.values()
-        ]
-        rows.append(
-            [p.name, dt, f"{p.intensity:.2f}", f"{p.flops_per_s / 1e12:.3f}",
-             f"{p.bytes / p.seconds / 1e9:.0f}", *shares]
-        )  # fmt: skip
+        shares = [f"{100 * p.flops_per_s / hw.attainable(p.intensity, dt):.0f}"
+                  if dt in hw.peak_flops else "n/a" for hw in roofs.values()]  # fmt: skip
+        rows.append([p.name, dt, f"{p.intensity:.2f}", f"{p.flops_per_s / 1e12:.3f}",
+                     f"{p.bytes / p.seconds / 1e9:.0f}", *shares])  # fmt: skip
     header = ["measured", "dtype", "FLOP/B", "TFLOP/s", "GB/s", *(f"% of {k} roof" for k in roofs)]
     return _table(header, rows)
 
@@ -377,18 +297,13 @@ def _close_groups(ops: list[OpCost], ratio: float = 1.15) -> list[list[OpCost]]:
 
 
 def plot_roofline(
-    path: str | Path,
-    hw: Hardware,
-    dtype: str,
-    ops: list[OpCost],
-    measured: Sequence[Measured] = (),
-    extra: Hardware | None = None,
-    dpi: int = 80,
-) -> Path:
+    path: str | Path, hw: Hardware, dtype: str, ops: list[OpCost],
+    measured: Sequence[Measured] = (), extra: Hardware | None = None, dpi: int = 80,
+) -> Path:  # fmt: skip
     """Write the roofline PNG: `hw`'s roofs (one per dtype drawn), the analytic ops on the roof
     at their intensity, measured points at their achieved FLOP/s, `extra` (measured peaks)
-    dashed. Returns the path."""
-    import matplotlib
+    dashed."""
+    import matplotlib  # optional: only for the plot
 
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
@@ -401,65 +316,29 @@ def plot_roofline(
     grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, d in enumerate(dtypes):
-        ax.plot(
-            grid,
-            [hw.attainable(x, d) for x in grid],
-            lw=1.5,
-            color=f"C{i}",
-            label=f"{hw.name} {d} roof (ridge {hw.ridge(d):.0f} FLOP/B)",
-        )
+        ax.plot(grid, [hw.attainable(x, d) for x in grid], lw=1.5, color=f"C{i}",
+                label=f"{hw.name} {d} roof (ridge {hw.ridge(d):.0f} FLOP/B)")  # fmt: skip
     if extra is not None:
+        label = f"measured peaks {dtype} (ridge {extra.ridge(dtype):.0f} FLOP/B)"
         ax.plot(
-            grid,
-            [extra.attainable(x, dtype) for x in grid],
-            "--",
-            lw=1,
-            color="k",
-            label=f"measured peaks {dtype} (ridge {extra.ridge(dtype):.0f} FLOP/B)",
+            grid, [extra.attainable(x, dtype) for x in grid], "--", lw=1, color="k", label=label
         )
     if dtype in hw.peak_flops:
-        ys = [hw.attainable(op.intensity, dtype) for op in ops]
-        ax.scatter(
-            [op.intensity for op in ops],
-            ys,
-            s=18,
-            color="C0",
-            zorder=3,
-            label=f"analytic ops ({dtype}), on the roof",
-        )
+        xs = [op.intensity for op in ops]
+        ax.scatter(xs, [hw.attainable(x, dtype) for x in xs], s=18, color="C0", zorder=3,
+                   label=f"analytic ops ({dtype}), on the roof")  # fmt: skip
         # ops of (nearly) the same intensity share one label: norm1/norm2, scores/av, ...
         for i, group in enumerate(_close_groups(ops)):
-            x = group[0].intensity
-            ax.annotate(
-                ", ".join(op.name for op in group),
-                (x, hw.attainable(x, dtype)),
-                fontsize=6,
-                xytext=(4, -10 if i % 2 else 4),
-                textcoords="offset points",
-            )
+            x, names = group[0].intensity, ", ".join(op.name for op in group)
+            ax.annotate(names, (x, hw.attainable(x, dtype)), fontsize=6,
+                        xytext=(4, -10 if i % 2 else 4), textcoords="offset points")  # fmt: skip
     if measured:
-        ax.scatter(
-            [p.intensity for p in measured],
-            [p.flops_per_s for p in measured],
-            s=22,
-            marker="x",
-            color="C3",
-            zorder=4,
-            label="measured",
-        )
+        ax.scatter([p.intensity for p in measured], [p.flops_per_s for p in measured], s=22,
+                   marker="x", color="C3", zorder=4, label="measured")  # fmt: skip
         for p in measured:
-            ax.annotate(
-                p.name,
-                (p.intensity, p.flops_per_s),
-                fontsize=5,
-                color="C3",
-                xytext=(3, -8),
-                textcoords="offset points",
-            )
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
-    ax.set_ylabel("FLOP/s")
+            ax.annotate(p.name, (p.intensity, p.flops_per_s), fontsize=5, color="C3",
+                        xytext=(3, -8), textcoords="offset points")  # fmt: skip
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)", ylabel="FLOP/s")
     ax.set_title(f"roofline: {hw.name}, {dtype}", fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower right")
@@ -474,95 +353,49 @@ SCALING_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def report(
-    *,
-    op: str = "layer",
-    arch: str = "gpt2",
-    batch: int = 4,
-    length: int = 1024,
-    width: int = 768,
-    heads: int = 12,
-    d_ff: int | None = None,
-    dtype: str = "bfloat16",
-    device: str = "H100",
-    kernel: int | None = None,
-    conv_padding: str | None = None,
-    peak_tflops: float | None = None,
-    peak_gbps: float | None = None,
-    png: str | Path | None = None,
-    measured: Sequence[str | Path] = (),
-) -> str:
-    """The text of `python profile.py roofline` (writes `png` too); ValueError on bad input.
+    model: ModelConfig, batch: int, *, dtype: str = "bfloat16", device: str = "H100",
+    conv: Sequence[int] | None = None, conv_padding: str = "full",
+    peak_tflops: float | None = None, peak_gbps: float | None = None,
+    png: str | Path | None = None, measured: Sequence[str | Path] = (),
+) -> str:  # fmt: skip
+    """The text of `python profile.py roofline` (writes `png` too); BadInput on bad input.
 
-    op 'layer': the per-op table of one decoder layer on every device (+ `kernel` adds the
-    short conv, padding default 'causal' as in the model) and the MHA length scaling.
-    op 'conv1d': the conv question (padding default 'full', as in CS229S; kernel default 3).
-    d_ff None: 4 * width (ModelConfig's default).
+    Without `conv`: the per-op table of one decoder layer of `model` at (batch,
+    model.context_length) on every device (model.short_conv adds its causal conv) and the MHA
+    length scaling. `conv` (B, L, D, K): the CS229S conv question at that shape and padding.
     """
-    if op not in ("layer", "conv1d"):
-        raise ValueError(f"unknown op {op!r}; allowed: layer, conv1d")
-    check_positive(batch=batch, length=length, width=width)
-    if png is not None and not Path(png).parent.is_dir():  # before the report, not after it
-        raise ValueError(f"--png {png}: no directory {Path(png).parent}")
-    if conv_padding is not None:
-        conv1d_padding(3, conv_padding)  # a ValueError naming the allowed paddings
-        if op == "layer" and (not kernel or conv_padding != "causal"):
-            raise ValueError(
-                f"--conv-padding {conv_padding} in a layer: the model's short conv is causal and "
-                "needs --kernel K (the padding applies to --op conv1d)"
-            )
-    s = dtype_bytes(dtype)
-    hw = hardware(device)
-    key = next(k for k, v in HARDWARE.items() if v is hw)
-    hw.peak(dtype)  # a dtype the chosen device has no peak for is an error here, not a "n/a"
+    hw = HARDWARE[device]
+    hw.peak(dtype)  # a dtype the chosen device has no peak for is an error, not a "n/a"
     extra = None
     if peak_tflops is not None or peak_gbps is not None:
-        extra = measured_hardware(hw, dtype, peak_tflops, peak_gbps)
-    out = []
-    if op == "conv1d":
-        k = 3 if kernel is None else kernel
-        conv = dict(
-            batch=batch, length=length, width=width, kernel=k, padding=conv_padding or "full"
-        )
-        devices = {key: hw} | ({"measured": extra} if extra else {})
-        out.append(conv_report(**conv, dtype=dtype, devices=devices))
-        ops = [conv1d(**conv, dtype_bytes=s)]
+        extra = Hardware("peaks measured on the machine",
+                         {dtype: peak_tflops * 1e12 if peak_tflops else hw.peak(dtype)},
+                         peak_gbps * 1e9 if peak_gbps else hw.mem_bytes_per_s)  # fmt: skip
+    mine = {device: hw} | ({"measured": extra} if extra else {})
+    if conv is not None:
+        out = [conv_report(conv, dtype, conv_padding, mine)]
+        b, t, w, k = conv
+        ops = [conv1d(batch=b, length=t, width=w, kernel=k, dtype_bytes=DTYPE_BYTES[dtype],
+                      padding=conv_padding)]  # fmt: skip
     else:
-        d_ff = 4 * width if d_ff is None else d_ff
-        ops = layer_ops(
-            batch=batch,
-            length=length,
-            d_model=width,
-            n_heads=heads,
-            d_ff=d_ff,
-            dtype_bytes=s,
-            arch=arch,
-            conv_kernel=kernel or 0,
-            conv_padding=conv_padding or "causal",
-        )
-        devices = dict(HARDWARE) | ({"measured": extra} if extra else {})
-        title = (
-            f"roofline: {arch} decoder layer, forward; batch {batch}, length {length}, "
-            f"d_model {width}, {heads} heads (head dim {width // heads}), d_ff {d_ff}, "
-            f"{dtype} ({s} B/element)"
-        )
-        lengths = sorted({*SCALING_LENGTHS, length})
-        out += [
-            layer_report(ops, title, dtype, devices, key),
-            "",
-            scaling_report(batch=batch, d_model=width, n_heads=heads, arch=arch, lengths=lengths),
-        ]
+        m, t = model, model.context_length
+        ops = layer_ops(batch=batch, length=t, d_model=m.d_model, n_heads=m.n_heads,
+                        d_ff=m.ffn_dim, dtype_bytes=DTYPE_BYTES[dtype], arch=m.arch,
+                        conv_kernel=m.short_conv_size if m.short_conv else 0)  # fmt: skip
+        title = (f"roofline: {m.arch} decoder layer, forward; batch {batch}, length {t}, d_model "
+                 f"{m.d_model}, {m.n_heads} heads (head dim {m.d_model // m.n_heads}), d_ff "
+                 f"{m.ffn_dim}, {dtype} ({DTYPE_BYTES[dtype]} B/element)")  # fmt: skip
+        out = [layer_report(ops, title, dtype, HARDWARE | mine, device), "",
+               scaling_report(batch=batch, d_model=m.d_model, n_heads=m.n_heads, arch=m.arch,
+                              lengths=sorted({*SCALING_LENGTHS, t}))]  # fmt: skip
     points: list[Measured] = []
     if measured:
         points, skipped, total = load_measured(measured)
-        out += [
-            "",
-            f"measured: {len(points)} points from {len(measured)} file(s); skipped "
-            f"{skipped} of {total} rows (neither a `profile.py kernels` row nor "
-            f"{{{', '.join(BENCH_KEYS)}}} with positive numbers)",
-        ]
+        out += ["", f"measured: {len(points)} points from {len(measured)} file(s); skipped "
+                f"{skipped} of {total} rows (neither a `profile.py kernels` row nor "
+                f"{{{', '.join(BENCH_KEYS)}}} with positive numbers)"]  # fmt: skip
         if points:
-            roofs = {key: hw} | ({"measured": extra} if extra else {})  # the machine measured on
-            out.append(measured_report(points, roofs, dtype))
+            out.append(measured_report(points, mine, dtype))
     if png is not None:
         out.append(f"wrote {plot_roofline(png, hw, dtype, ops, points, extra)}")
     return "\n".join(out)

@@ -136,6 +136,6 @@ def live_chain_seconds(
 
 def torch_median_seconds(fn: Callable[[], Any]) -> float:
     """Median seconds of a PyTorch CUDA callable, timed with CUDA events (triton.testing)."""
-    from triton.testing import do_bench
+    from triton.testing import do_bench  # optional: the GPU image has it (with torch)
 
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3

@@ -4,34 +4,33 @@ Same architecture as `jaxllm.models`, module for module, parameter for parameter
   gpt2            learned positions, pre-LayerNorm blocks, fused q/k/v, tanh GELU MLP, tied head
   transformer_lm  RoPE on adjacent pairs (CS336's layout), RMSNorm pre-norm, SwiGLU, no biases,
                   untied head
-Attention is `F.scaled_dot_product_attention(is_causal=True)` (flash / memory-efficient kernels
-where they apply), the loss a float32 cross-entropy over the logits. `compute_dtype` bfloat16
-runs under `torch.autocast` with float32 parameters, as ours keeps float32 parameters and casts
-the matmul operands; float32 allows TF32 matmuls, as XLA does by default on the GPU.
-`residual_dtype` bfloat16 casts the embeddings to bf16, so that every residual add (bf16 stream
-+ bf16 branch under autocast) stays bf16 as in ours; the norms still compute in float32. The train
+Attention is `F.scaled_dot_product_attention(is_causal=True)`, the loss a float32 cross-entropy.
+`compute_dtype` bfloat16 runs under `torch.autocast` with float32 parameters, as ours keeps
+float32 parameters and casts the matmul operands; float32 allows TF32 matmuls, as XLA does on
+the GPU. `residual_dtype` bfloat16 keeps the residual stream in bf16 as ours does. The train
 step is fused AdamW (weight decay on >= 2-D parameters) after global-norm clipping at 1.0, as
-`jaxllm.train.optim` does. `load_flax_params` copies our parameters in, so a test can check
-that both compute the same function.
+`jaxllm.train.optim`. `load_flax_params` copies our parameters in, so a test can check that
+both compute the same function.
 
-torch is imported only when a function here runs: jaxllm does not depend on it (the GPU image
-has it). The issue's PyTorch reference (nanoGPT's GPT-2 small, bf16, batch 16; formerly
-benchmarks/torch_gpt2.py) is `python profile.py bench --sizes small --contexts 1024 --batch 16
---vocab 50257 --dtypes bfloat16 --modes train_step --torch`.
+torch is an optional dependency (the GPU image has it): it is imported inside the functions
+that need it, so that importing this module (and `profile.py bench` without --torch) works
+without it.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
+import jax
 import numpy as np
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import Config, ExecutionConfig, ModelConfig
+from jaxllm.models import unstack_blocks
+from jaxllm.profiling.harness import BadInput, is_oom, time_calls
 
 
 class TorchUnavailableError(RuntimeError):
@@ -41,7 +40,7 @@ class TorchUnavailableError(RuntimeError):
 def require_torch(cuda: bool = True) -> Any:
     """The torch module; TorchUnavailableError with a one-line reason if it cannot be used."""
     try:
-        import torch
+        import torch  # optional: see the module docstring
     except ImportError:
         raise TorchUnavailableError(
             "the PyTorch side-by-side needs torch (pip install torch); jaxllm does not depend "
@@ -55,9 +54,9 @@ def require_torch(cuda: bool = True) -> Any:
 
 
 @functools.cache
-def _modules() -> SimpleNamespace:
-    """The nn.Module classes, defined on first use so that importing this file needs no torch.
-    Attribute names follow the Flax parameter names (h{i} -> blocks.{i}, kernel -> weight)."""
+def _blocks() -> SimpleNamespace:
+    """The block's nn.Module classes, defined on first use (torch is optional). Attribute names
+    follow the Flax parameter names (kernel -> weight)."""
     torch = require_torch(cuda=False)
     nn, F = torch.nn, torch.nn.functional
 
@@ -130,12 +129,22 @@ def _modules() -> SimpleNamespace:
             x = x + self.attn(self.ln1(x), cos, sin)
             return x + self.mlp(self.ln2(x))
 
+    return SimpleNamespace(Block=Block, norm=norm)
+
+
+@functools.cache
+def _modules() -> SimpleNamespace:
+    """The model's nn.Module class (h{i} -> blocks.{i}, embed -> wte, lm_head -> head)."""
+    torch = require_torch(cuda=False)
+    nn, F = torch.nn, torch.nn.functional
+    Block, norm = _blocks().Block, _blocks().norm
+
     class LM(nn.Module):
-        def __init__(self, cfg: ModelConfig) -> None:
+        def __init__(self, cfg: ModelConfig, ex: ExecutionConfig) -> None:
             super().__init__()
             if cfg.short_conv:
-                raise ValueError("the PyTorch reference has no short_conv")
-            self.cfg = cfg
+                raise BadInput("the PyTorch reference has no model.short_conv")
+            self.cfg, self.ex = cfg, ex
             d = cfg.d_model
             self.wte = nn.Embedding(cfg.vocab_size, d)
             self.wpe = nn.Embedding(cfg.context_length, d) if cfg.arch == "gpt2" else None
@@ -158,7 +167,7 @@ def _modules() -> SimpleNamespace:
             else:
                 angles = pos.float()[:, None] * self.inv_freq  # (T, Dh/2)
                 cos, sin = angles.cos(), angles.sin()
-            if self.cfg.residual_dtype == "bfloat16":  # the stream, and so every add, in bf16
+            if self.ex.residual_dtype == "bfloat16":  # the stream, and so every add, in bf16
                 x = x.to(torch.bfloat16)
             for block in self.blocks:
                 x = block(x, cos, sin)
@@ -176,18 +185,15 @@ def _modules() -> SimpleNamespace:
     return SimpleNamespace(LM=LM)
 
 
-def build(cfg: ModelConfig) -> Any:
-    """The PyTorch model of `cfg` (float32 parameters, on the CPU)."""
-    return _modules().LM(cfg)
-
-
-COMPILE_MODES = ("regional", "model")
+def build(cfg: ModelConfig, ex: ExecutionConfig) -> Any:
+    """The PyTorch model of `cfg` run as `ex` (float32 parameters, on the CPU)."""
+    return _modules().LM(cfg, ex)
 
 
 def compile_model(model: Any, how: str) -> Any:
     """torch.compile `model` (static shapes), returning what to call in its place.
 
-    "model": the whole model, one graph (minutes of compilation for tens of layers). "regional":
+    how "model": the whole model, one graph (minutes of compilation for tens of layers). "regional":
     each block and the output (final norm, head, loss) compiled on their own; the blocks share
     one compiled graph, so compilation costs about one block, whatever the depth (PyTorch's
     regional compilation recipe); only the embedding lookup stays eager. `model` is changed in
@@ -196,8 +202,6 @@ def compile_model(model: Any, how: str) -> Any:
     torch = require_torch(cuda=False)
     if how == "model":
         return torch.compile(model, dynamic=False)
-    if how != "regional":
-        raise ValueError(f"unknown compile mode {how!r}; allowed: {', '.join(COMPILE_MODES)}")
     for block in model.blocks:
         block.compile(dynamic=False)
     model.output = torch.compile(model.output, dynamic=False)
@@ -210,10 +214,6 @@ def load_flax_params(model: Any, params: Any) -> None:
     (in, out), torch (out, in)), scale and embedding -> weight. A execution.scan_layers tree
     (blocks/block, stacked) is unstacked first."""
     torch = require_torch(cuda=False)
-    import jax
-
-    from jaxllm.models import unstack_blocks
-
     if "blocks" in params:
         params = unstack_blocks(params)
 
@@ -231,94 +231,16 @@ def load_flax_params(model: Any, params: Any) -> None:
     model.load_state_dict(state, strict=True)
 
 
-def _time(
-    fn: Callable[[], Any], warmup: int, steps: int, sync: Callable[[], None], group: int = 1
-) -> list[float]:
-    """`steps` samples of seconds per call after `warmup` untimed calls: each sample runs `group`
-    calls back to back and is closed by sync() (group 1: every call synced; more: launches
-    overlap device work, as in a training loop)."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    samples = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        for _ in range(group):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - t0) / group)
-    return samples
-
-
-def time_modes(
-    cfg: ModelConfig,
-    inputs: np.ndarray,
-    targets: np.ndarray,
-    modes: Sequence[str],
-    *,
-    compile_mode: str | None,
-    warmup: int,
-    steps: int,
-    device: str = "cuda",
-    group: int = 1,
-) -> dict[str, list[float] | None]:
-    """Per-call seconds (`steps` samples of `group` back-to-back calls each, see `_time`) of
-    each mode (logits, forward, forward_backward, train_step; as in jaxllm.profiling.bench) of
-    the PyTorch model of `cfg`, eager (compile_mode None) or torch.compile'd (`compile_model`'s
-    "regional" or "model"), on inputs, targets (B, T) ints; None for a mode that ran out of
-    memory. The first warm-up calls compile."""
-    torch = require_torch(cuda=device == "cuda")
-    torch.backends.cuda.matmul.allow_tf32 = True  # XLA's default f32 matmul precision on GPU
-    torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(0)
-    if compile_mode:
-        torch._dynamo.reset()  # no graphs or recompile budget left over from another config
-    try:
-        return _time_model(
-            torch, cfg, inputs, targets, modes, compile_mode, warmup, steps, device, group
-        )
-    finally:  # the model, its gradients and AdamW state are gone: hand their memory back
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
-
-
-def _time_model(
-    torch: Any,
-    cfg: ModelConfig,
-    inputs: np.ndarray,
-    targets: np.ndarray,
-    modes: Sequence[str],
-    compile_mode: str | None,
-    warmup: int,
-    steps: int,
-    device: str,
-    group: int,
-) -> dict[str, list[float] | None]:
-    from jaxllm.profiling.bench import is_oom
-
-    cuda = device == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    bf16 = cfg.compute_dtype == "bfloat16"
-    out: dict[str, list[float] | None] = {m: None for m in modes}
-    try:
-        model = build(cfg).to(device)
-        # torch.tensor copies: arrays that come from jax are read-only
-        x = torch.tensor(inputs, dtype=torch.long, device=device)
-        y = torch.tensor(targets, dtype=torch.long, device=device)
-    except Exception as e:
-        if not is_oom(e):
-            raise
-        return out
+def _calls(torch: Any, model: Any, x: Any, y: Any, compile_mode: str | None, device: str):
+    """{mode: a call of it} on `model` (eager, or compiled as `compile_mode` says)."""
     fwd = compile_model(model, compile_mode) if compile_mode else model
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    params = list(model.parameters())
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=3e-4,
-        betas=(0.9, 0.95),
-        fused=cuda,
-    )
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=3e-4, betas=(0.9, 0.95), fused=device == "cuda",
+    )  # fmt: skip
+    bf16 = model.ex.compute_dtype == "bfloat16"
 
     def autocast() -> Any:
         return torch.autocast(device, dtype=torch.bfloat16, enabled=bf16)
@@ -342,13 +264,57 @@ def _time_model(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
-    calls = {"logits": logits, "forward": forward,
-             "forward_backward": forward_backward, "train_step": train_step}  # fmt: skip
-    for mode in modes:
-        try:
-            out[mode] = _time(calls[mode], warmup, steps, sync, group)
-        except Exception as e:
-            if not is_oom(e):
-                raise
-            model.zero_grad(set_to_none=True)  # drop what the failed call left
+    return {"logits": logits, "forward": forward, "forward_backward": forward_backward,
+            "train_step": train_step}  # fmt: skip
+
+
+def time_modes(
+    cfg: Config,
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    modes: Sequence[str],
+    *,
+    compile_mode: str | None,
+    warmup: int,
+    samples: int,
+    device: str = "cuda",
+    group: int = 1,
+) -> dict[str, list[float] | None]:
+    """Per-call seconds (`samples` samples of `group` back-to-back calls each, as
+    harness.time_calls) of each mode (as in jaxllm.profiling.bench) of the PyTorch model of
+    `cfg`, eager (compile_mode None) or torch.compile'd (`compile_model`'s "regional" or
+    "model"), on inputs, targets (B, T) ints; None for a mode that ran out of memory. The first
+    warm-up calls compile."""
+    torch = require_torch(cuda=device == "cuda")
+    torch.backends.cuda.matmul.allow_tf32 = True  # XLA's default f32 matmul precision on GPU
+    torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(0)
+    if compile_mode:
+        torch._dynamo.reset()  # no graphs or recompile budget left over from another config
+
+    def sync(_: Any) -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    out: dict[str, list[float] | None] = {m: None for m in modes}
+    try:
+        model = build(cfg.model, cfg.execution).to(device)
+        # torch.tensor copies: arrays that come from jax are read-only
+        x, y = (torch.tensor(a, dtype=torch.long, device=device) for a in (inputs, targets))
+        calls = _calls(torch, model, x, y, compile_mode, device)
+        for mode in modes:
+            try:
+                t = time_calls(calls[mode], warmup=warmup, group=group, samples=samples, sync=sync)
+                out[mode] = list(t.samples)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                model.zero_grad(set_to_none=True)  # drop what the failed call left
+    except Exception as e:  # the model itself did not fit
+        if not is_oom(e):
+            raise
+    finally:  # the model, its gradients and AdamW state are gone: hand their memory back
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return out

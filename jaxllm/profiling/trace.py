@@ -1,26 +1,19 @@
 """Traces of train steps: jax.profiler (TensorBoard / Perfetto) and NVTX ranges for Nsight Systems.
 
 `python profile.py trace --out DIR` (trace_train_steps): a few train steps after warm-up,
-recorded with jax.profiler into DIR/trace (open with `tensorboard --logdir DIR/trace`, or load
+recorded with jax.profiler into DIR/trace (`tensorboard --logdir DIR/trace`, or
 DIR/trace/plugins/profile/*/perfetto_trace.json.gz in ui.perfetto.dev), the optimized HLO in
-DIR/step.hlo.txt, and a table of the kernels that take the most device time per step, each
-with its named scope (jaxllm.models.decoder lists them: block_3/attn/qkv, loss, optimizer ...).
-A scope comes from the HLO instruction behind each launch: the `hlo_op` argument XLA annotates
-GPU kernel launches (and XLA:CPU ops) with, else the kernel name read against the HLO
-(HloKernels: fusions and Triton/Pallas kernels are named after their instructions, cuBLAS and
-cuDNN kernels only after their library) and the launch order (align_launches). A line above the
-table says which path resolved how many launches and which event arguments the trace had.
-`python -m jaxllm.profiling.trace --hlo OUT/step.hlo.txt --kernels-md TABLE.md` redoes the
-kernel table's scopes from the HLO alone (kernels_table_from_hlo): the H100 run of 2026-11-23
-printed "(no scope)" for every kernel (its kernel events carried no `hlo_op` that named an
-instruction of the HLO; that trace's event arguments were not kept).
+DIR/step.hlo.txt, and a table of the kernels that take the most device time per step, each with
+its named scope (jaxllm.models.decoder names them: block_3/attn/qkv, loss, optimizer ...). A
+launch's scope comes from the HLO instruction behind it: the `hlo_op` argument XLA annotates
+launches with, else the kernel name read against the HLO (HloKernels: fusions and Triton/Pallas
+kernels are named after their instructions, cuBLAS and cuDNN kernels only after their library)
+and the launch order (align_launches).
 
-`--nvtx` (phase_steps) is the mode to run under Nsight Systems: no jax.profiler trace (nsys
-and jax.profiler would both attach CUPTI); instead the step runs as three separately jitted
-programs, forward (the loss), backward (its gradient) and optimizer (clipping + AdamW), each
-inside an NVTX range of its name and synced before the range closes, all inside a `steps`
-range, after a `warmup` range. `python profile.py nsys` runs it under `nsys profile --trace=
-cuda,nvtx` and prints `nsys stats` per phase.
+`--nvtx` (phase_steps) is the mode to run under Nsight Systems: no jax.profiler trace (both
+would attach CUPTI); the step runs as three jitted programs, forward, backward and optimizer,
+each in an NVTX range of its name, synced before the range closes. `python profile.py nsys`
+runs it under `nsys profile --trace=cuda,nvtx` and prints `nsys stats` per phase.
 
 `StepRangeTrace` is the training loop's `train.trace_steps` option.
 """
@@ -50,7 +43,7 @@ import jax
 
 from jaxllm.atomic_file import write_text_atomic
 from jaxllm.config import Config
-from jaxllm.profiling.harness import make_state, random_batch
+from jaxllm.profiling.harness import make_state, md_header, md_row, random_batch
 from jaxllm.train.state import loss_and_sums, train_step
 
 PHASES = ("forward", "backward", "optimizer")
@@ -287,32 +280,6 @@ class HloKernels:
             return f"(one of {len(instructions)} {_FAMILY_NAMES[fam]} calls)"
         return f"one of {len(instructions)}: {label}"
 
-    def scope_of_kernel(self, kernel: str) -> tuple[str, str]:
-        """(scope, how) for a kernel name alone, no trace: what the HLO says. `how` names the
-        path: 'fusion name', 'Triton kernel name', 'cuDNN fprop family', ... with the number
-        of HLO instructions behind the name."""
-        calls, how = self.candidates(kernel)
-        if not calls:
-            return "(no scope)", "not in the HLO"
-        n = f"{len(calls)} call{'s' if len(calls) > 1 else ''}"
-        if how == "kernel name":
-            kind = "Triton kernel name" if self.family.get(calls[0]) == "triton" else "fusion name"
-            what = f"{kind}, {n}" + (" (deduplicated kernel)" if len(calls) > 1 else "")
-        else:
-            what = f"{_FAMILY_NAMES[self.family[calls[0]]]} family, {n}"
-            if kernel.startswith("nvjet") and calls[0] in self.bias:
-                epilogue = "bias" if self.bias[calls[0]] else "no-bias"
-                what = f"{_FAMILY_NAMES['cublas']} family, {epilogue} epilogue, {n}"
-        return self.scope(calls, one_of=how != "kernel name"), what
-
-
-def scopes_from_hlo(hlo_text: str, kernels: Iterable[str] | None = None) -> dict[str, str]:
-    """{GPU kernel name: scope} from optimized HLO text alone (HloKernels): for `kernels`, or
-    for every kernel name the HLO itself determines (fusions, Triton calls)."""
-    hk = HloKernels(hlo_text)
-    names = list(hk.groups) if kernels is None else list(kernels)
-    return {k: hk.scope_of_kernel(k)[0] for k in names}
-
 
 def align_launches(
     kernels: Sequence[str], hk: HloKernels, known: Sequence[str | None] | None = None
@@ -378,26 +345,14 @@ class KernelSummary:
     arg_keys: tuple[str, ...] = ()  # the argument names the events carried
 
 
-def _thread_names(events: list[dict[str, Any]]) -> dict[tuple[Any, Any], str]:
-    return {
-        (e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "thread_name"
-    }
-
-
 def _device_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Complete events on the GPU timelines: kernel (and memcpy) events of the 'Stream #N'
     lines when the trace has them, else every event of the GPU processes."""
-    gpu_pids = {
-        e["pid"]
-        for e in events
-        if e.get("ph") == "M"
-        and e.get("name") == "process_name"
-        and "GPU" in str(e.get("args", {}).get("name", ""))
-    }
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") ==
+                "process_name" and "GPU" in str(e.get("args", {}).get("name", ""))}  # fmt: skip
     on_gpu = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
-    threads = _thread_names(events)
+    threads = {(e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
+               for e in events if e.get("name") == "thread_name"}  # fmt: skip
     streams = [e for e in on_gpu if threads.get((e["pid"], e.get("tid")), "").startswith("Stream")]
     return streams or on_gpu
 
@@ -497,101 +452,74 @@ def format_summary(s: KernelSummary | None, backend: str) -> str:
     """Two Markdown tables: the top kernels, then time per scope (blocks merged)."""
     if s is None:
         return f"no device kernel events and no XLA op events in the trace (backend {backend})"
-    what = "device kernels" if s.source == "device" else "host XLA ops"
     lines = []
     if s.source == "host":
-        lines.append(
-            f"no device kernel events in the trace (backend {backend}): the table lists the "
-            "host XLA ops (XLA:CPU thunks) instead"
-        )
-    lines.append(
-        f"{what}: {s.total_ms_per_step:.2f} ms per step summed over {s.steps} traced steps"
-    )
+        lines.append(f"no device kernel events in the trace (backend {backend}): the table lists "
+                     "the host XLA ops (XLA:CPU thunks) instead")  # fmt: skip
+    what = "device kernels" if s.source == "device" else "host XLA ops"
+    lines.append(f"{what}: {s.total_ms_per_step:.2f} ms per step summed over {s.steps} steps")
     if s.resolved:
-        lines.append(
-            "scopes of the launches: " + ", ".join(f"{how} {n}" for how, n in s.resolved)
-            + (f" (event args: {', '.join(s.arg_keys)})" if s.arg_keys else " (no event args)")
-        )  # fmt: skip
-    lines += [
-        "",
-        "| ms/step | % | calls/step | kernel | scope |",
-        "|---:|---:|---:|---|---|",
-    ]
+        args = f"event args: {', '.join(s.arg_keys)}" if s.arg_keys else "no event args"
+        lines.append(f"scopes of the launches: {', '.join(f'{h} {n}' for h, n in s.resolved)} "
+                     f"({args})")  # fmt: skip
     total = s.total_ms_per_step or 1.0
+    lines += ["", md_header(["ms/step", "%", "calls/step", "kernel", "scope"])]
     for r in s.rows:
-        lines.append(
-            f"| {r.ms_per_step:.3f} | {100 * r.ms_per_step / total:.1f} | "
-            f"{r.calls_per_step:g} | `{r.name}` | {r.scope} |"
-        )
-    lines += ["", "| ms/step | % | scope (all blocks) |", "|---:|---:|---|"]
-    for scope, t in s.by_scope[:25]:
-        lines.append(f"| {t:.3f} | {100 * t / total:.1f} | {scope} |")
+        share = f"{100 * r.ms_per_step / total:.1f}"
+        lines.append(md_row([f"{r.ms_per_step:.3f}", share, f"{r.calls_per_step:g}", f"`{r.name}`",
+                             r.scope]))  # fmt: skip
+    lines += ["", md_header(["ms/step", "%", "scope (all blocks)"])]
+    lines += [md_row([f"{t:.3f}", f"{100 * t / total:.1f}", scope]) for scope, t in s.by_scope[:25]]
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- NVTX
 
 
-class _Nvtx:
-    """nvtxRangePushA / nvtxRangePop through ctypes (libnvToolsExt, CUDA's NVTX library), or
-    the `nvtx` Python package. They do nothing unless a tool (nsys) is attached."""
+@functools.cache
+def _nvtx() -> tuple[Callable[[str], Any] | None, Callable[[], Any] | None, str]:
+    """(push, pop, where from) of NVTX ranges: the `nvtx` package (optional), else
+    nvtxRangePushA / nvtxRangePop of CUDA's libnvToolsExt through ctypes, else none. They do
+    nothing unless a tool (nsys) is attached."""
+    try:
+        import nvtx  # type: ignore[import-not-found]  # optional
 
-    def __init__(self) -> None:
-        self.push: Callable[[str], Any] | None = None
-        self.pop: Callable[[], Any] | None = None
-        self.source = "none"
-        try:
-            import nvtx  # type: ignore[import-not-found]
-
-            self.push, self.pop, self.source = nvtx.push_range, nvtx.pop_range, "nvtx package"
-            return
-        except ImportError:
-            pass
-        for path in _nvtx_library_candidates():
-            try:
-                lib = ctypes.CDLL(path)
-                push, pop = lib.nvtxRangePushA, lib.nvtxRangePop
-            except (OSError, AttributeError):
-                continue
-            push.argtypes, push.restype, pop.restype = [ctypes.c_char_p], ctypes.c_int, ctypes.c_int
-            self.push = lambda name, _push=push: _push(name.encode())
-            self.pop, self.source = pop, path
-            return
-
-
-def _nvtx_library_candidates() -> list[str]:
+        return nvtx.push_range, nvtx.pop_range, "nvtx package"
+    except ImportError:
+        pass
     found = ctypes.util.find_library("nvToolsExt")
     paths = [found] if found else []
     for root in sys.path:  # pip's nvidia-nvtx-cu12 wheel
         paths += sorted(glob.glob(os.path.join(root, "nvidia", "nvtx", "lib", "libnvToolsExt.so*")))
-    paths += sorted(glob.glob("/usr/local/cuda*/lib64/libnvToolsExt.so*"))
-    return paths
-
-
-_NVTX: _Nvtx | None = None
+    for path in paths + sorted(glob.glob("/usr/local/cuda*/lib64/libnvToolsExt.so*")):
+        try:
+            lib = ctypes.CDLL(path)
+            push, pop = lib.nvtxRangePushA, lib.nvtxRangePop
+        except (OSError, AttributeError):
+            continue
+        push.argtypes, push.restype, pop.restype = [ctypes.c_char_p], ctypes.c_int, ctypes.c_int
+        return (lambda name, push=push: push(name.encode())), pop, path
+    return None, None, "none"
 
 
 def nvtx_source() -> str:
     """Where NVTX ranges come from: a library path, 'nvtx package', or 'none'."""
-    global _NVTX
-    _NVTX = _NVTX or _Nvtx()
-    return _NVTX.source
+    return _nvtx()[2]
 
 
 @contextlib.contextmanager
 def annotate(name: str) -> Iterator[None]:
     """A named range in both profilers: jax.profiler.TraceAnnotation (TensorBoard / Perfetto)
     and an NVTX range (Nsight Systems), when an NVTX library is found."""
-    nvtx_source()
-    assert _NVTX is not None
+    push, pop, _ = _nvtx()
     with jax.profiler.TraceAnnotation(name):
-        if _NVTX.push is not None:
-            _NVTX.push(name)
+        if push is not None:
+            push(name)
         try:
             yield
         finally:
-            if _NVTX.pop is not None:
-                _NVTX.pop()
+            if pop is not None:
+                pop()
 
 
 # ----------------------------------------------------------------------------- profile.py trace
@@ -810,45 +738,3 @@ class StepRangeTrace:
             f"trace: wrote steps {self._first}{upto} to {latest_profile_dir(self.log_dir)}",
             self._last if last is None else last,
         )
-
-
-# ----------------------------------------------------------------------------- offline
-
-
-_MD_ROW = re.compile(r"^\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|\s*`([^`]+)`")
-
-
-def kernels_table_from_hlo(hlo_text: str, kernels_md: str) -> str:
-    """The kernel table `profile.py trace` printed (Markdown), with each kernel's scope as the
-    optimized HLO alone gives it (HloKernels.scope_of_kernel): post-processing for a trace
-    whose events carried no usable `hlo_op`."""
-    hk = HloKernels(hlo_text)
-    lines = [
-        "| ms/step | calls/step | kernel | scope (from the HLO) | how |",
-        "|---:|---:|---|---|---|",
-    ]
-    for line in kernels_md.splitlines():
-        if m := _MD_ROW.match(line):
-            ms, _, n, kernel = m.groups()
-            scope, how = hk.scope_of_kernel(kernel)
-            lines.append(f"| {ms} | {n} | `{kernel}` | {scope} | {how} |")
-    return "\n".join(lines)
-
-
-def _main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(
-        prog="python -m jaxllm.profiling.trace",
-        description="Scopes of the kernels in a `profile.py trace` table, from the run's "
-        "optimized HLO alone (fusion and Triton kernels by name, cuBLAS / cuDNN by family).",
-    )
-    p.add_argument("--hlo", required=True, help="the run's OUT/step.hlo.txt")
-    p.add_argument("--kernels-md", required=True, help="a file holding the printed table")
-    args = p.parse_args(argv)
-    print(kernels_table_from_hlo(Path(args.hlo).read_text(), Path(args.kernels_md).read_text()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

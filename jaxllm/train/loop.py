@@ -260,7 +260,8 @@ def _train(cfg: Config, source: BatchSource | None, group: distributed.ProcessGr
     log = MetricsLog(run_dir, enabled=primary)
     # the fused loss's chunks of rows for a full batch, if it splits them (the loss runs outside
     # any pipeline, on the rows of the whole batch split over the mesh: plan.shard)
-    chunks = plan.loss_chunks(cfg.model, cfg.execution, tc.batch_size * cfg.model.context_length)
+    rows = tc.batch_size * cfg.model.context_length
+    chunks = plan.loss_chunks(cfg.model, cfg.execution, rows)
     layout = parallel.describe(mesh, microbatches, cfg.execution.scan_layers, cfg.train.batch_size)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     log.write(
