@@ -40,16 +40,16 @@ step() {  # step NAME SECONDS CMD...: run, keep its log, print its table rows
   grep -E "^\|" "$OUT/$name.log" | grep -v "^|---" | cut -c1-220 | tail -20 || true
 }
 BENCH="python3 profile.py bench --dtypes bfloat16 --modes train_step --torch --no-progress \
-  --steps 5 --group 10"
-FAST="--kernels pallas --set execution.loss_impl=pallas --set execution.attention_impl=dot_product_attention"
-TS="--set model.d_model=512 --set model.d_ff=1344 --set model.n_layers=4 --set model.n_heads=16"
+  --samples 5 --group 10"
+FAST="--execution.kernels=pallas --execution.loss_impl=pallas --execution.attention_impl=dot_product_attention"
+TS="--model.d_model=512 --model.d_ff=1344 --model.n_layers=4 --model.n_heads=16"
 residual_grid() {  # residual_grid SECONDS BATCH...: GPT-2 (vocabulary 50304), no torch, one
   local secs=$1 b r  # process per batch x residual stream dtype
   shift
   for b in "$@"; do
     for r in float32 bfloat16; do
       step "gpt2_b${b}_residual_$r" "$secs" ${BENCH/ --torch/} --contexts 1024 --sizes small \
-        --vocab 50304 --batch "$b" $FAST --set execution.residual_dtype=$r --jsonl "$OUT/bench.jsonl"
+        --model.vocab_size=50304 --train.batch_size="$b" $FAST --execution.residual_dtype=$r --jsonl "$OUT/bench.jsonl"
     done
   done
 }
@@ -57,17 +57,17 @@ case $PART in
   torch)
     for b in 16 64; do
       step "gpt2_b$b" $((b == 16 ? 140 : 200)) $BENCH --contexts 1024 --sizes small \
-        --vocab 50257 --batch $b $FAST --jsonl "$OUT/bench.jsonl"
+        --model.vocab_size=50257 --train.batch_size=$b $FAST --jsonl "$OUT/bench.jsonl"
     done
-    step llama_b16 130 $BENCH --arch transformer_lm --contexts 1024 --sizes small --vocab 50257 \
-      --batch 16 $FAST --jsonl "$OUT/bench.jsonl"
-    step llama_tinystories 100 $BENCH --arch transformer_lm --contexts 256 --sizes small \
-      --vocab 50257 --batch 32 $FAST $TS --jsonl "$OUT/bench.jsonl"
+    step llama_b16 130 $BENCH --model.arch=transformer_lm --contexts 1024 --sizes small --model.vocab_size=50257 \
+      --train.batch_size=16 $FAST --jsonl "$OUT/bench.jsonl"
+    step llama_tinystories 100 $BENCH --model.arch=transformer_lm --contexts 256 --sizes small \
+      --model.vocab_size=50257 --train.batch_size=32 $FAST $TS --jsonl "$OUT/bench.jsonl"
     ;;
   gpt2_50304)
     for b in 16 64; do
       step "gpt2_v50304_b$b" $((b == 16 ? 140 : 200)) $BENCH --contexts 1024 --sizes small \
-        --vocab 50304 --batch $b $FAST --jsonl "$OUT/bench.jsonl"
+        --model.vocab_size=50304 --train.batch_size=$b $FAST --jsonl "$OUT/bench.jsonl"
     done
     ;;
   verify)
@@ -85,7 +85,7 @@ case $PART in
   torch_residual)
     for b in 16 64; do
       step "gpt2_b${b}_residual_bf16_torch" $((b == 16 ? 140 : 200)) $BENCH --contexts 1024 \
-        --sizes small --vocab 50304 --batch $b $FAST --set execution.residual_dtype=bfloat16 \
+        --sizes small --model.vocab_size=50304 --train.batch_size=$b $FAST --execution.residual_dtype=bfloat16 \
         --jsonl "$OUT/bench.jsonl"
     done
     ;;
@@ -99,11 +99,11 @@ case $PART in
     for run in 0 2048 4096 1024 0_again; do
       mib=${run%_again}
       step "gpt2_b64_chunk_${run}" 100 ${BENCH/ --torch/} --contexts 1024 --sizes small \
-        --vocab 50304 --batch 64 $FAST --set execution.loss_chunk_mib=$mib --jsonl "$OUT/bench.jsonl"
+        --model.vocab_size=50304 --train.batch_size=64 $FAST --execution.loss_chunk_mib=$mib --jsonl "$OUT/bench.jsonl"
     done
     for mib in 0 1024; do
       step "gpt2_b16_chunk_${mib}" 70 ${BENCH/ --torch/} --contexts 1024 --sizes small \
-        --vocab 50304 --batch 16 $FAST --set execution.loss_chunk_mib=$mib --jsonl "$OUT/bench.jsonl"
+        --model.vocab_size=50304 --train.batch_size=16 $FAST --execution.loss_chunk_mib=$mib --jsonl "$OUT/bench.jsonl"
     done
     ;;
   determinism)
