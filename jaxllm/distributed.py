@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -198,8 +199,6 @@ def is_primary() -> bool:
 def sync(name: str) -> None:
     """Wait until every process reaches this point (no-op on one process)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
 
 

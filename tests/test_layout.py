@@ -2,6 +2,7 @@
 no import circles (imports inside functions count)."""
 
 import ast
+import fnmatch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,6 +123,58 @@ def test_pallas_kernel_variants_share_only_modules_below_them():
         if variant in ("triton", "mgpu") and op != "pallas_kernels.rows":
             other = f"{op}_{'mgpu' if variant == 'triton' else 'triton'}"
             assert not imported & {op, other}, (module, imported & {op, other})
+
+
+# jaxllm's layers, lowest first: a module imports from its own layer and those below it only.
+LAYERS = {
+    "base": ["jaxllm", "jaxllm.config", "jaxllm.functional", "jaxllm.atomic_file",
+             "jaxllm.console", "jaxllm.xla_flags", "jaxllm.bleu"],
+    "ops": ["jaxllm.ops"],
+    "layers": ["jaxllm.layers"],
+    "models": ["jaxllm.models*"],
+    "data": ["jaxllm.data*"],
+    "training": ["jaxllm.train*", "jaxllm.pipeline", "jaxllm.parallel", "jaxllm.distributed"],
+    "apps": ["jaxllm.runs", "jaxllm.generate", "jaxllm.translate", "jaxllm.tasks*",
+             "jaxllm.profiling*", "jaxllm.plot"],
+}  # fmt: skip
+# Imports inside functions: optional or GPU-only dependencies, and private modules that may move.
+LAZY = {
+    "torch": "the PyTorch reference: optional",
+    "matplotlib": "plots only: optional",
+    "datasets": "Hugging Face data: optional extra",
+    "triton": "GPU-only timing",
+    "nvtx": "NVTX ranges: optional",
+    "jax._src": "private jax API, guarded: may move",
+    "orbax.checkpoint._src": "private orbax API, guarded: may move",
+}
+
+
+def _layer(module: str) -> int:
+    found = [i for i, pats in enumerate(LAYERS.values())
+             if any(fnmatch.fnmatchcase(module, p) for p in pats)]  # fmt: skip
+    assert len(found) == 1, f"{module} is in {len(found)} layers: place it in LAYERS"
+    return found[0]
+
+
+def test_jaxllm_imports_run_down_the_layers_without_circles():
+    graph = import_graph("jaxllm") | import_graph("pallas_kernels")
+    assert find_cycles(graph) == []
+    up = [
+        f"{m} ({list(LAYERS)[_layer(m)]}) imports {i} ({list(LAYERS)[_layer(i)]})"
+        for m, imported in graph.items() if m.startswith("jaxllm")
+        for i in imported if i.startswith("jaxllm.") and _layer(i) > _layer(m)
+    ]  # fmt: skip
+    assert not up, up
+
+
+def test_jaxllm_imports_inside_functions_are_optional_dependencies():
+    found = [
+        f"{p.relative_to(ROOT)}:{line} {name}"
+        for p in (ROOT / "jaxllm").rglob("*.py")
+        for line, name in imports_inside_functions(p)
+        if not any(name == k or name.startswith(k + ".") for k in LAZY)
+    ]
+    assert not found, found
 
 
 def test_pallas_kernels_never_import_jaxllm():

@@ -51,6 +51,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax.training.train_state import TrainState
+from jax.experimental import multihost_utils
+
+from jaxllm import distributed
+from jaxllm.train.run_lock import RunDirLock, RunDirLockedError
 
 TMP_MARK = "orbax-checkpoint-tmp"  # in the names of orbax's unfinished checkpoint dirs
 QUARANTINE = "corrupt_checkpoints"  # where a corrupt checkpoint goes before its step is redone
@@ -92,8 +96,6 @@ def _leaf_digests(tree: Any) -> Iterator[tuple[str, str]]:
         if isinstance(leaf, jax.Array) and not (
             leaf.is_fully_addressable or leaf.is_fully_replicated
         ):  # sharded over several processes: every process gathers it (a collective)
-            from jax.experimental import multihost_utils
-
             leaf = multihost_utils.process_allgather(leaf, tiled=True)
         arr = np.ascontiguousarray(jax.device_get(leaf))
         digest = hashlib.sha256(arr.reshape(-1).view(np.uint8)).hexdigest()
@@ -248,15 +250,11 @@ def _manager(directory: Path, keep: int) -> ocp.CheckpointManager:
 
 def _sync_processes(name: str) -> None:
     """Wait for every process of a multi-process run (see jaxllm/distributed.py)."""
-    from jaxllm.distributed import sync
-
-    sync(name)
+    distributed.sync(name)
 
 
 def _owns_run_dir(run_dir: Path) -> bool:
     """Whether this process may repair `run_dir`: it holds the run dir lock, or nobody does."""
-    from jaxllm.train.run_lock import RunDirLock, RunDirLockedError
-
     lock = RunDirLock(run_dir)
     with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
         info = json.loads(lock.info_path.read_text())
