@@ -20,12 +20,28 @@ Composes with data parallelism: every mesh axis other than `pipeline` (e.g. `dat
 batch, and each stage's parameters are replicated over those axes (their gradients are summed
 over them by shard_map's transpose).
 
-Training runs it through jaxllm.parallel (config `parallel.pipeline` > 1): `blocks_loss` there
-calls embed, then `pipeline_apply` with the decoder's scan body as `layer_fn` over
-params["blocks"] (stored sharded over `pipeline` on the layer axis), then the final norm and
-the loss; embed, norm and loss each run on 1/S of the rows per stage, and the carry (x, h)
+Training runs it through jaxllm.parallel (config `parallel.pipeline` > 1) as the decoder's
+`BlockRunner`: `Decoder.loss` embeds, then `pipeline_apply` runs its scan body as `layer_fn`
+over params["blocks"] (stored sharded over `pipeline` on the layer axis), then the final norm
+and the loss; embed, norm and loss each run on 1/S of the rows per stage, and the carry (x, h)
 crosses devices as one array x + h (`wire`). With dropout, `rng` gives every (layer,
 microbatch) pair its own key.
+
+Every tick, each stage runs its layers (under the named scope `pipeline_tick`, so the profiler
+shows the M + S - 1 ticks of the forward and of the backward) and sends its output to the next
+stage with one ppermute. Stages in their bubble compute on a dummy microbatch whose results are
+never used: on one accelerator per stage that costs no wall time (every tick waits for the
+busiest stage anyway); fake CPU devices that share cores do pay for it. Memory per device: the
+stage's L/S layers, the M + S - 1 tick outputs and what the backward keeps of each tick (with
+`remat`, only each tick's stage input).
+
+The tick loop and each stage's layer loop are Python loops, unrolled into the jaxpr: as
+`lax.scan` loops every one of the (M + S - 1) x L/S layer iterations paid fixed copies of its
+slices and carries, and `scan(unroll=True)` still stacked every residual the backward keeps and
+sliced it back (benchmarks/RESULTS.md, multi-GPU). The price is compile time, growing with
+(M + S - 1) x L/S. The measured bubble (benchmarks/parallel_throughput.py) is
+1 - T_seq / (S T_pipe), T_pipe the pipelined step's time and T_seq the whole stack's on one
+device, to compare with bubble_fraction(S, M).
 """
 
 from __future__ import annotations
@@ -114,19 +130,15 @@ def pipeline_apply(
     x: the batch, a pytree of arrays (B, ...). B is split over `batch_axes` (default: every
         other mesh axis, e.g. `data`), then each shard into `n_microbatches` microbatches of
         consecutive rows.
-    rng: a PRNG key (e.g. for dropout), or None. When given, layer_fn is called as
-        layer_fn(layer_params, x, key) with key = fold_in(fold_in(rng, layer), microbatch):
-        `layer` the global index 0 .. L - 1, `microbatch` the global one, shard d of the
-        batch axes (row-major over them) having microbatches d M .. d M + M - 1. So every
-        layer of every microbatch gets its own key, the same on any run with the same rng
-        (bubble ticks, whose results are dropped, use microbatch 0's).
+    rng: a PRNG key (e.g. for dropout), or None. When given, layer_fn(layer_params, x, key)
+        gets key = fold_in(fold_in(rng, layer), microbatch), both global indices (shard d of
+        the batch axes, row-major, has microbatches d M .. d M + M - 1): a key per layer and
+        microbatch, the same on any run with the same rng (bubble ticks use microbatch 0's).
     check_vma: jax.shard_map's type check of what varies across devices; layers that call
         Pallas kernels need it off (a pallas_call declares no such types).
-    wire: (pack, unpack), or None: what crosses between devices. Every send carries
-        pack(carry), and the receiver continues with unpack(received); unpack(pack(c)) must
-        act on layer_fn like c (e.g. a residual stream and a pending branch output summed
-        into one array: fewer and smaller sends). pack and unpack keep the row axis. With
-        rows split over the stages (below) the output comes back as unpack(pack(out)).
+    wire: (pack, unpack), or None: every send carries pack(carry), the receiver goes on with
+        unpack(received), which must act on layer_fn like carry (e.g. a residual stream and a
+        pending branch output summed into one array); both keep the row axis.
     Returns the last stage's outputs, same structure and shapes as x, rows in their order:
     equal (up to float rounding) to running the L layers one after another on all of x. Where
     B divides by ways x S, x is read and the output placed with rows split over
@@ -134,55 +146,10 @@ def pipeline_apply(
     head) runs on 1/S of the rows on each stage: stage 0 gathers its shard's rows and the last
     stage scatters its results with S - 1 point-to-point sends each. Otherwise x is read
     replicated over the stages and the output comes back that way.
-
-    Every tick, each stage runs its layers (under the named scope `pipeline_tick`, so the
-    profiler shows the M + S - 1 ticks of the forward and of the backward) and sends its output
-    to the next stage with one ppermute. Stages in their bubble compute on a dummy microbatch
-    whose results are never used: on one accelerator per stage that costs no wall time (every
-    tick waits for the busiest stage anyway); fake CPU devices that share cores do pay for it.
-    Memory per device: this stage's L/S layers, the M + S - 1 tick outputs and what the
-    backward keeps of each tick (with `remat`, only each tick's stage input).
-
-    The tick loop and each stage's layer loop are Python loops, unrolled into the jaxpr. As
-    `lax.scan` while loops, every one of the (M + S - 1) x L/S layer iterations paid fixed copies
-    of its slices and carries (GPT-2 124M, S = 2, M = 4, batch 32 on 2 H200s, benchmarks/
-    RESULTS.md: 150.9 ms a step as loops, 91.9 ms as `scan(unroll=True)`), and cuDNN attention
-    crashed XLA inside the rolled tick loop (segmentation fault, jax 0.11.2). `scan(unroll=True)`
-    still stacked every residual the backward keeps into (L/S, ...) and (M + S - 1, ...) arrays
-    and sliced them back (~6 ms of copy kernels a step at M = 8, batch 64); plain loops do not:
-    86.0 -> 80.6 ms a step there. The price is compile time, growing with (M + S - 1) x L/S.
-
-    Measuring the bubble (benchmarks/parallel_throughput.py): with T_pipe the time of the
-    pipelined step and T_seq the time of the whole stack on one device, the measured bubble is
-    1 - T_seq / (S T_pipe), to compare with bubble_fraction(S, M).
     """
-    _check_positive(n_microbatches=n_microbatches)
-    if axis not in mesh.shape:
-        raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}")
-    if batch_axes is None:
-        batch_axes = tuple(a for a in mesh.axis_names if a != axis)
-    batch_axes = tuple(batch_axes)
-    for a in batch_axes:
-        if a == axis or a not in mesh.shape:
-            raise ValueError(f"batch axis {a!r} must be a mesh axis other than {axis!r}")
-
+    checked = _check_inputs(stacked_params, x, mesh, n_microbatches, axis, batch_axes)
+    batch_axes, ways, n_layers, batch = checked
     n_stages = mesh.shape[axis]
-    n_layers = _leading_size(stacked_params, "stacked_params", "layer")
-    if n_layers % n_stages:
-        raise ValueError(
-            f"the {n_layers} stacked layers must split evenly into {n_stages} pipeline stages "
-            f"(mesh axis {axis!r}): n_layers % n_stages = {n_layers % n_stages}"
-        )
-    ways = 1
-    for a in batch_axes:
-        ways *= mesh.shape[a]
-    batch = _leading_size(x, "x", "batch")
-    if batch % ways or (batch // ways) % n_microbatches:
-        raise ValueError(
-            f"batch size {batch} must split over the batch axes {batch_axes} ({ways} ways) and "
-            f"then into n_microbatches={n_microbatches}: {batch} must be divisible by "
-            f"{ways} x {n_microbatches} = {ways * n_microbatches}"
-        )
 
     # Rows split over the stages too (where they divide): device (stage s, shard d) holds
     # rows chunk s of shard d, in and out. Stage 0 gathers its shard's rows from the other
@@ -201,25 +168,11 @@ def pipeline_apply(
     last = n_stages - 1
     pack, unpack = wire or (lambda c: c, lambda c: c)
 
-    def gather_rows(a: jax.Array) -> jax.Array:
-        # (B'/S, ...) this stage's rows -> (B', ...): on stage 0 the shard's rows in order
-        parts = [a] + [jax.lax.ppermute(a, axis, [(s, 0)]) for s in range(1, n_stages)]
-        return jnp.concatenate(parts)
-
-    def scatter_rows(a: jax.Array, stage: jax.Array) -> jax.Array:
-        # (B', ...) on the last stage -> (B'/S, ...) on stage s: its chunk s
-        c = a.shape[0] // n_stages
-        mine = a[last * c :]
-        for s in range(last):
-            got = jax.lax.ppermute(a[s * c : (s + 1) * c], axis, [(last, s)])
-            mine = jnp.where(stage == s, got, mine)
-        return mine
-
     def per_device(params: Any, x: Any, *key: jax.Array) -> Any:
         # params: leaves (L/S, ...) of this stage; x: leaves (B', ...), B' = B / ways, or
         # with `split` (B'/S, ...), this stage's chunk of them
         if split:
-            x = unpack(jax.tree.map(gather_rows, pack(x)))  # (B', ...)
+            x = unpack(jax.tree.map(lambda a: _gather_rows(a, axis, n_stages), pack(x)))
         stage = jax.lax.axis_index(axis)
         shard = 0  # this device's index over the batch axes, row-major
         for a in batch_axes:
@@ -234,30 +187,14 @@ def pipeline_apply(
         recv = jax.tree.map(lambda a: jnp.zeros_like(a[0]), mbs)
         if not split:
             recv = jax.tree.map(lambda a: jax.lax.pcast(a, axis, to="varying"), recv)
-        shift = [(s, s + 1) for s in range(n_stages - 1)]  # stage s -> s + 1, none wraps round
-
-        outs = []
-        for k in range(n_microbatches + n_stages - 1):  # unrolled: see the docstring
-            with jax.named_scope("pipeline_tick"):
-                # Stage 0 reads microbatch k (zeros in its bubble), the others what they got.
-                if k < n_microbatches:
-                    feed = jax.tree.map(lambda a, k=k: a[k], mbs)
-                else:
-                    feed = jax.tree.map(jnp.zeros_like, recv)
-                inp = jax.tree.map(lambda f, r: jnp.where(stage == 0, f, r), feed, recv)
-                # (B'/M, ...) this stage's microbatch k - stage (a dummy one in the bubble)
-                if key:
-                    mb = shard * n_microbatches + jnp.clip(k - stage, 0, n_microbatches - 1)
-                    out = stage_fn(stage_params, inp, key[0], layers, mb)
-                else:
-                    out = stage_fn(stage_params, inp)
-                if n_stages > 1 and k < n_microbatches + n_stages - 2:  # the last goes nowhere
-                    recv = unpack(jax.lax.ppermute(pack(out), axis, shift))
-            outs.append(out)
+        keyed = (key[0], layers, shard) if key else None
+        outs = _ticks(stage_fn, stage_params, mbs, recv, stage, axis, n_stages, (pack, unpack),
+                      keyed)  # fmt: skip
         # On the last stage, tick S - 1 + i finished microbatch i.
         done = jax.tree.map(lambda *o: jnp.concatenate(o), *outs[last:])  # (B', ...)
         if split:
-            return unpack(jax.tree.map(lambda a: scatter_rows(a, stage), pack(done)))
+            done = jax.tree.map(lambda a: _scatter_rows(a, stage, axis, n_stages), pack(done))
+            return unpack(done)
         return jax.tree.map(lambda o: o[None], done)  # (1, B', ...)
 
     keys = () if rng is None else (rng,)
@@ -269,6 +206,101 @@ def pipeline_apply(
         check_vma=check_vma,
     )(stacked_params, x, *keys)  # split: (B, ...); else (S, B, ...), one slice per stage
     return out if split else jax.tree.map(lambda o: o[-1], out)  # (B, ...)
+
+
+def _ticks(
+    stage_fn: Callable[..., Any],
+    stage_params: list[Any],
+    mbs: Any,
+    recv: Any,
+    stage: jax.Array,
+    axis: str,
+    n_stages: int,
+    wire: tuple[Callable[[Any], Any], Callable[[Any], Any]],
+    keyed: tuple[jax.Array, list[jax.Array], jax.Array] | None,
+) -> list[Any]:
+    """GPipe's M + S - 1 forward ticks on one device (unrolled: see the module docstring):
+    every tick, stage 0 reads microbatch k of `mbs` (leaves (M, B'/M, ...); zeros in its
+    bubble), the others what they received (`recv`), run their layers and send the result to
+    the next stage. `keyed` (rng, this stage's global layer indices, this device's batch
+    shard): each layer of each microbatch gets its own key. Returns every tick's output."""
+    pack, unpack = wire
+    m = jax.tree.leaves(mbs)[0].shape[0]
+    shift = [(s, s + 1) for s in range(n_stages - 1)]  # stage s -> s + 1, none wraps round
+    outs = []
+    for k in range(m + n_stages - 1):
+        with jax.named_scope("pipeline_tick"):
+            if k < m:
+                feed = jax.tree.map(lambda a, k=k: a[k], mbs)
+            else:
+                feed = jax.tree.map(jnp.zeros_like, recv)
+            inp = jax.tree.map(lambda f, r: jnp.where(stage == 0, f, r), feed, recv)
+            # (B'/M, ...) this stage's microbatch k - stage (a dummy one in the bubble)
+            if keyed:
+                rng, layers, shard = keyed
+                out = stage_fn(
+                    stage_params, inp, rng, layers, shard * m + jnp.clip(k - stage, 0, m - 1)
+                )
+            else:
+                out = stage_fn(stage_params, inp)
+            if n_stages > 1 and k < m + n_stages - 2:  # the last tick's output goes nowhere
+                recv = unpack(jax.lax.ppermute(pack(out), axis, shift))
+        outs.append(out)
+    return outs
+
+
+def _check_inputs(
+    stacked_params: Any,
+    x: Any,
+    mesh: Mesh,
+    n_microbatches: int,
+    axis: str,
+    batch_axes: Sequence[str] | None,
+) -> tuple[tuple[str, ...], int, int, int]:
+    """pipeline_apply's arguments checked: (the batch axes, the number of batch shards, L, B)."""
+    _check_positive(n_microbatches=n_microbatches)
+    if axis not in mesh.shape:
+        raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}")
+    if batch_axes is None:
+        batch_axes = tuple(a for a in mesh.axis_names if a != axis)
+    batch_axes = tuple(batch_axes)
+    for a in batch_axes:
+        if a == axis or a not in mesh.shape:
+            raise ValueError(f"batch axis {a!r} must be a mesh axis other than {axis!r}")
+    n_stages = mesh.shape[axis]
+    n_layers = _leading_size(stacked_params, "stacked_params", "layer")
+    if n_layers % n_stages:
+        raise ValueError(
+            f"the {n_layers} stacked layers must split evenly into {n_stages} pipeline stages "
+            f"(mesh axis {axis!r}): n_layers % n_stages = {n_layers % n_stages}"
+        )
+    ways = 1
+    for a in batch_axes:
+        ways *= mesh.shape[a]
+    batch = _leading_size(x, "x", "batch")
+    if batch % ways or (batch // ways) % n_microbatches:
+        raise ValueError(
+            f"batch size {batch} must split over the batch axes {batch_axes} ({ways} ways) and "
+            f"then into n_microbatches={n_microbatches}: {batch} must be divisible by "
+            f"{ways} x {n_microbatches} = {ways * n_microbatches}"
+        )
+    return batch_axes, ways, n_layers, batch
+
+
+def _gather_rows(a: jax.Array, axis: str, n_stages: int) -> jax.Array:
+    """(B'/S, ...) this stage's rows -> (B', ...): on stage 0 the shard's rows in order."""
+    parts = [a] + [jax.lax.ppermute(a, axis, [(s, 0)]) for s in range(1, n_stages)]
+    return jnp.concatenate(parts)
+
+
+def _scatter_rows(a: jax.Array, stage: jax.Array, axis: str, n_stages: int) -> jax.Array:
+    """(B', ...) on the last stage -> (B'/S, ...) on stage s: its chunk s."""
+    last, c = n_stages - 1, a.shape[0] // n_stages
+    mine = a[last * c :]
+    for s in range(last):
+        got = jax.lax.ppermute(a[s * c : (s + 1) * c], axis, [(last, s)])
+        mine = jnp.where(stage == s, got, mine)
+    return mine
 
 
 def _stage_fn(layer_fn: LayerFn, remat: bool, keyed: bool = False) -> Callable[..., Any]:
