@@ -392,8 +392,8 @@ def test_breakdown_tiny_flop_shares_add_up_to_100(tmp_path, capsys):
 
 def test_breakdown_pieces_chained_give_the_block(arch):
     """The pieces are the layer's own computation: chained, they reproduce the Block."""
-    cfg = size_config("tiny", [f"--model.arch={arch}"]).model
-    pieces, layer = breakdown.build_pieces(cfg, batch=2, length=16)
+    c = size_config("tiny", [f"--model.arch={arch}"])
+    pieces, layer = breakdown.build_pieces(c.model, c.execution, batch=2, length=16)
     by = {p.name: p for p in pieces}
     assert list(by)[-2:] == ["out_proj", "mlp"] and ("rope" in by) == (arch == "transformer_lm")
     norms = by["norms+residuals"]

@@ -58,10 +58,11 @@ def size_config(size: str, overrides: Sequence[str] = ()) -> Config:
     transformer_lm gets CS336's model: no biases, an untied head."""
     s = SIZES[size]
     model = dict(vocab_size=10_000, context_length=s.context, d_model=s.d_model, d_ff=s.d_ff,
-                 n_layers=s.n_layers, n_heads=s.n_heads, dropout=0.0)  # fmt: skip
+                 n_layers=s.n_layers, n_heads=s.n_heads)  # fmt: skip
     # No data is read, but the default data section (associative recall) checks the model's
     # vocabulary and context against its task: make that task as small as allowed.
     args = [f"--model.{k}={v}" for k, v in model.items()] + ["--train.batch_size=4"]
+    args += ["--execution.dropout=0.0"]
     args += ["--data.associative_recall.vocab_size=4", "--data.associative_recall.num_pairs=1"]
     if parse_overrides(list(overrides)).get("model.arch") == "transformer_lm":
         args += ["--model.bias=false", "--model.qkv_bias=false", "--model.tie_embeddings=false"]
