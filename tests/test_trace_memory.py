@@ -1,7 +1,6 @@
 """Named-scope traces (profile.py trace, train.trace_steps), NVTX/nsys helpers, memory profiling
 (profile.py memory) and block rematerialisation (execution.remat)."""
 
-import dataclasses
 import gzip
 import importlib.util
 import json
@@ -11,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import tiny_model
 
 from jaxllm.config import ConfigError, load_config
-from jaxllm.models import build_model, init_kv_cache
+from jaxllm.models import init_kv_cache
 from jaxllm.profiling import memory, trace
 from jaxllm.train.loop import check_resume, train
 
@@ -297,10 +296,9 @@ def test_trace_steps_validation_and_resume():
 # ----------------------------------------------------------------------------- remat
 
 
-def _params_loss_and_grads(cfg):
+def _params_loss_and_grads(model):
     """Parameters, the training-mode loss (dropout on) and its gradient, traced (no jit)."""
-    model = build_model(cfg)
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, cfg.vocab_size)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, model.cfg.vocab_size)
     targets = jnp.roll(tokens, -1, axis=1)
     params = model.init(jax.random.PRNGKey(0), tokens)["params"]
 
@@ -314,9 +312,9 @@ def _params_loss_and_grads(cfg):
 def test_remat_gives_the_same_loss_and_gradients(arch):
     # One block (remat is per block). Training mode either way (deterministic=False is static
     # under jax.checkpoint); dropout masks on gpt2 only (random bits are slow to compile).
-    cfg = tiny_config(arch, dropout=0.1 if arch == "gpt2" else 0.0, n_layers=1)
-    both = jax.jit(lambda: [_params_loss_and_grads(c) for c in (cfg, dataclasses.replace(
-        cfg, remat="block"))])()  # fmt: skip
+    kw = dict(dropout=0.1 if arch == "gpt2" else 0.0, n_layers=1)
+    models = tiny_model(arch, **kw), tiny_model(arch, **kw, remat="block")
+    both = jax.jit(lambda: [_params_loss_and_grads(m) for m in models])()
     (p0, l0, g0), (p1, l1, g1) = both
     # Same parameter tree (h0, h1, ...): checkpoints load either way.
     assert jax.tree.structure(p0) == jax.tree.structure(p1)
@@ -325,8 +323,7 @@ def test_remat_gives_the_same_loss_and_gradients(arch):
 
 
 def test_remat_decodes_with_the_kv_cache_as_without(arch):
-    cfg = tiny_config(arch, n_layers=1)
-    model, rematted = build_model(cfg), build_model(dataclasses.replace(cfg, remat="block"))
+    model, rematted = tiny_model(arch, n_layers=1), tiny_model(arch, n_layers=1, remat="block")
     tokens = jnp.array([[3, 1, 4, 1, 5]], jnp.int32)
     params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)
 
@@ -335,7 +332,7 @@ def test_remat_decodes_with_the_kv_cache_as_without(arch):
         return [decode(m, params) for m in (model, rematted)]
 
     def decode(m, params):
-        cache = init_kv_cache(cfg, 1, 8)
+        cache = init_kv_cache(m, 1, 8)
         logits, cache = m.apply(params, tokens, cache, 0, method="decode")
         step, _ = m.apply(params, jnp.array([[9]]), cache, 5, method="decode")
         return logits, step

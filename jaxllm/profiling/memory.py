@@ -294,7 +294,8 @@ def run(
     """The sweep: a Markdown row per config as it finishes (and its JSON line), pprof files and
     OUT_DIR/memory_<size>.png at the end. `isolate`: a child process per config "auto" (when
     the device keeps allocator stats), "always" or "never"."""
-    model = size_config(size, overrides).model
+    cfg = size_config(size, overrides)
+    model = cfg.model
     if max(contexts) > model.context_length:
         raise BadInput(f"--contexts must be in 1..{model.context_length} for size {size}, got "
                          f"{list(contexts)} (raise it with --model.context_length=N)")  # fmt: skip
@@ -308,7 +309,7 @@ def run(
           "assignment" + ("; allocator = peak_bytes_in_use, a fresh process per config"
           if allocator else " (no allocator stats here; on XLA:CPU the saved-for-bwd column "
           "shows what remat saves)") + "; step ms: median train step", flush=True)  # fmt: skip
-    print(plan_ops(model).describe(), flush=True)
+    print(plan_ops(model, cfg.execution).describe(), flush=True)
     print(header(allocator), flush=True)
     cases = [{"size": size, "context": t, "remat": m, "overrides": list(overrides)}
              for t in contexts for m in remats]  # fmt: skip
