@@ -145,9 +145,10 @@ def measure_case(
     parameters and the batch resident, then the AdamW state and the timed train step."""
     name = tag(case)
     clock = _Clock(name, report)
-    cfg = case_config(case).model
-    rec = {**case, "dtype": cfg.compute_dtype, "arch": cfg.arch, "vocab": cfg.vocab_size,
-           "batch": case_config(case).train.batch_size, "status": "ok",
+    full = case_config(case)
+    cfg = full.model
+    rec = {**case, "dtype": full.execution.compute_dtype, "arch": cfg.arch,
+           "vocab": cfg.vocab_size, "batch": full.train.batch_size, "status": "ok",
            "device": jax.devices()[0].device_kind, "jax": jax.__version__}  # fmt: skip
     lowered, batch = _trace(case, rec)
     clock.lap("traced")
