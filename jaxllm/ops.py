@@ -4,9 +4,9 @@
 `loss_impl`) and the backend into an `OpPlan`: one named path per op family. Layers receive
 their path from the plan and call the functions below; nothing else in the library imports
 `pallas_kernels` (the kernel benchmark in `jaxllm.profiling.kernel_bench`, whose subject is the
-kernels themselves, is the one exception). A switch that cannot apply is a `ConfigError`, when the config is loaded
-(cuDNN attention with dropout) or when the plan is made for the machine (execution.loss_backend=
-mosaic_gpu off Hopper), or a path the plan names (cuDNN needs a GPU and bf16: elsewhere
+kernels themselves, is the one exception). A switch that cannot apply is a `ConfigError`, when
+the config is loaded (cuDNN attention with dropout) or when the plan is made for the machine
+(execution.loss_backend=mosaic_gpu off Hopper), or a path the plan names (cuDNN needs a GPU and bf16: elsewhere
 attention runs on XLA, and `OpPlan.describe()` says so); nothing falls back silently.
 
 On a mesh of several devices (jaxllm.parallel) the plan also carries a `KernelShard`: every
