@@ -1,13 +1,14 @@
 """Which implementation runs for each op family, decided in one place and said out loud.
 
 `plan_ops(cfg, ex)` turns the execution config's switches (`kernels`, `attention_impl`,
-`loss_impl`) and the backend into an `OpPlan`: one named path per op family. Layers receive
-their path from the plan and call the functions below; nothing else in the library imports
+`loss_impl`) and the backend into an `OpPlan`: one named path per op family. Layers receive their
+path from the plan and call the functions below; nothing else in the library imports
 `pallas_kernels` (the kernel benchmark in `jaxllm.profiling.kernel_bench`, whose subject is the
-kernels themselves, is the one exception). A switch that cannot apply is a `ConfigError`, when
-the config is loaded (cuDNN attention with dropout) or when the plan is made for the machine
-(execution.loss_backend=mosaic_gpu off Hopper), or a path the plan names (cuDNN needs a GPU and bf16: elsewhere
-attention runs on XLA, and `OpPlan.describe()` says so); nothing falls back silently.
+kernels themselves, is the one exception). A switch that cannot apply is a `ConfigError`, when the
+config is loaded (cuDNN attention with dropout) or when the plan is made for the machine
+(execution.loss_backend=mosaic_gpu off Hopper), or a path the plan names (cuDNN needs a GPU and
+bf16: elsewhere attention runs on XLA, and `OpPlan.describe()` says so); nothing falls back
+silently.
 
 On a mesh of several devices (jaxllm.parallel) the plan also carries a `KernelShard`: every
 Pallas call then runs once per shard of the batch, inside `jax.shard_map` (a Pallas kernel is a
