@@ -23,6 +23,7 @@ from jaxllm.config import (
     ModelConfig,
     from_dict,
     load_config,
+    parse_overrides,
 )
 from jaxllm.models import build_model, stack_blocks, unstack_blocks
 from jaxllm.train.checkpoint import Checkpointer, CheckpointMismatchError
@@ -113,3 +114,23 @@ def load_run(
     train = dataclasses.replace(cfg.train, run_dir=str(run_dir))
     cfg = dataclasses.replace(cfg, model=trained.model, execution=execution, train=train)
     return cfg, {"params": params}, meta["step"]
+
+
+def load_run_with_overrides(
+    run_dir: str | Path, which: str, overrides: list[str]
+) -> tuple[Config, dict[str, Any], int]:
+    """`load_run` for a command line: `--section.key=value` overrides (config.parse_overrides)
+    apply over the run's config.yaml; `execution.*` change how the loaded model runs, the
+    other sections the command's settings (e.g. train.batch_size). `model.*` are refused with a
+    ConfigError: the model is the one the checkpoint was trained as."""
+    if fixed := [f"--{k}" for k in parse_overrides(overrides) if k.split(".")[0] == "model"]:
+        raise ConfigError(
+            f"{', '.join(fixed)}: a trained run's model comes from its checkpoint and cannot be "
+            "overridden (execution.*, e.g. --execution.kernels=pallas, can)"
+        )
+    if not (Path(run_dir) / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a train.py run dir (no config.yaml)")
+    wanted = load_config(Path(run_dir) / "config.yaml", overrides)
+    cfg, variables, step = load_run(run_dir, which, execution=wanted.execution)
+    train = dataclasses.replace(wanted.train, run_dir=cfg.train.run_dir)
+    return dataclasses.replace(wanted, model=cfg.model, train=train), variables, step

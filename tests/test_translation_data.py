@@ -203,7 +203,6 @@ def test_encode_pair_layout_and_loss_mask(tok):
     assert targets.tolist() == [IGNORE] * len(s) + t + [tok.eos_tgt_id]
     assert inputs[len(s)] == tok.eos_src_id  # <eos_src> predicts the first target token
     assert tok.eos_src_id not in targets and tok.pad_id not in inputs
-    assert tr.encode_prompt(tok, src) == s + [tok.eos_src_id]
     assert [tuple(map(list, e)) for e in tr.encode_pairs(tok, PAIRS[:2])] == [
         tuple(map(list, tr.encode_pair(tok, a, b))) for a, b in PAIRS[:2]
     ]

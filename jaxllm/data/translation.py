@@ -256,11 +256,6 @@ def encode_pairs(tok: TranslationTokenizer, pairs: Sequence[Pair]) -> list[Examp
     return [_layout(s, t, tok) for s, t in zip(src_ids, tgt_ids, strict=True)]
 
 
-def encode_prompt(tok: TranslationTokenizer, src: str) -> list[int]:
-    """Decoding prompt `src <eos_src>`; the model continues with the translation."""
-    return tok.encode(src) + [tok.eos_src_id]
-
-
 def filter_pairs(
     pairs: Sequence[Pair],
     max_words: int | None = None,
