@@ -68,7 +68,7 @@ def test_tokens_train_generate(tmp_path, monkeypatch):
             str(run),
             "--prompt",
             "Once upon a time",
-            "--prompt",  # the document separator typed in a prompt (tiktoken refused it)
+            "--prompt",  # the document separator typed in a prompt (tiktoken refuses it by default)
             "<|endoftext|>Once upon a time",
             "--temperature",
             "0",

@@ -17,8 +17,7 @@ def test_sweep_writes_results_and_plot(tmp_path, capsys):
     assert 0.0 <= rec["accuracy"] <= 1.0
     assert (out / "accuracy_vs_layers.png").stat().st_size > 1000
     assert "width 16: smallest depth with every run >= 90%" in capsys.readouterr().out
-    # the same command again resumes the sweep: the finished run reports its result (it was a
-    # FileExistsError traceback: every run forced resume=false)
+    # the same command again resumes the sweep: the finished run reports its result
     assert recall_sweep.main(args) == 0
     again = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert again == [rec | {"seconds": again[0]["seconds"]}]

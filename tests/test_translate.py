@@ -183,7 +183,7 @@ def test_each_batch_may_fill_the_context_after_its_own_prompts(monkeypatch):
     sources = ["w " * 30, "w " * 4, "w " * 5, "w " * 2]  # prompts of 31, 5, 6 and 3 tokens
     assert bleu.translate(model, None, tok, sources, batch_size=2) == ["x"] * 4
     # the short batch may write 32 tokens; a tokenizer of 50 ids: the model's 14 others are
-    # never decoded (they crashed the BLEU evaluation and the CLI: "ids outside [0, 50)")
+    # never decoded (the tokenizer could not detokenize them: "ids outside [0, 50)")
     assert calls == [(2, 5, 8, 32, 50), (2, 31, 32, 8, 50)]
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         bleu.translate(model, None, tok, sources, batch_size=0)
@@ -218,8 +218,8 @@ def test_hypothesis_files_keep_one_line_per_hypothesis():
 
 
 def test_parallel_files_bom_lone_cr_and_bad_bytes(tmp_path):
-    """A UTF-8 BOM was kept in the first sentence, a lone CR split a line in two, and bytes
-    that are not UTF-8 gave a codec error naming no file or line."""
+    """A UTF-8 BOM is dropped from the first sentence, a lone CR stays inside its line, and
+    bytes that are not UTF-8 are one error naming the file, line and byte."""
     from jaxllm.data.translation import load_parallel_files
 
     (tmp_path / "a.de").write_bytes("\ufeffZwei Hunde.\nein\rHaus.\n".encode())
@@ -236,7 +236,7 @@ def test_parallel_files_bom_lone_cr_and_bad_bytes(tmp_path):
 
 
 def test_length_penalty_is_bounded():
-    """alpha 1000 overflowed ((5 + len) / 6) ** alpha: a traceback at the end of each epoch."""
+    """A large alpha would overflow ((5 + len) / 6) ** alpha: refused in the settings."""
     from jaxllm.generate import BeamSearch
 
     with pytest.raises(ValueError, match="length_penalty"):
@@ -246,7 +246,8 @@ def test_length_penalty_is_bounded():
 
 
 def test_a_truncated_tokenizer_file_is_one_error(tmp_path):
-    """A cut tokenizer.json raised tokenizers' bare `Exception: EOF while parsing`."""
+    """A cut tokenizer.json is one ValueError naming the file (tokenizers raises a bare
+    `Exception: EOF while parsing`)."""
     from jaxllm.data.translation import TranslationTokenizer
 
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "trunc')
