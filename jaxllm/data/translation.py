@@ -78,7 +78,7 @@ def load_parallel_files(src_path: str | os.PathLike, tgt_path: str | os.PathLike
 
 def _hf_translation_rows(dataset_id: str, split: str) -> Iterable[dict]:
     try:
-        import datasets
+        import datasets  # optional (jaxllm[datasets]): only hub data needs it
     except ImportError as e:
         raise ImportError(
             "loading from the Hugging Face hub needs `datasets`: pip install 'jaxllm[datasets]'"
