@@ -42,8 +42,9 @@ Batch = dict[str, np.ndarray]
 
 class BatchSource(Protocol):
     """What the training loop reads. A source may also offer `evaluate_extras(model, variables,
-    step, epoch, eval_loss, out) -> Extras | None`, called after every evaluation (the loop
-    passes `out` None on all but the process that writes files)."""
+    ev, epoch, out) -> Extras | None`, called after every evaluation with its record (ev:
+    step, loss, accuracy; epoch: None unless the run is trained by epochs; out: the run dir,
+    None on all but the process that writes files)."""
 
     steps_per_epoch: int | None  # None: no epochs (train by steps)
 
@@ -209,13 +210,7 @@ class TranslationSource:
             yield self._collate([self.valid[j] for j in idx])
 
     def evaluate_extras(
-        self,
-        model: Any,
-        variables: Any,
-        step: int,
-        epoch: int | None,
-        eval_loss: float,
-        out: Path | None,
+        self, model: Any, variables: Any, ev: dict, epoch: int | None, out: Path | None
     ) -> Extras | None:
         """After each epoch (None when the run is not trained by epochs): BLEU of the model's
         translations of `score_pairs`, the best checkpoint's measure (a translation model's
@@ -228,7 +223,7 @@ class TranslationSource:
         )
         if out is not None:
             hyp_file = out / f"hypotheses_epoch{epoch}.txt"
-            result = {"epoch": epoch, "step": step, "validation_loss": eval_loss}
+            result = {"epoch": epoch, "step": ev["step"], "validation_loss": ev["loss"]}
             result |= scores | {"hypotheses": hyp_file.name}
             write_text_atomic(hyp_file, hypotheses_text(hyps))
             write_text_atomic(out / f"eval_results_epoch{epoch}.json", json.dumps(result, indent=2))

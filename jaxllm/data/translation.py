@@ -350,13 +350,3 @@ def collate(
             raise ValueError(f"example {b}: {len(x)} inputs but {len(y)} targets")
         inputs[b, : len(x)], targets[b, : len(y)] = x, y
     return {"inputs": inputs, "targets": targets}
-
-
-def padding_fraction(
-    lengths: Sequence[int], batches: Sequence[np.ndarray], multiple: int = 1
-) -> float:
-    """Fraction of the (B, T) slots of all batches that are padding (T rounded to `multiple`)."""
-    lengths = np.asarray(lengths)
-    real = sum(int(lengths[b].sum()) for b in batches)
-    total = sum(len(b) * padded_length(int(lengths[b].max()), multiple) for b in batches)
-    return 1.0 - real / total if total else 0.0

@@ -73,10 +73,8 @@ def evaluate(
     """Exact mean loss and accuracy over all evaluation batches (split over `mesh` if given;
     with several processes each puts only its rows of every batch on its devices). `step_fn`:
     eval_step, or its `parallel.jit_eval_step` version for the run's mesh. Each batch is padded
-    with rows that carry no loss to a multiple of `rows_multiple` (parallel.eval_rows_multiple:
-    the run's layout for every batch, a partial last one included); None: the mesh's layout
-    with one microbatch per pipeline stage (parallel.eval_rows_multiple(mesh); pass the value
-    for the run's microbatches with a pipelined step_fn), 1 without a mesh."""
+    with rows that carry no loss to a multiple of `rows_multiple` (parallel.eval_rows_multiple;
+    None: that of `mesh` with one microbatch per pipeline stage, 1 without a mesh)."""
     if rows_multiple is None:
         rows_multiple = 1 if mesh is None else parallel.eval_rows_multiple(mesh)
     totals = {"loss_sum": 0.0, "correct": 0, "count": 0}
@@ -223,10 +221,8 @@ class _Run:
         self.bad = jnp.full((3,), -1, jnp.int32)  # _first_bad's record, on device
         if self.multi:
             self.bad = jax.device_put(self.bad, parallel.replicated(self.mesh))
-        self.losses: list[float] = []
-        self.rates: list[float] = []
-        self.ev = {"loss": math.nan, "accuracy": math.nan}
-        self.extras: dict = {}
+        self.losses, self.rates = [], []  # train losses, tokens/s of the logged intervals
+        self.ev, self.extras = {"loss": math.nan, "accuracy": math.nan}, {}  # the last eval's
         self.start = self.last_time = time.perf_counter()
         self.last_step = self.start_step
         # train.trace_steps: a jax.profiler trace of those updates in RUN_DIR/trace (else a
@@ -288,19 +284,14 @@ class _Run:
             if (old := _saved_config(run_dir, self.ckpt)) is not None:
                 check_resume(old, self.cfg, total_steps(old, self.source), self.total)
             self.state, meta = self.ckpt.restore(self.state)
-            self.start_step, self.best_score = (
-                int(self.state.step),
-                meta.get("best_score", math.inf),
-            )
+            self.start_step = int(self.state.step)
+            self.best_score = meta.get("best_score", math.inf)
             if not tc.allow_config_change:
-                check_same_data(
-                    meta.get("data"), getattr(self.source, "fingerprint", None), run_dir
-                )
+                fingerprint = getattr(self.source, "fingerprint", None)
+                check_same_data(meta.get("data"), fingerprint, run_dir)
             if self.primary:
-                print(
-                    f"resuming from step {self.start_step} ({meta['restored_from']})",
-                    file=sys.stderr,
-                )
+                where = meta["restored_from"]
+                print(f"resuming from step {self.start_step} ({where})", file=sys.stderr)
         if self.primary:
             truncate_logs(run_dir, self.start_step)
             save_config(self.cfg, run_dir / "config.yaml")
@@ -316,24 +307,19 @@ class _Run:
         microbatches, scan = cfg.parallel.microbatches, cfg.execution.scan_layers
         layout = parallel.describe(self.mesh, microbatches, scan, tc.batch_size)
         state_bytes = parallel.state_bytes_per_device(self.state)
-        self.log.write(
-            {
-                "event": "resume" if self.start_step else "start",
-                "step": self.start_step,
-                "params": sum(x.size for x in jax.tree_util.tree_leaves(self.state.params)),
-                "ops": self.plan.describe(),
-                **({"loss_chunks": chunks} if chunks else {}),
-                "parallel": layout,
-                "state_bytes_per_device": state_bytes,
-                **({"processes": self.group.describe()} if self.multi else {}),
-                "config": cfg.to_dict(),
-            }
-        )
+        n_params = sum(x.size for x in jax.tree_util.tree_leaves(self.state.params))
+        record = {"event": "resume" if self.start_step else "start", "step": self.start_step}
+        record |= {"params": n_params, "ops": self.plan.describe()}
+        record |= {"loss_chunks": chunks} if chunks else {}
+        record |= {"parallel": layout, "state_bytes_per_device": state_bytes}
+        record |= {"processes": self.group.describe()} if self.multi else {}
+        self.log.write(record | {"config": cfg.to_dict()})
+        quiet = not tc.progress or not self.primary
         self.bar = tqdm(
             total=self.total,
             initial=self.start_step,
             desc="train",
-            disable=not tc.progress or not self.primary,
+            disable=quiet,
             dynamic_ncols=True,
         )
         if self.multi:
@@ -396,15 +382,8 @@ class _Run:
         if self.last_step > self.start_step:  # the first interval includes compilation
             self.rates.append(rate)
         lr = float(self.schedule(done - 1))
-        rec = {
-            "step": done,
-            "loss": m["loss"],
-            "accuracy": m["accuracy"],
-            "grad_norm": m["grad_norm"],
-            "lr": lr,
-            "tokens_per_s": rate,
-            "wall_time": now - self.start,
-        }
+        rec = {"step": done} | {k: m[k] for k in ("loss", "accuracy", "grad_norm")}
+        rec |= {"lr": lr, "tokens_per_s": rate, "wall_time": now - self.start}
         self.log.write(rec, prefix="train")
         self.losses.append(m["loss"])
         self.last_step, self.last_time = done, now
@@ -416,7 +395,7 @@ class _Run:
         rec = {"step": done, "split": "eval", **ev}
         line = f"step {done}: eval loss {ev['loss']:.4f}  accuracy {ev['accuracy']:.4f}"
         score = ev["loss"]
-        if (extras := self._extras(done, ev["loss"])) is not None:
+        if (extras := self._extras(rec)) is not None:  # the source's own
             self.extras = extras.record
             rec |= extras.record
             line += extras.line
@@ -427,14 +406,14 @@ class _Run:
         self.best_score = min(self.best_score, score)
         return improved
 
-    def _extras(self, done: int, eval_loss: float) -> Extras | None:
+    def _extras(self, rec: dict) -> Extras | None:
         """The source's own measures of this evaluation (BatchSource.evaluate_extras)."""
         hook = getattr(self.source, "evaluate_extras", None)
         if hook is None:
             return None
-        epoch = done // self.per_epoch if self.per_epoch is not None else None
+        epoch = rec["step"] // self.per_epoch if self.per_epoch is not None else None
         out = self.run_dir if self.primary else None
-        return hook(self.model, {"params": self.state.params}, done, epoch, eval_loss, out)
+        return hook(self.model, {"params": self.state.params}, rec, epoch, out)
 
     def stop_if_diverged(self, flags: jax.Array | int) -> None:
         """Raise for _first_bad's record `flags` (or a bad step number): out-of-vocabulary ids
@@ -446,12 +425,9 @@ class _Run:
             raise_for_bad_ids(n_ids, ids_step, "train", self.cfg.model.vocab_size)
         if bad_step < 0:
             return
-        kept = self.ckpt.latest_step()
-        where = (
-            f"The last good checkpoint (step {kept}) is kept in {self.run_dir}."
-            if kept is not None
-            else "No checkpoint was saved before it."
-        )
+        where = "No checkpoint was saved before it."
+        if (kept := self.ckpt.latest_step()) is not None:
+            where = f"The last good checkpoint (step {kept}) is kept in {self.run_dir}."
         raise NonFiniteLossError(
             f"the loss or the gradient norm became non-finite at step {bad_step}; stopped. "
             f"{where} Try a lower optim.lr or a stricter optim.grad_clip."
