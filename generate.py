@@ -20,7 +20,7 @@ from jaxllm.console import use_one_line_warnings
 from jaxllm.data.tokenizer import EOT_ID, load_gpt2_tokenizer
 from jaxllm.generate import Sampling, generate_text
 from jaxllm.models import build_model
-from jaxllm.runs import load_run_with_overrides
+from jaxllm.runs import load_run
 
 
 class PromptTokenizer:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:
-        cfg, params, step = load_run_with_overrides(args.run_dir, args.checkpoint, overrides)
+        cfg, params, step = load_run(args.run_dir, args.checkpoint, overrides=overrides)
         if cfg.data.kind != "tokens":  # its ids are not GPT-2 BPE ids
             translate = cfg.data.kind == "translation"
             raise ValueError(

@@ -25,7 +25,7 @@ from jaxllm.data.sources import (
     translation_tokenizer,
 )
 from jaxllm.models import build_model
-from jaxllm.runs import load_run_with_overrides
+from jaxllm.runs import load_run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit is not None and args.limit < 1:  # before the checkpoint loads
         p.error(f"--limit must be >= 1, got {args.limit}")
     try:
-        cfg, variables, step = load_run_with_overrides(args.run_dir, args.checkpoint, overrides)
+        cfg, variables, step = load_run(args.run_dir, args.checkpoint, overrides=overrides)
         if cfg.data.kind != "translation":
             raise ValueError(
                 f"{args.run_dir} was trained on data.kind={cfg.data.kind}, not a translation run"

@@ -95,7 +95,9 @@ def test_tokens_train_generate(tmp_path, monkeypatch):
     assert again.returncode == 0, again.stderr
     assert again.stdout.split("\n")[0] == out.stdout.split("\n")[0]
     fixed = subprocess.run([*args, "--model.n_layers=2"], capture_output=True, text=True)
-    assert fixed.returncode == 2 and "--model.n_layers: a trained run's model" in fixed.stderr
+    assert (
+        fixed.returncode == 2 and "--model.n_layers: a trained run's model is its" in fixed.stderr
+    )
     bad = subprocess.run(
         [sys.executable, str(ROOT / "generate.py"), "--run-dir", str(tmp_path), "--prompt", "x"],
         capture_output=True,

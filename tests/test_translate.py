@@ -194,7 +194,7 @@ def test_each_batch_may_fill_the_context_after_its_own_prompts(monkeypatch):
     [
         (["--limit", "0"], "error: --limit must be >= 1, got 0"),  # checked first: no run dir
         (["--train.batch_size=0"], "train.batch_size must be > 0"),  # before any checkpoint
-        (["--model.n_layers=2"], "--model.n_layers: a trained run's model comes from its"),
+        (["--model.n_layers=2"], "--model.n_layers: a trained run's model is its checkpoint's"),
         (["--beam-width", "3"], "unknown key 'beam-width'"),
     ],
 )

@@ -189,20 +189,17 @@ class TranslationSource:
         lengths = [len(x) for x, _ in self.train]
         return mt.bucket_batches(lengths, self.batch_size, self.seed, epoch, drop_last=True)
 
-    def _collate(self, examples: list[mt.Example]) -> Batch:
-        longest = max(len(x) for x, _ in examples)
+    def _collate(self, examples: list[mt.Example], like: list[mt.Example] | None = None) -> Batch:
+        """The examples padded to the batch `like`'s length (default: theirs)."""
+        longest = max(len(x) for x, _ in like or examples)
         length = min(mt.padded_length(longest, self.cfg.pad_multiple), self.context_length)
         return mt.collate(examples, self.tokenizer.pad_id, length)
 
     def train_batch(self, step: int, rows: slice | None = None) -> Batch:
         epoch, i = divmod(step, self.steps_per_epoch)
-        idx = self._epoch(epoch)[i]
-        if rows is None:
-            return self._collate([self.train[j] for j in idx])
-        # One process's rows, padded to the global batch's length (all processes agree on it).
-        longest = max(len(self.train[j][0]) for j in idx)
-        length = min(mt.padded_length(longest, self.cfg.pad_multiple), self.context_length)
-        return mt.collate([self.train[j] for j in idx[rows]], self.tokenizer.pad_id, length)
+        batch = [self.train[j] for j in self._epoch(epoch)[i]]
+        # rows: one process's share, padded to the global batch's length (all agree on it)
+        return self._collate(batch if rows is None else batch[rows], like=batch)
 
     def eval_batches(self) -> Iterator[Batch]:
         lengths = [len(x) for x, _ in self.valid]

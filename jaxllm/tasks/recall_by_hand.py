@@ -1,13 +1,10 @@
 """Associative recall solved by hand-set weights (CS229S project 0, part 1.2): no training.
 
-    python -m jaxllm.tasks.recall_by_hand [--data.associative_recall.vocab_size=32]
-        [--data.associative_recall.num_pairs=8] [--data.associative_recall.num_test=1000]
-        [--data.associative_recall.num_train=10000] [--data.associative_recall.seed=0]
-        [--execution.kernels=pallas]
+    python -m jaxllm.tasks.recall_by_hand [--data.associative_recall.num_pairs=8 ...]
 
-The task is data.associative_recall (defaults as configs/ar.yaml, so the test split is the one
-a trained model is scored on; num_train sizes the training set it is kept disjoint from);
-execution.* choose how the hand-set model runs.
+Overrides of data.associative_recall (vocab_size, num_pairs, num_test, seed; defaults as in
+configs/ar.yaml, whose num_train the test split is kept disjoint from) set the task, of
+execution.* how the hand-set model runs.
 
 An example is `k1 v1 k2 v2 ... kP vP q` and the answer, read at the last position, is the value
 that followed q. Our ordinary 2-layer GPT-2 (`jaxllm.models.gpt2`, one head per layer) does it
@@ -252,15 +249,11 @@ def hand_set_params(cfg: ModelConfig) -> Params:
 
 
 def evaluate(
-    cfg: ModelConfig,
-    params: Params,
-    split: RecallSplit,
-    batch_size: int = 1000,
-    execution: ExecutionConfig | None = None,
+    cfg: ModelConfig, params: Params, split: RecallSplit, execution: ExecutionConfig | None = None
 ) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) at the answer position: argmax of the last position's
     logits (from the ordinary `model.apply(params, tokens)`, run as `execution` says; default
-    float32 XLA) against its target."""
+    float32 XLA) against its target, in batches of 1000."""
     model = build_model(cfg, execution)
 
     @jax.jit
@@ -268,7 +261,7 @@ def evaluate(
         return model.apply(p, tokens)[:, -1].astype(jnp.float32)  # (B, V)
 
     correct, loss_sum = 0, 0.0
-    for batch in eval_batches(split, batch_size):
+    for batch in eval_batches(split, 1000):
         # float64: the answer's loss is ~1e-8 here, below float32's resolution next to 1
         logits = np.asarray(last_logits(params, jnp.asarray(batch["inputs"])), np.float64)
         target = batch["targets"][:, -1]
@@ -334,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         p.error(str(e))
     cfg = recall_config(ar.vocab_size, ar.num_pairs)
-    acc, loss = evaluate(cfg, hand_set_params(cfg), split, execution=execution)
+    acc, loss = evaluate(cfg, hand_set_params(cfg), split, execution)
     print(
         f"hand-set 2-layer GPT-2: test accuracy {100 * acc:.2f}% ({len(split)} examples, "
         f"vocab {ar.vocab_size}, {ar.num_pairs} pairs); answer loss {loss:.3g}"

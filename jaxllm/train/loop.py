@@ -27,7 +27,7 @@ from jaxllm.config import (
     load_config,
     save_config,
 )
-from jaxllm.data.sources import BatchSource, Extras, make_source
+from jaxllm.data.sources import BatchSource, make_source
 from jaxllm.models import build_model
 from jaxllm.profiling.trace import StepRangeTrace
 from jaxllm.train.checkpoint import Checkpointer
@@ -395,7 +395,11 @@ class _Run:
         rec = {"step": done, "split": "eval", **ev}
         line = f"step {done}: eval loss {ev['loss']:.4f}  accuracy {ev['accuracy']:.4f}"
         score = ev["loss"]
-        if (extras := self._extras(rec)) is not None:  # the source's own
+        # the source's own measures of this evaluation (BatchSource.evaluate_extras), if any
+        hook = getattr(self.source, "evaluate_extras", None)
+        epoch = done // self.per_epoch if self.per_epoch is not None else None
+        out = self.run_dir if self.primary else None  # where it may write files
+        if hook and (extras := hook(self.model, {"params": self.state.params}, rec, epoch, out)):
             self.extras = extras.record
             rec |= extras.record
             line += extras.line
@@ -405,15 +409,6 @@ class _Run:
         improved = score < self.best_score
         self.best_score = min(self.best_score, score)
         return improved
-
-    def _extras(self, rec: dict) -> Extras | None:
-        """The source's own measures of this evaluation (BatchSource.evaluate_extras)."""
-        hook = getattr(self.source, "evaluate_extras", None)
-        if hook is None:
-            return None
-        epoch = rec["step"] // self.per_epoch if self.per_epoch is not None else None
-        out = self.run_dir if self.primary else None
-        return hook(self.model, {"params": self.state.params}, rec, epoch, out)
 
     def stop_if_diverged(self, flags: jax.Array | int) -> None:
         """Raise for _first_bad's record `flags` (or a bad step number): out-of-vocabulary ids
