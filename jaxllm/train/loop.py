@@ -1,5 +1,8 @@
 """The training loop: steps, evaluation, logs, checkpoints, resume, and a NaN guard.
 
+`train` reads top to bottom: setup (`_Run.__init__`: model, state, resume, logs), the loop
+(`_Run.step` once per update: train step, log, evaluation, `checkpoint_policy`), finish.
+
 With several processes (jaxllm/distributed.py) every process runs this loop on its rows of each
 batch; process 0 alone writes config, logs and metrics, prints and holds the run dir lock, and
 all of them save each checkpoint together (orbax).
