@@ -1,7 +1,9 @@
 """Sample text from a trained run: `python generate.py --run-dir R --prompt "Once upon a time"`.
 
 Loads the run's config and its latest (or best) checkpoint, encodes the prompt(s) with the
-GPT-2 tokenizer, and decodes with a KV cache until <|endoftext|> or --max-new-tokens.
+GPT-2 tokenizer, and decodes with a KV cache until <|endoftext|> or --max-new-tokens. Config
+fields are overridden as in train.py: `--execution.kernels=pallas` (how the model runs; the
+model itself is the checkpoint's), `--data.tokens.bpe_dir=DIR` (the GPT-2 BPE files).
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ class PromptTokenizer:
 
 def main(argv: list[str] | None = None) -> int:
     use_one_line_warnings()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Config overrides: --execution.kernels=pallas --data.tokens.bpe_dir=DIR",
+    )
     p.add_argument("--run-dir", required=True, help="a train.py run dir with checkpoints")
     p.add_argument(
         "--prompt",
@@ -50,14 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed")
     p.add_argument("--checkpoint", choices=["latest", "best"], default="latest")
-    p.add_argument("--bpe-dir", default=None, help="GPT-2 BPE files (else $JAXLLM_BPE_DIR)")
-    args = p.parse_args(argv)
+    args, overrides = p.parse_known_args(argv)
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     try:
-        cfg, params, step = load_run(args.run_dir, args.checkpoint)
+        cfg, params, step = load_run(args.run_dir, args.checkpoint, overrides=overrides)
         if cfg.data.kind != "tokens":  # its ids are not GPT-2 BPE ids
             translate = cfg.data.kind == "translation"
             raise ValueError(
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             eos_id=EOT_ID)  # fmt: skip
         budget = cfg.model.context_length
-        tokenizer = PromptTokenizer(load_gpt2_tokenizer(args.bpe_dir or cfg.data.tokens.bpe_dir))
+        tokenizer = PromptTokenizer(load_gpt2_tokenizer(cfg.data.tokens.bpe_dir))
         longest = max(len(tokenizer.encode(t)) for t in args.prompt)
         max_new = min(args.max_new_tokens, budget - longest)
         if max_new < 1:

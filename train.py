@@ -17,6 +17,8 @@ import errno
 import sys
 from pathlib import Path
 
+import jax
+
 from jaxllm import distributed
 from jaxllm.config import ConfigError, load_config
 from jaxllm.console import use_one_line_warnings
@@ -35,8 +37,6 @@ USER_ERRNOS = frozenset(
 
 def _who() -> str:
     """'process I: ' in a multi-process run (each process reports its own errors), else ''."""
-    import jax
-
     if not jax.distributed.is_initialized():
         return ""
     return f"process {jax.process_index()}: "

@@ -79,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         print(plot_run(args.run_dir, args.out))
-    except (FileNotFoundError, ValueError) as e:
-        parser.error(str(e))
-    except OSError as e:  # e.g. an --out the machine will not write (the message names it)
+    except (ValueError, OSError) as e:  # bad metrics, no run dir, an --out it cannot write
         parser.error(str(e))
     return 0
 

@@ -23,6 +23,7 @@ from jaxllm.config import (
     ModelConfig,
     from_dict,
     load_config,
+    parse_overrides,
 )
 from jaxllm.models import build_model, stack_blocks, unstack_blocks
 from jaxllm.train.checkpoint import Checkpointer, CheckpointMismatchError
@@ -52,7 +53,10 @@ def model_changes(trained: ModelConfig, current: ModelConfig) -> list[str]:
 
 
 def load_run(
-    run_dir: str | Path, which: str = "latest", execution: ExecutionConfig | None = None
+    run_dir: str | Path,
+    which: str = "latest",
+    execution: ExecutionConfig | None = None,
+    overrides: list[str] | None = None,
 ) -> tuple[Config, dict[str, Any], int]:
     """(config, model variables {'params': ...}, step) of a train.py run dir's checkpoint.
 
@@ -61,14 +65,19 @@ def load_run(
     (default: config.yaml's) and the dir it was loaded from as train.run_dir (a run dir may
     have moved). The optimizer state is restored into an abstract template and dropped. The run
     dir is only read, never repaired. Where config.yaml's model differs from the checkpoint's,
-    a CheckpointConfigWarning names the differences.
+    a CheckpointConfigWarning names the differences. `overrides` (a command line's
+    `--section.key=value`) apply over config.yaml: execution.* to how the model runs, the other
+    sections to the returned config; model.* are refused (ConfigError): it is the checkpoint's.
     """
     run_dir = Path(run_dir)
     if which not in ("latest", "best"):
         raise ValueError(f"which must be 'latest' or 'best', got {which!r}")
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{run_dir} is not a train.py run dir (no config.yaml)")
+    if fixed := [f"--{k}" for k in parse_overrides(overrides or []) if k.startswith("model.")]:
+        raise ConfigError(f"{', '.join(fixed)}: a trained run's model is its checkpoint's")
     cfg = load_config(run_dir / "config.yaml")
+    wanted = load_config(run_dir / "config.yaml", overrides)  # how the caller runs it
     ckpt = Checkpointer(run_dir, cfg.train.keep_checkpoints, repair=False)
     try:
         newest = (ckpt.latest if which == "latest" else ckpt.best).latest_step()
@@ -104,12 +113,12 @@ def load_run(
             f"{run_dir}: {which} checkpoint {meta['step']}, restored because {newest} was "
             "unusable, was trained as another model than the one built for it"
         )
-    execution = execution or cfg.execution
+    execution = execution or wanted.execution
     params = state.params
     if execution.scan_layers and not trained.execution.scan_layers:
         params = stack_blocks(params, trained.model.n_layers)
     elif trained.execution.scan_layers and not execution.scan_layers:
         params = unstack_blocks(params)
-    train = dataclasses.replace(cfg.train, run_dir=str(run_dir))
-    cfg = dataclasses.replace(cfg, model=trained.model, execution=execution, train=train)
+    train = dataclasses.replace(wanted.train, run_dir=str(run_dir))
+    cfg = dataclasses.replace(wanted, model=trained.model, execution=execution, train=train)
     return cfg, {"params": params}, meta["step"]

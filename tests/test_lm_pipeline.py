@@ -68,7 +68,7 @@ def test_tokens_train_generate(tmp_path, monkeypatch):
             str(run),
             "--prompt",
             "Once upon a time",
-            "--prompt",  # the document separator typed in a prompt (tiktoken refused it)
+            "--prompt",  # the document separator typed in a prompt (tiktoken refuses it by default)
             "<|endoftext|>Once upon a time",
             "--temperature",
             "0",
@@ -84,6 +84,20 @@ def test_tokens_train_generate(tmp_path, monkeypatch):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("Once upon a time") and "there was" in out.stdout
     assert "\n<|endoftext|>Once upon a time" in out.stdout
+    # config overrides as train.py takes them: the BPE files and how the model runs, not the
+    # model itself (the checkpoint's)
+    args = [sys.executable, str(ROOT / "generate.py"), "--run-dir", str(run), "--temperature=0",
+            "--prompt", "Once upon a time", "--max-new-tokens", "12"]  # fmt: skip
+    again = subprocess.run(
+        [*args, f"--data.tokens.bpe_dir={BPE_DIR}", "--execution.scan_layers=true"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.split("\n")[0] == out.stdout.split("\n")[0]
+    fixed = subprocess.run([*args, "--model.n_layers=2"], capture_output=True, text=True)
+    assert (
+        fixed.returncode == 2 and "--model.n_layers: a trained run's model is its" in fixed.stderr
+    )
     bad = subprocess.run(
         [sys.executable, str(ROOT / "generate.py"), "--run-dir", str(tmp_path), "--prompt", "x"],
         capture_output=True,

@@ -20,8 +20,9 @@ def test_plot_errors(tmp_path):
 
 
 def test_plot_a_killed_run_and_bad_outputs(tmp_path, capsys):
-    """The last line of a killed run's log, cut mid-write, was an error naming no file; an --out
-    without an extension said "Format 'tmp' is not supported"."""
+    """The last line of a killed run's log, cut mid-write, is skipped (a bad line elsewhere is
+    an error naming the file and line); an --out without an extension or a directory is one
+    error line."""
     recs = [{"step": s, "loss": 3.0 / s, "wall_time": 0.1 * s} for s in range(1, 5)]
     text = "".join(json.dumps(r) + "\n" for r in recs)
     (tmp_path / "metrics.jsonl").write_text(text + '{"step": 5, "lo')

@@ -96,7 +96,7 @@ def test_synthetic_translation_reaches_bleu_90(corpus):
     write_split(corpus / "data" / "toy", "test", [*synthetic(100, 2), long_pair])
     out = subprocess.run(
         [sys.executable, "-m", "jaxllm.translate", "--run-dir", str(run), "--split", "test",
-         "--beam-width", "3"],
+         "--data.translation.beam_width=3"],
         capture_output=True, text=True, cwd=ROOT, env=_env(corpus),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -168,7 +168,7 @@ def test_each_batch_may_fill_the_context_after_its_own_prompts(monkeypatch):
     context. Batch sizes below 1 are refused."""
     from types import SimpleNamespace
 
-    from jaxllm import translate as tr
+    from jaxllm import bleu
 
     calls = []
 
@@ -176,27 +176,37 @@ def test_each_batch_may_fill_the_context_after_its_own_prompts(monkeypatch):
         calls.append((len(batch), max(map(len, batch)), pad_to, max_new, sampling.vocab_limit))
         return [[5] for _ in batch]
 
-    monkeypatch.setattr(tr, "generate", fake_generate)
+    monkeypatch.setattr(bleu, "generate", fake_generate)
     tok = SimpleNamespace(encode=lambda s: [7] * len(s.split()), eos_src_id=0, eos_tgt_id=1,
                           decode=lambda ids: "x", vocab_size=50)  # fmt: skip
     model = SimpleNamespace(cfg=SimpleNamespace(context_length=40, vocab_size=64))
     sources = ["w " * 30, "w " * 4, "w " * 5, "w " * 2]  # prompts of 31, 5, 6 and 3 tokens
-    assert tr.translate(model, None, tok, sources, batch_size=2) == ["x"] * 4
+    assert bleu.translate(model, None, tok, sources, batch_size=2) == ["x"] * 4
     # the short batch may write 32 tokens; a tokenizer of 50 ids: the model's 14 others are
-    # never decoded (they crashed the BLEU evaluation and the CLI: "ids outside [0, 50)")
+    # never decoded (the tokenizer could not detokenize them: "ids outside [0, 50)")
     assert calls == [(2, 5, 8, 32, 50), (2, 31, 32, 8, 50)]
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
-        tr.translate(model, None, tok, sources, batch_size=0)
+        bleu.translate(model, None, tok, sources, batch_size=0)
 
 
-@pytest.mark.parametrize("flag", ["--batch-size", "--limit"])
-def test_cli_refuses_a_bad_count_before_loading_anything(tmp_path, capsys, flag):
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--limit", "0"], "error: --limit must be >= 1, got 0"),  # checked first: no run dir
+        (["--train.batch_size=0"], "train.batch_size must be > 0"),  # before any checkpoint
+        (["--model.n_layers=2"], "--model.n_layers: a trained run's model is its checkpoint's"),
+        (["--beam-width", "3"], "unknown key 'beam-width'"),
+    ],
+)
+def test_cli_refuses_bad_settings_before_loading_a_checkpoint(tmp_path, capsys, args, message):
     from jaxllm import translate
+    from jaxllm.config import save_config
 
-    with pytest.raises(SystemExit) as e:  # no run dir needed: the flag is checked first
-        translate.main(["--run-dir", str(tmp_path / "none"), flag, "0"])
+    save_config(load_config(ROOT / "configs/multi30k.yaml"), tmp_path / "config.yaml")
+    with pytest.raises(SystemExit) as e:  # the run dir holds no checkpoint
+        translate.main(["--run-dir", str(tmp_path), *args])
     assert e.value.code == 2
-    assert f"error: {flag} must be >= 1, got 0" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_hypothesis_files_keep_one_line_per_hypothesis():
@@ -208,8 +218,8 @@ def test_hypothesis_files_keep_one_line_per_hypothesis():
 
 
 def test_parallel_files_bom_lone_cr_and_bad_bytes(tmp_path):
-    """A UTF-8 BOM was kept in the first sentence, a lone CR split a line in two, and bytes
-    that are not UTF-8 gave a codec error naming no file or line."""
+    """A UTF-8 BOM is dropped from the first sentence, a lone CR stays inside its line, and
+    bytes that are not UTF-8 are one error naming the file, line and byte."""
     from jaxllm.data.translation import load_parallel_files
 
     (tmp_path / "a.de").write_bytes("\ufeffZwei Hunde.\nein\rHaus.\n".encode())
@@ -226,7 +236,7 @@ def test_parallel_files_bom_lone_cr_and_bad_bytes(tmp_path):
 
 
 def test_length_penalty_is_bounded():
-    """alpha 1000 overflowed ((5 + len) / 6) ** alpha: a traceback at the end of each epoch."""
+    """A large alpha would overflow ((5 + len) / 6) ** alpha: refused in the settings."""
     from jaxllm.generate import BeamSearch
 
     with pytest.raises(ValueError, match="length_penalty"):
@@ -236,7 +246,8 @@ def test_length_penalty_is_bounded():
 
 
 def test_a_truncated_tokenizer_file_is_one_error(tmp_path):
-    """A cut tokenizer.json raised tokenizers' bare `Exception: EOF while parsing`."""
+    """A cut tokenizer.json is one ValueError naming the file (tokenizers raises a bare
+    `Exception: EOF while parsing`)."""
     from jaxllm.data.translation import TranslationTokenizer
 
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "trunc')

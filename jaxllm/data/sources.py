@@ -2,7 +2,8 @@
 
 A train batch is a pure function of (seed, step), so a resumed run sees exactly the batches an
 uninterrupted one would: the data-sampler state is just the step number. A source with epochs
-(translation) also has `steps_per_epoch` and scores a model after each epoch (`score`).
+(translation) also has `steps_per_epoch`; a source may add its own measures to every evaluation
+through `evaluate_extras` (translation: BLEU after each epoch).
 
 Several processes (jaxllm/distributed.py): `train_batch(step, rows)` makes only rows
 [start, stop) of the global batch, the process's share: the same examples as one process would
@@ -21,11 +22,14 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxllm.atomic_file import write_text_atomic
+from jaxllm.bleu import hypotheses_text, score_translations
 from jaxllm.config import Config, TranslationConfig
 from jaxllm.data import associative_recall as ar
 from jaxllm.data import translation as mt
@@ -37,11 +41,24 @@ Batch = dict[str, np.ndarray]
 
 
 class BatchSource(Protocol):
+    """What the training loop reads. A source may also offer `evaluate_extras(model, variables,
+    ev, epoch, out) -> Extras | None`, called after every evaluation with its record (ev:
+    step, loss, accuracy; epoch: None unless the run is trained by epochs; out: the run dir,
+    None on all but the process that writes files)."""
+
     steps_per_epoch: int | None  # None: no epochs (train by steps)
 
     def train_batch(self, step: int) -> Batch: ...
 
     def eval_batches(self) -> Iterator[Batch]: ...
+
+
+class Extras(NamedTuple):
+    """A source's own measures of one evaluation."""
+
+    record: dict[str, Any]  # more fields of the eval record in metrics.jsonl
+    line: str  # appended to the evaluation's console line
+    score: float  # lower is better: the best checkpoint is chosen by it, not by the eval loss
 
 
 @dataclass
@@ -172,33 +189,43 @@ class TranslationSource:
         lengths = [len(x) for x, _ in self.train]
         return mt.bucket_batches(lengths, self.batch_size, self.seed, epoch, drop_last=True)
 
-    def _collate(self, examples: list[mt.Example]) -> Batch:
-        longest = max(len(x) for x, _ in examples)
+    def _collate(self, examples: list[mt.Example], like: list[mt.Example] | None = None) -> Batch:
+        """The examples padded to the batch `like`'s length (default: theirs)."""
+        longest = max(len(x) for x, _ in like or examples)
         length = min(mt.padded_length(longest, self.cfg.pad_multiple), self.context_length)
         return mt.collate(examples, self.tokenizer.pad_id, length)
 
     def train_batch(self, step: int, rows: slice | None = None) -> Batch:
         epoch, i = divmod(step, self.steps_per_epoch)
-        idx = self._epoch(epoch)[i]
-        if rows is None:
-            return self._collate([self.train[j] for j in idx])
-        # One process's rows, padded to the global batch's length (all processes agree on it).
-        longest = max(len(self.train[j][0]) for j in idx)
-        length = min(mt.padded_length(longest, self.cfg.pad_multiple), self.context_length)
-        return mt.collate([self.train[j] for j in idx[rows]], self.tokenizer.pad_id, length)
+        batch = [self.train[j] for j in self._epoch(epoch)[i]]
+        # rows: one process's share, padded to the global batch's length (all agree on it)
+        return self._collate(batch if rows is None else batch[rows], like=batch)
 
     def eval_batches(self) -> Iterator[Batch]:
         lengths = [len(x) for x, _ in self.valid]
         for idx in mt.bucket_batches(lengths, self.batch_size, 0, 0, shuffle=False):
             yield self._collate([self.valid[j] for j in idx])
 
-    def score(self, model: Any, params: Any) -> tuple[dict[str, Any], list[str]]:
-        """BLEU of the model's translations of `score_pairs`: (metrics, hypotheses)."""
-        from jaxllm.translate import score_translations  # the decoder needs the models
-
-        return score_translations(
-            model, params, self.tokenizer, self.score_pairs, self.cfg, self.batch_size
+    def evaluate_extras(
+        self, model: Any, variables: Any, ev: dict, epoch: int | None, out: Path | None
+    ) -> Extras | None:
+        """After each epoch (None when the run is not trained by epochs): BLEU of the model's
+        translations of `score_pairs`, the best checkpoint's measure (a translation model's
+        BLEU keeps rising after its eval loss turns up). Into `out`: the hypotheses
+        (hypotheses_epochE.txt) and the scores (eval_results_epochE.json)."""
+        if epoch is None:
+            return None
+        scores, hyps = score_translations(
+            model, variables, self.tokenizer, self.score_pairs, self.cfg, self.batch_size
         )
+        if out is not None:
+            hyp_file = out / f"hypotheses_epoch{epoch}.txt"
+            result = {"epoch": epoch, "step": ev["step"], "validation_loss": ev["loss"]}
+            result |= scores | {"hypotheses": hyp_file.name}
+            write_text_atomic(hyp_file, hypotheses_text(hyps))
+            write_text_atomic(out / f"eval_results_epoch{epoch}.json", json.dumps(result, indent=2))
+        bleu = scores["bleu"]
+        return Extras({"epoch": epoch, "bleu": bleu}, f"  BLEU {bleu:.2f} (epoch {epoch})", -bleu)
 
 
 def load_translation_split(tc: TranslationConfig, which: str) -> list[mt.Pair]:
@@ -220,12 +247,10 @@ def translation_tokenizer(cfg: Config, train_pairs: list[mt.Pair]) -> mt.Transla
     """The run dir's tokenizer.json if it exists (resume, evaluation: same ids), else a BPE
     trained on the training pairs and saved there (by process 0 of several; the others wait
     for it and load it)."""
-    from jaxllm import distributed  # imports jax: only here
-
-    if distributed.process_count() == 1:
+    if jax.process_count() == 1:
         return _run_dir_tokenizer(cfg, train_pairs)
-    tok = _run_dir_tokenizer(cfg, train_pairs) if distributed.is_primary() else None
-    distributed.sync("jaxllm-translation-tokenizer")
+    tok = _run_dir_tokenizer(cfg, train_pairs) if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices("jaxllm-translation-tokenizer")
     return tok or _run_dir_tokenizer(cfg, [])
 
 
@@ -277,7 +302,7 @@ def filter_translation_pairs(
     dropped ones are counted on stderr (training and scoring apply the same rule)."""
     tc = cfg.data.translation
     kept, dropped = mt.filter_pairs(pairs, tc.max_words, cfg.model.context_length, tok)
-    if dropped and _is_primary():
+    if dropped and jax.process_index() == 0:  # one process prints
         rule = f"max_words {tc.max_words} or " if tc.max_words else ""
         print(
             f"{what}: dropped {dropped} of {len(pairs)} pairs longer than {rule}the context "
@@ -287,13 +312,6 @@ def filter_translation_pairs(
     if not kept:
         raise ValueError(f"{what}: no pair is left after the length filter")
     return kept
-
-
-def _is_primary() -> bool:
-    """Process 0 (or the only one): the one that prints."""
-    from jaxllm.distributed import is_primary
-
-    return is_primary()
 
 
 def make_translation_source(cfg: Config) -> TranslationSource:

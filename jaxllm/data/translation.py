@@ -78,7 +78,7 @@ def load_parallel_files(src_path: str | os.PathLike, tgt_path: str | os.PathLike
 
 def _hf_translation_rows(dataset_id: str, split: str) -> Iterable[dict]:
     try:
-        import datasets
+        import datasets  # optional (jaxllm[datasets]): only hub data needs it
     except ImportError as e:
         raise ImportError(
             "loading from the Hugging Face hub needs `datasets`: pip install 'jaxllm[datasets]'"
@@ -256,11 +256,6 @@ def encode_pairs(tok: TranslationTokenizer, pairs: Sequence[Pair]) -> list[Examp
     return [_layout(s, t, tok) for s, t in zip(src_ids, tgt_ids, strict=True)]
 
 
-def encode_prompt(tok: TranslationTokenizer, src: str) -> list[int]:
-    """Decoding prompt `src <eos_src>`; the model continues with the translation."""
-    return tok.encode(src) + [tok.eos_src_id]
-
-
 def filter_pairs(
     pairs: Sequence[Pair],
     max_words: int | None = None,
@@ -355,13 +350,3 @@ def collate(
             raise ValueError(f"example {b}: {len(x)} inputs but {len(y)} targets")
         inputs[b, : len(x)], targets[b, : len(y)] = x, y
     return {"inputs": inputs, "targets": targets}
-
-
-def padding_fraction(
-    lengths: Sequence[int], batches: Sequence[np.ndarray], multiple: int = 1
-) -> float:
-    """Fraction of the (B, T) slots of all batches that are padding (T rounded to `multiple`)."""
-    lengths = np.asarray(lengths)
-    real = sum(int(lengths[b].sum()) for b in batches)
-    total = sum(len(b) * padded_length(int(lengths[b].max()), multiple) for b in batches)
-    return 1.0 - real / total if total else 0.0

@@ -1,7 +1,10 @@
 """Associative recall solved by hand-set weights (CS229S project 0, part 1.2): no training.
 
-    python -m jaxllm.tasks.recall_by_hand [--vocab-size 32] [--num-pairs 8] [--num-test 1000]
-        [--num-train 10000] [--seed 0]
+    python -m jaxllm.tasks.recall_by_hand [--data.associative_recall.num_pairs=8 ...]
+
+Overrides of data.associative_recall (vocab_size, num_pairs, num_test, seed; defaults as in
+configs/ar.yaml, whose num_train the test split is kept disjoint from) set the task, of
+execution.* how the hand-set model runs.
 
 An example is `k1 v1 k2 v2 ... kP vP q` and the answer, read at the last position, is the value
 that followed q. Our ordinary 2-layer GPT-2 (`jaxllm.models.gpt2`, one head per layer) does it
@@ -60,7 +63,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import AssociativeRecallConfig, ConfigError, ModelConfig
+from jaxllm.config import (
+    AssociativeRecallConfig,
+    ConfigError,
+    ExecutionConfig,
+    ModelConfig,
+    from_dict,
+    parse_overrides,
+)
 from jaxllm.data.associative_recall import RecallSplit, eval_batches, make_splits
 from jaxllm.models import build_model
 
@@ -74,14 +84,13 @@ Params = dict[str, Any]
 def recall_config(vocab_size: int, num_pairs: int) -> ModelConfig:
     """The 2-layer, 1-head GPT-2 the hand-set weights are written for: d_model = 2 (2V + T)
     (the signed TOK, POS and PREV subspaces of the module docstring), context 2 * num_pairs + 1,
-    no dropout, biases on, tied head, float32 and XLA kernels. Raises ConfigError for an AR
-    setting the generator rejects (odd vocab, too many pairs)."""
+    biases on, tied head. Raises ConfigError for an AR setting the generator rejects (odd
+    vocab, too many pairs)."""
     AssociativeRecallConfig(vocab_size=vocab_size, num_pairs=num_pairs)  # validates V and P
     t = 2 * num_pairs + 1
     return ModelConfig(
         arch="gpt2", vocab_size=vocab_size, context_length=t, d_model=2 * (2 * vocab_size + t),
-        n_layers=2, n_heads=1, d_ff=D_FF, dropout=0.0, bias=True, qkv_bias=True,
-        tie_embeddings=True, compute_dtype="float32", kernels="xla", attention_impl="xla",
+        n_layers=2, n_heads=1, d_ff=D_FF, bias=True, qkv_bias=True, tie_embeddings=True,
     )  # fmt: skip
 
 
@@ -240,18 +249,19 @@ def hand_set_params(cfg: ModelConfig) -> Params:
 
 
 def evaluate(
-    cfg: ModelConfig, params: Params, split: RecallSplit, batch_size: int = 1000
+    cfg: ModelConfig, params: Params, split: RecallSplit, execution: ExecutionConfig | None = None
 ) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) at the answer position: argmax of the last position's
-    logits (from the ordinary `model.apply(params, tokens)`) against its target."""
-    model = build_model(cfg)
+    logits (from the ordinary `model.apply(params, tokens)`, run as `execution` says; default
+    float32 XLA) against its target, in batches of 1000."""
+    model = build_model(cfg, execution)
 
     @jax.jit
     def last_logits(p: Params, tokens: jax.Array) -> jax.Array:
         return model.apply(p, tokens)[:, -1].astype(jnp.float32)  # (B, V)
 
     correct, loss_sum = 0, 0.0
-    for batch in eval_batches(split, batch_size):
+    for batch in eval_batches(split, 1000):
         # float64: the answer's loss is ~1e-8 here, below float32's resolution next to 1
         logits = np.asarray(last_logits(params, jnp.asarray(batch["inputs"])), np.float64)
         target = batch["targets"][:, -1]
@@ -285,43 +295,39 @@ def test_split(ar: AssociativeRecallConfig) -> RecallSplit:
 test_split.__test__ = False  # not a pytest test, despite the name
 
 
-MAX_VOCAB, MAX_PAIRS, MAX_TEST, MAX_TRAIN = 1024, 64, 100_000, 10_000_000  # limits (memory)
+# The hand-set model is as wide as its one-hot codes of ids and positions: its matrices grow
+# with the square of vocabulary + context, its activations with both (batches of 1000).
+LIMITS = {"vocab_size": 1024, "num_pairs": 64, "num_test": 100_000, "num_train": 10_000_000}
+AR, EXECUTION = "data.associative_recall.", "execution."
+
+
+def _section(cls: type, overrides: dict[str, Any], prefix: str) -> Any:
+    """Config section `cls` from the overrides under `prefix` (its defaults elsewhere)."""
+    fields = {k.removeprefix(prefix): v for k, v in overrides.items() if k.startswith(prefix)}
+    return from_dict(cls, fields, prefix[:-1])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jaxllm.tasks.recall_by_hand",
         description="Evaluate the hand-set 2-layer GPT-2 on the associative-recall test split.",
+        epilog=f"Config overrides: --{AR}vocab_size=64 --{AR}num_pairs=4 --{EXECUTION}kernels=xla",
     )
-    p.add_argument("--vocab-size", type=int, default=32, help="even, >= 4 (default 32)")
-    p.add_argument("--num-pairs", type=int, default=8, help="in [1, vocab/2] (default 8)")
-    p.add_argument("--num-test", type=int, default=1000, help="test examples (default 1000)")
-    p.add_argument(
-        "--num-train", type=int, default=10_000,
-        help="size of the training set the test split is kept disjoint from (default 10000, "
-        "as configs/ar.yaml, so the split is the one a trained model is scored on)",
-    )  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
-    args = p.parse_args(argv)
-    # the hand-set model is as wide as its one-hot codes of ids and positions: its matrices grow
-    # with the square of vocabulary + context (20,000 ids asked for 72 GiB), its activations
-    # with both (batches of 1000 examples)
-    for flag, value, most in (("--vocab-size", args.vocab_size, MAX_VOCAB),
-                              ("--num-pairs", args.num_pairs, MAX_PAIRS),
-                              ("--num-test", args.num_test, MAX_TEST),
-                              ("--num-train", args.num_train, MAX_TRAIN)):  # fmt: skip
-        if value > most:
-            p.error(f"{flag} must be <= {most:,} here, got {value:,}")
+    _, args = p.parse_known_args(argv)
     try:
-        ar = AssociativeRecallConfig(
-            vocab_size=args.vocab_size, num_pairs=args.num_pairs, num_train=args.num_train,
-            num_test=args.num_test, seed=args.seed,
-        )  # fmt: skip
+        overrides = parse_overrides(args)
+        if other := [f"--{k}" for k in overrides if not k.startswith((AR, EXECUTION))]:
+            raise ConfigError(f"{', '.join(other)}: only --{AR}* and --{EXECUTION}* apply here")
+        ar = _section(AssociativeRecallConfig, overrides, AR)
+        for name, most in LIMITS.items():
+            if (value := getattr(ar, name)) > most:
+                raise ConfigError(f"{AR}{name} must be <= {most:,} here, got {value:,}")
+        execution = _section(ExecutionConfig, overrides, EXECUTION)
         split = test_split(ar)
     except ConfigError as e:
-        p.error(str(e).replace("data.associative_recall.", "--").replace("_", "-"))
+        p.error(str(e))
     cfg = recall_config(ar.vocab_size, ar.num_pairs)
-    acc, loss = evaluate(cfg, hand_set_params(cfg), split)
+    acc, loss = evaluate(cfg, hand_set_params(cfg), split, execution)
     print(
         f"hand-set 2-layer GPT-2: test accuracy {100 * acc:.2f}% ({len(split)} examples, "
         f"vocab {ar.vocab_size}, {ar.num_pairs} pairs); answer loss {loss:.3g}"

@@ -2,14 +2,15 @@
 widths and seeds on the AR preset, plot test accuracy against the number of layers.
 
     python -m jaxllm.tasks.recall_sweep --out runs/ar_sweep [--layers 1 2 3 4] [--widths 32 64]
-        [--seeds 0 1 2] [--steps 2500] [--short-conv] [--workers 2]
+        [--seeds 0 1 2] [--workers 2] [--train.steps=2500] [--model.short_conv=true]
 
 Writes OUT/results.jsonl (one line per run), OUT/accuracy_vs_layers.png (seed mean per width,
 every run as a dot, the 90% line) and prints a Markdown table and, per width, the smallest
 depth whose every run reaches 90%. Each run is `configs/ar.yaml` with n_layers, d_model, init_std =
-1/sqrt(d_model) (what ar.yaml uses at d 64) and the seed overridden, in its own process; every
-run's settings are checked before the first trains. Rerunning the command resumes the sweep:
-finished runs report their results, an interrupted one continues from its checkpoint.
+1/sqrt(d_model) (what ar.yaml uses at d 64) and train.seed swept, one evaluation at the end
+(train.eval_every = train.steps) and any `--section.key=value` overrides, in its own process;
+every run's settings are checked before the first trains. Rerunning the command resumes the
+sweep: finished runs report their results, an interrupted one continues from its checkpoint.
 """
 
 from __future__ import annotations
@@ -24,46 +25,47 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from jaxllm.atomic_file import save_figure_atomic, write_text_atomic
+from jaxllm.config import Config, ConfigError, config_changes, load_config, parse_overrides
 from jaxllm.console import use_one_line_warnings
+from jaxllm.train.loop import ResumeConfigError, check_resume, train
 
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "ar.yaml"
 TARGET = 0.9
+SWEPT = ("model.n_layers", "model.d_model", "model.init_std", "train.seed", "train.run_dir")
 
 
-def run_config(layers: int, width: int, seed: int, steps: int, short_conv: bool, out: str):
+def run_config(overrides: list[str], layers: int, width: int, seed: int, out: str) -> Config:
     """The Config of one run (ConfigError for settings the preset cannot take)."""
-    from jaxllm.config import load_config
-
-    name = f"L{layers}_d{width}_s{seed}" + ("_conv" if short_conv else "")
-    overrides = [
-        f"--model.n_layers={layers}",
-        f"--model.d_model={width}",
-        f"--model.init_std={1 / math.sqrt(width):.6g}",
-        f"--model.short_conv={str(short_conv).lower()}",
-        f"--train.seed={seed}",
-        f"--train.steps={steps}",
-        f"--train.eval_every={steps}",
+    base = load_config(PRESET, overrides)
+    name = f"L{layers}_d{width}_s{seed}" + ("_conv" if base.model.short_conv else "")
+    sweep = [
+        f"--train.eval_every={base.train.steps}",
         "--train.progress=false",
         # a rerun of the sweep resumes: a finished run reports its result, a cut one goes on
         "--train.resume=true",
+    ]
+    cell = [
+        f"--model.n_layers={layers}",
+        f"--model.d_model={width}",
+        f"--model.init_std={1 / math.sqrt(width):.6g}",
+        f"--train.seed={seed}",
         f"--train.run_dir={Path(out) / 'runs' / name}",
     ]
-    return load_config(PRESET, overrides)
+    return load_config(PRESET, [*sweep, *overrides, *cell])
 
 
-def run_one(layers: int, width: int, seed: int, steps: int, short_conv: bool, out: str) -> dict:
+def run_one(overrides: list[str], layers: int, width: int, seed: int, out: str) -> dict:
     """Train one AR model (or report a finished one); returns its settings and test accuracy."""
-    from jaxllm.train.loop import train
-
-    result = train(run_config(layers, width, seed, steps, short_conv, out))
+    cfg = run_config(overrides, layers, width, seed, out)
+    result = train(cfg)
     return {
-        "layers": layers, "width": width, "seed": seed, "short_conv": short_conv,
-        "steps": steps, "accuracy": result.eval_accuracy, "seconds": result.wall_time_s,
+        "layers": layers, "width": width, "seed": seed, "short_conv": cfg.model.short_conv,
+        "steps": cfg.train.steps, "accuracy": result.eval_accuracy, "seconds": result.wall_time_s,
     }  # fmt: skip
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
+    import matplotlib  # only here: the worker processes, which never plot, skip its import
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -97,28 +99,25 @@ def plot(results: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     use_one_line_warnings()
     p = argparse.ArgumentParser(
-        prog="python -m jaxllm.tasks.recall_sweep", description=__doc__.split("\n\n")[0]
+        prog="python -m jaxllm.tasks.recall_sweep",
+        description=__doc__.split("\n\n")[0],
+        epilog="Config overrides for every run: --train.steps=1000 --model.short_conv=true",
     )
     p.add_argument("--out", required=True, help="output dir (results.jsonl, PNG, runs/)")
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--widths", type=int, nargs="+", default=[32, 64])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=2500)
-    p.add_argument("--short-conv", action="store_true", help="model.short_conv=true in every run")
     p.add_argument("--workers", type=int, default=1, help="runs in parallel (processes)")
-    args = p.parse_args(argv)
+    args, overrides = p.parse_known_args(argv)
     if min(args.layers + args.widths + [args.workers]) < 1:
         p.error("--layers, --widths and --workers must be >= 1")
-    if args.steps <= 100:
-        p.error(f"--steps must be > 100 (the preset's warm-up), got {args.steps}")
-    from jaxllm.config import ConfigError, config_changes, load_config
-    from jaxllm.train.loop import ResumeConfigError, check_resume
-
     out = Path(args.out)
     # each value once (a repeated one would train into the same run dir twice)
     cells = itertools.product(*(dict.fromkeys(v) for v in (args.layers, args.widths, args.seeds)))
-    jobs = [(n, w, s, args.steps, args.short_conv, str(out)) for n, w, s in cells]
+    jobs = [(overrides, n, w, s, str(out)) for n, w, s in cells]
     try:  # every run's settings checked before the first one trains, resumability included
+        if swept := [f"--{k}" for k in parse_overrides(overrides) if k in SWEPT]:
+            raise ConfigError(f"{', '.join(swept)}: set by the sweep (--layers, --widths, --seeds)")
         for job in jobs:
             cfg = run_config(*job)
             saved = Path(cfg.train.run_dir) / "config.yaml"
@@ -147,14 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError) as e:  # bad data or settings, a disk problem: one line
         p.error(f"{e} ({len(results)} of {len(jobs)} runs done, in {out / 'results.jsonl'})")
     print("\n| layers | width | short conv | accuracy per seed | mean |\n|---|---|---|---|---|")
-    by_cell: dict[tuple[int, int], list[float]] = {}
+    by_cell: dict[tuple[int, int, bool], list[float]] = {}
     for r in results:
-        by_cell.setdefault((r["layers"], r["width"]), []).append(r["accuracy"])
-    for (n, w), accs in sorted(by_cell.items()):
+        by_cell.setdefault((r["layers"], r["width"], r["short_conv"]), []).append(r["accuracy"])
+    for (n, w, conv), accs in sorted(by_cell.items()):
         cells = ", ".join(f"{a:.3f}" for a in accs)
-        print(f"| {n} | {w} | {args.short_conv} | {cells} | {sum(accs) / len(accs):.3f} |")
+        print(f"| {n} | {w} | {conv} | {cells} | {sum(accs) / len(accs):.3f} |")
     for w in sorted(set(args.widths)):
-        ok = [n for (n, w2), accs in sorted(by_cell.items()) if w2 == w and min(accs) >= TARGET]
+        ok = [n for (n, w2, _), accs in sorted(by_cell.items()) if w2 == w and min(accs) >= TARGET]
         print(f"width {w}: smallest depth with every run >= 90%: {ok[0] if ok else 'none'}")
     return 0
 
