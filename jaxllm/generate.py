@@ -27,8 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import functional as F
-from jaxllm.config import ModelConfig, Section, spec
-from jaxllm.data.tokenizer import EOT_ID, N_VOCAB
+from jaxllm.config import ModelConfig, Section, TokensConfig, spec
 from jaxllm.models import Decoder, cache_batch_axis, init_kv_cache
 
 EosId = int | None | Literal["auto"]  # "auto": <|endoftext|> for GPT-2's vocab, else None
@@ -130,7 +129,8 @@ def resolve_eos_id(cfg: ModelConfig, eos_id: EosId) -> int | None:
     """ "auto" -> <|endoftext|> (50256) for GPT-2's vocabulary, padded or not (vocab_size >=
     50257, e.g. nanoGPT's 50304: the token data's ids), else None; ints are range-checked."""
     if eos_id == "auto":
-        return EOT_ID if cfg.vocab_size >= N_VOCAB else None
+        n_vocab = TokensConfig.GPT2_VOCAB  # <|endoftext|> is its last id
+        return n_vocab - 1 if cfg.vocab_size >= n_vocab else None
     if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
         raise ValueError(
             f"eos_id must be None, 'auto' or an int in [0, {cfg.vocab_size - 1}], got {eos_id!r}"

@@ -128,13 +128,15 @@ def test_pallas_kernel_variants_share_only_modules_below_them():
 # jaxllm's layers, lowest first: a module imports from its own layer and those below it only.
 LAYERS = {
     "base": ["jaxllm", "jaxllm.config", "jaxllm.functional", "jaxllm.atomic_file",
-             "jaxllm.console", "jaxllm.xla_flags", "jaxllm.bleu"],
+             "jaxllm.console", "jaxllm.xla_flags"],
     "ops": ["jaxllm.ops"],
     "layers": ["jaxllm.layers"],
     "models": ["jaxllm.models*"],
+    # pure functions of a model: sampling, beam search, BLEU of its translations
+    "decoding": ["jaxllm.generate", "jaxllm.bleu"],
     "data": ["jaxllm.data*"],
     "training": ["jaxllm.train*", "jaxllm.pipeline", "jaxllm.parallel", "jaxllm.distributed"],
-    "apps": ["jaxllm.runs", "jaxllm.generate", "jaxllm.translate", "jaxllm.tasks*",
+    "apps": ["jaxllm.runs", "jaxllm.translate", "jaxllm.tasks*",
              "jaxllm.profiling*", "jaxllm.plot"],
 }  # fmt: skip
 # Imports inside functions: optional or GPU-only dependencies, and private modules that may move.

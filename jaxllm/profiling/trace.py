@@ -14,8 +14,6 @@ and the launch order (align_launches).
 would attach CUPTI); the step runs as three jitted programs, forward, backward and optimizer,
 each in an NVTX range of its name, synced before the range closes. `python profile.py nsys`
 runs it under `nsys profile --trace=cuda,nvtx` and prints `nsys stats` per phase.
-
-`StepRangeTrace` is the training loop's `train.trace_steps` option.
 """
 
 from __future__ import annotations
@@ -45,19 +43,12 @@ from jaxllm.atomic_file import write_text_atomic
 from jaxllm.config import Config
 from jaxllm.profiling.harness import make_state, md_header, md_row, random_batch
 from jaxllm.train.state import loss_and_sums, train_step
+from jaxllm.train.step_trace import latest_profile_dir
 
 PHASES = ("forward", "backward", "optimizer")
 PROFILE_CLI = Path(__file__).resolve().parents[2] / "profile.py"  # nsys runs it from any cwd
 
 # ----------------------------------------------------------------------------- reading traces
-
-
-def latest_profile_dir(log_dir: str | Path) -> Path:
-    """The newest LOG_DIR/plugins/profile/<timestamp>/ that jax.profiler wrote."""
-    runs = [p for p in (Path(log_dir) / "plugins" / "profile").glob("*") if p.is_dir()]
-    if not runs:
-        raise FileNotFoundError(f"no jax.profiler trace under {log_dir}/plugins/profile")
-    return max(runs, key=lambda p: p.stat().st_mtime)
 
 
 def load_trace_events(log_dir: str | Path) -> list[dict[str, Any]]:
@@ -679,62 +670,3 @@ def run_nsys(out: str | Path, trace_args: Sequence[str], nsys: str = "nsys") -> 
     for cmd in stats:
         print("$ " + " ".join(cmd), flush=True)
         subprocess.run(cmd)
-
-
-# ----------------------------------------------------------------------------- train.py option
-
-
-class StepRangeTrace:
-    """`train.trace_steps: [start, end]`: a jax.profiler trace of updates start .. end - 1
-    (numbered as the log numbers them: the n-th update is step n) into `log_dir`. The trace
-    starts before update `start` (or the first one in range, when a resumed run begins past
-    it) and stops after update end - 1, once the device has finished it. Each traced update
-    is a StepTraceAnnotation, so TensorBoard's profile plugin shows per-step times."""
-
-    def __init__(
-        self, steps: tuple[int, ...] | None, log_dir: Path, say: Callable[[str, int], None]
-    ) -> None:
-        self.start, self.end = steps if steps else (0, 0)
-        self.log_dir, self.say = log_dir, say  # say(message, the update it is about)
-        self.active = False
-        self._step: jax.profiler.StepTraceAnnotation | None = None
-        self._first = self._last = 0
-
-    def before_step(self, n: int) -> None:
-        """Call before update n (1-based)."""
-        if not self.active and self.start <= n < self.end:
-            jax.profiler.start_trace(str(self.log_dir), create_perfetto_trace=True)
-            self.active, self._first = True, n
-            self.say(
-                f"trace: recording steps {n}..{self.end - 1} with jax.profiler into "
-                f"{self.log_dir} (tensorboard --logdir {self.log_dir})",
-                n,
-            )
-        if self.active:
-            self._last = n
-            self._step = jax.profiler.StepTraceAnnotation("train", step_num=n)
-            self._step.__enter__()
-
-    def after_step(self, n: int, result: Any) -> None:
-        """Call after update n with its outputs: stops (synced) after the last traced one."""
-        if self._step is not None:
-            self._step.__exit__(None, None, None)
-            self._step = None
-        if self.active and n >= self.end - 1:
-            jax.block_until_ready(result)
-            self.stop(n)
-
-    def stop(self, last: int | None = None) -> None:
-        """Stop and write the trace (also when the run ends or fails inside the range)."""
-        if not self.active:
-            return
-        if self._step is not None:
-            self._step.__exit__(None, None, None)
-            self._step = None
-        self.active = False
-        jax.profiler.stop_trace()
-        upto = f"..{last}" if last is not None else " until the run stopped"
-        self.say(
-            f"trace: wrote steps {self._first}{upto} to {latest_profile_dir(self.log_dir)}",
-            self._last if last is None else last,
-        )

@@ -32,12 +32,12 @@ from jaxllm.config import (
 )
 from jaxllm.data.sources import BatchSource, make_source
 from jaxllm.models import build_model
-from jaxllm.profiling.trace import StepRangeTrace
 from jaxllm.train.checkpoint import Checkpointer
 from jaxllm.train.metrics_log import MetricsLog, truncate_logs
 from jaxllm.train.optim import lr_schedule, make_optimizer
 from jaxllm.train.run_lock import RunDirLock
 from jaxllm.train.state import create_state, eval_step, raise_for_bad_ids, train_step
+from jaxllm.train.step_trace import StepRangeTrace
 
 
 class NonFiniteLossError(RuntimeError):
