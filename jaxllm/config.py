@@ -370,12 +370,11 @@ class ParallelConfig(Section):
     cuts the block stack into that many stages of consecutive layers (GPipe, jaxllm/pipeline.py;
     needs execution.scan_layers), each data x fsdp shard of the batch into `microbatches`. The
     product of the three must equal the device count; -1 (at most one axis) fills it, so the
-    defaults run unchanged on 1 or N devices as plain data parallelism. The layout does not
-    change what is computed (up to float reduction order), with one exception: with
-    execution.dropout > 0, fsdp (1 or more), pipeline and microbatches change which dropout masks
-    are drawn (each path draws its own per layer / microbatch), so a resume that changes them
-    is refused like any other change of result. With several processes the devices are those
-    of all of them (`jax.devices()`)."""
+    defaults run unchanged on 1 or N devices as plain data parallelism. Like `execution`, the
+    layout is how a run computes, free to change on a resume: the same function up to float
+    reduction order, and with execution.dropout > 0 other masks (fsdp, pipeline and
+    microbatches each draw their own per layer / microbatch). With several processes the
+    devices are those of all of them (`jax.devices()`)."""
 
     PATH: ClassVar[str] = "parallel"
 
@@ -393,15 +392,6 @@ class ParallelConfig(Section):
     process_id: int | None = spec(None, ge=0)  # 0 .. num_processes - 1; 0 starts the service
 
     AXES: ClassVar[tuple[str, ...]] = ("data", "fsdp", "pipeline")
-    PROCESS_GROUP: ClassVar[tuple[str, ...]] = (
-        "coordinator_address",
-        "num_processes",
-        "process_id",
-    )
-    # Fields that do not change what a run computes (config_changes skips them on resume)...
-    NO_EFFECT: ClassVar[tuple[str, ...]] = (*AXES, "microbatches", *PROCESS_GROUP)
-    # ... except these, which pick other dropout masks when execution.dropout > 0
-    DROPOUT_LAYOUT: ClassVar[tuple[str, ...]] = ("fsdp", "pipeline", "microbatches")
 
     def _check(self) -> None:
         if self.coordinator_address is not None:
@@ -508,15 +498,8 @@ def config_changes(old: Config, new: Config) -> list[str]:
     a, b = flat(old.to_dict()), flat(new.to_dict())
     skip = {f"train.{k}" for k in TrainConfig.NO_EFFECT}
     skip |= {f"execution.{f.name}" for f in dataclasses.fields(ExecutionConfig)}
-    skip |= {f"parallel.{k}" for k in ParallelConfig.NO_EFFECT}
-    masks = {f"parallel.{k}" for k in ParallelConfig.DROPOUT_LAYOUT}
-    if old.execution.dropout > 0 or new.execution.dropout > 0:
-        skip -= masks
-
-    def why(k: str) -> str:
-        return " (other dropout masks, with execution.dropout > 0)" if k in masks else ""
-
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}{why(k)}" for k in sorted(a.keys() | b.keys())
+    skip |= {f"parallel.{f.name}" for f in dataclasses.fields(ParallelConfig)}
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
             if k not in skip and a.get(k) != b.get(k)]  # fmt: skip
 
 
