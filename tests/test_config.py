@@ -109,3 +109,17 @@ def test_save_and_reload_round_trip(tmp_path):
     save_config(cfg, tmp_path / "c.yaml")
     assert load_config(tmp_path / "c.yaml") == cfg
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_config_written_with_execution_fields_under_model_still_loads(tmp_path):
+    """Run dirs and presets of earlier versions held kernels, dtypes, dropout ... in `model`:
+    they move to `execution` on load; set in both places, it is an error naming them."""
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  n_layers: 2\n  dropout: 0.1\n  kernels: xla\n")
+    cfg = load_config(old, ["--execution.remat=block"])
+    assert cfg.model.n_layers == 2 and cfg.execution.dropout == 0.1
+    assert cfg.execution.remat == "block"
+    both = tmp_path / "both.yaml"
+    both.write_text("model:\n  dropout: 0.1\nexecution:\n  dropout: 0.2\n")
+    with pytest.raises(ConfigError, match=r"\['dropout'\] set in both model and execution"):
+        load_config(both)
