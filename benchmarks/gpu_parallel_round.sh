@@ -8,8 +8,9 @@ set -uo pipefail
 OUT=${1:?out dir}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-BENCH="python3 benchmarks/parallel_throughput.py --config configs/gpt2_124m.yaml --steps 10 \
-  --repeats 5 --kernels pallas --loss pallas --no-baseline --jsonl $OUT/par.jsonl"
+BENCH="python3 benchmarks/parallel_throughput.py --config configs/gpt2_124m.yaml --group 10 \
+  --samples 5 --execution.kernels=pallas --execution.loss_impl=pallas --no-baseline \
+  --jsonl $OUT/par.jsonl"
 fail=0  # the script's exit status: 1 if any step failed or timed out
 step() {  # step NAME SECONDS ARGS...: run, keep its log, print its table rows
   local name=$1 secs=$2 rc

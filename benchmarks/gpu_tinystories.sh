@@ -28,7 +28,7 @@ for r in sorted(runs.iterdir()):
     tps = sorted(x["tokens_per_s"] for x in tr[1:])[len(tr[1:]) // 2]
     cfg = recs[0]["config"]
     rows.append((best["loss"], r.name, best["step"], tr[-1]["loss"], ev[-1]["loss"], tps,
-                 cfg["optim"]["lr"], cfg["model"]["dropout"], cfg["train"]["batch_size"], tr[-1]["wall_time"]))
+                 cfg["optim"]["lr"], cfg["execution"]["dropout"], cfg["train"]["batch_size"], tr[-1]["wall_time"]))
 rows.sort()
 print("| run | lr | dropout | batch | best val loss (step) | final train loss | final val loss | tokens/s (median) | wall s |")
 print("|---|---|---|---|---|---|---|---|---|")

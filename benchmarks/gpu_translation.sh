@@ -15,7 +15,8 @@ python3 train.py --config "$PRESET" --train.progress=false --train.run_dir="$RUN
 echo "$NAME train wall s: $(( $(date +%s) - start ))" | tee -a "$OUT/$NAME.test.txt"
 for beam in 1 5; do
   for limit in "" ${LIMITS:-}; do
-    python3 -m jaxllm.translate --run-dir "$RUN" --split test --beam-width $beam --length-penalty 0.6 \
+    python3 -m jaxllm.translate --run-dir "$RUN" --split test --data.translation.beam_width=$beam \
+      --data.translation.length_penalty=0.6 \
       ${limit:+--limit $limit} 2>&1 | grep -vE "Warning|warn" | tail -2 | tee -a "$OUT/$NAME.test.txt"
   done
 done

@@ -2,15 +2,19 @@
 
     PYTHONPATH=$PWD python3 benchmarks/loss_curve_pin.py --jsonl $OUT/pin.jsonl          # GPU
     ... --variant "bf16 residual=execution.residual_dtype=bfloat16"  # add a variant (repeatable)
-    ... --set model.n_layers=1 --set model.d_model=32 --steps 3 --batch 2 --context 16  # CPU
+    ... --steps 3 --model.n_layers=1 --model.d_model=32 --model.context_length=16 \
+        --train.batch_size=2                                                             # CPU
 
 Every variant trains the preset's model (default GPT-2 124M, `configs/gpt2_124m.yaml`, with its
-fast paths) for --steps steps from the same initial parameters on the same batches of a
+fast paths; `--section.key=value` overrides, train.py's grammar, apply to every variant; this
+script's default --train.batch_size=8 and --optim.warmup_steps=max(1, steps // 8) give way to an
+override) for --steps steps from the same initial parameters on the same batches of a
 learnable synthetic stream (next token = 7 x previous + 13 mod 1000, 20% of the tokens random
 over the whole vocabulary), and prints the loss at a few steps and its largest distance from the
 reference run (all-XLA ops in float32), as RESULTS.md's correctness pins report it. Variants:
 "shipped" (the preset as is), "bf16 residual" (execution.residual_dtype=bfloat16), "all-XLA bf16"
-(kernels, loss and attention on XLA), the reference; --variant adds "NAME=KEY=VALUE[,KEY=VALUE]".
+(kernels, loss and attention on XLA), the reference; --variant adds
+"NAME=section.key=value[,section.key=value]" (a variant's settings win over the overrides).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import json  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm.config import ConfigError, load_config  # noqa: E402
+from jaxllm.config import ConfigError, load_config, parse_overrides  # noqa: E402
 from jaxllm.profiling.harness import make_state  # noqa: E402
 from jaxllm.train.state import train_step  # noqa: E402
 
@@ -53,31 +57,30 @@ def synthetic_batches(steps: int, batch: int, context: int, vocab: int, seed: in
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
-    """'NAME=KEY=VALUE,KEY=VALUE' -> (NAME, ['KEY=VALUE', ...])."""
+    """'NAME=section.key=value,...' -> (NAME, ['section.key=value', ...]); '--' before a key is
+    optional."""
     name, sep, overrides = text.partition("=")
-    items = [o.strip() for o in overrides.split(",") if o.strip()]
+    items = [o.strip().removeprefix("--") for o in overrides.split(",") if o.strip()]
     if not sep or not name.strip() or not items or any("=" not in o for o in items):
         raise argparse.ArgumentTypeError(
-            f"--variant takes NAME=KEY=VALUE[,KEY=VALUE...], got {text!r}"
+            f"--variant takes NAME=section.key=value[,section.key=value...], got {text!r}"
         )
     return name.strip(), items
 
 
 def run(args: argparse.Namespace) -> dict[str, list[float]]:
     variants = {**VARIANTS, **dict(args.variant), REFERENCE[0]: REFERENCE[1]}
-    base = [f"--train.batch_size={args.batch}", f"--train.steps={args.steps}",
-            f"--optim.warmup_steps={max(1, args.steps // 8)}"]  # fmt: skip
-    if args.context is not None:
-        base.append(f"--model.context_length={args.context}")
-    base += [f"--{o}" for o in args.set]
+    # this script's defaults, the user's overrides (which win), then the run length
+    base = ["--train.batch_size=8", f"--optim.warmup_steps={max(1, args.steps // 8)}",
+            *args.overrides, f"--train.steps={args.steps}"]  # fmt: skip
     curves: dict[str, list[float]] = {}
     for name, overrides in variants.items():
         try:
             cfg = load_config(args.config, [*base, *(f"--{o}" for o in overrides)])
         except ConfigError as e:
             raise SystemExit(f"variant {name!r}: {e}") from None
-        t = cfg.model.context_length
-        data = list(synthetic_batches(args.steps, args.batch, t, cfg.model.vocab_size))
+        t, b = cfg.model.context_length, cfg.train.batch_size
+        data = list(synthetic_batches(args.steps, b, t, cfg.model.vocab_size))
         state = make_state(cfg, data[0], seed=0)  # the same initial parameters for every variant
         key = jax.random.PRNGKey(1)
         losses = []
@@ -103,19 +106,30 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        allow_abbrev=False,
+        epilog="Config overrides as train.py takes them (--model.n_layers=1 --train.batch_size=2 "
+        "...) apply to every variant. Unless an override names them, this script runs "
+        "train.batch_size=8 and optim.warmup_steps=max(1, steps // 8); train.steps is --steps.",
+    )
     p.add_argument("--config", default="configs/gpt2_124m.yaml", help="the preset (YAML)")
     p.add_argument("--steps", type=int, default=40, help="training steps per variant")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step")
-    p.add_argument("--context", type=int, default=None, help="tokens per sequence (preset's)")
     p.add_argument("--variant", type=parse_variant, action="append", default=[],
-                   help="NAME=KEY=VALUE[,KEY=VALUE]: one more variant")  # fmt: skip
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="an override for every variant (e.g. a smaller model)")  # fmt: skip
+                   metavar="NAME=SECTION.KEY=VALUE[,...]", help="one more variant")  # fmt: skip
     p.add_argument("--jsonl", help="append one JSON record per variant here")
-    args = p.parse_args(argv)
-    if min(args.steps, args.batch) < 1 or (args.context is not None and args.context < 1):
-        p.error("--steps, --batch and --context must be >= 1")
+    args, overrides = p.parse_known_args(argv)
+    args.overrides = overrides  # --section.key=value, as train.py takes them
+    bad = [a for a in overrides if a.startswith("--") and "." not in a.partition("=")[0]]
+    if bad:
+        p.error(f"unrecognized arguments: {' '.join(bad)} (config overrides: --section.key=value)")
+    try:
+        if "train.steps" in parse_overrides(overrides):
+            p.error("--train.steps: give the run length as --steps")
+    except ConfigError as e:
+        p.error(str(e))
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
     return run(args)
 
 

@@ -1,16 +1,19 @@
 """GPT-2 training throughput on 1 vs N devices: data parallel, FSDP and pipeline parallel.
 
     python benchmarks/parallel_throughput.py --config configs/gpt2_124m.yaml \
-        --per-device-batch 32 --variants single,single_scan,dp,fsdp,pp --jsonl out.jsonl
+        --per-device-batch 32 --variants single,single_scan,dp,fsdp,pp --jsonl out.jsonl \
+        [--section.key=value ...]
 
-Every variant is a Config (the YAML preset, `--set` overrides, then the variant's own
-parallel.* / execution.scan_layers / train.batch_size) run through the library's multi-device path,
+Every variant is a Config (the YAML preset; this script's defaults execution.kernels=pallas and
+execution.loss_impl=pallas, which an override of the key replaces; the `--section.key=value`
+overrides, train.py's grammar; then the variant's own parallel.* / execution.scan_layers /
+train.batch_size, which no override may set) run through the library's multi-device path,
 as train.py wires it: `parallel.make_mesh` over `jax.devices()[:n]`, the state initialised in
 place (`parallel.create_sharded`), the step `parallel.jit_train_step(train_step, ...)`, the
 batch placed by `parallel.shard_batch`. It is timed with the one recipe of
 benchmarks/throughput.py (jaxllm.profiling.harness): random token ids, a fresh AdamW state,
-warm-up calls (compilation included) untimed, then the median over `repeats` samples of `steps`
-back-to-back steps closed by a device sync.
+--warmup calls (compilation included) untimed, then the median over --samples samples of --group
+back-to-back steps closed by a device sync (profile.py's --warmup / --samples / --group).
 
 Variants (N = --devices, default all visible):
   single       1 device, batch = per-device batch.
@@ -30,15 +33,15 @@ Pipeline bubble, measured: 1 - t_single / (S x t_pp), the share of the S devices
 not spent on the 1-device work (t = step time at the same global batch); next to GPipe's bound
 (S - 1) / (M + S - 1) (jaxllm.pipeline.bubble_fraction), which ignores the stages' transfers.
 A baseline this run does not measure is taken from an earlier row of --jsonl with the same
-setup (config, --set, per-device batch, kernels, loss, device kind), else single_scan is added.
+setup (config, overrides, per-device batch, kernels, loss, device kind), else single_scan is added.
 
 Peak memory is the allocator's `peak_bytes_in_use` (max over the variant's devices; None where
 the backend keeps no stats, e.g. CPU). It is a high-water mark since the process started: for
 one variant's own peak run it alone (`--variants fsdp`), one process per variant.
 
 `--big`: train a few steps of a (large) model with fsdp over N devices, scan_layers and
-remat=block (unless --set gives execution.remat), printing each step's loss; `--devices 1` runs the
-same on one device, where an out-of-memory error becomes a row "OOM: <first line>".
+remat=block (unless an override gives execution.remat), printing each step's loss; `--devices 1`
+runs the same on one device, where an out-of-memory error becomes a row "OOM: <first line>".
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ import jax
 from throughput import PEAK_BF16  # benchmarks/throughput.py, this script's neighbour
 
 from jaxllm import parallel
-from jaxllm.config import Config, ConfigError, load_config
+from jaxllm.config import Config, ConfigError, load_config, parse_overrides
 from jaxllm.models import build_model
 from jaxllm.pipeline import bubble_fraction
 from jaxllm.profiling.flops import train_flops_per_token
@@ -103,10 +106,22 @@ class BenchError(Exception):
 # ----------------------------------------------------------------------------- building
 
 
+# This script's defaults where they differ from a preset: the fast paths (an override wins)
+DEFAULTS = ("--execution.kernels=pallas", "--execution.loss_impl=pallas")
+# What each variant sets itself (--variants, --per-device-batch, --microbatches): no override
+VARIANT_KEYS = (
+    "parallel.data",
+    "parallel.fsdp",
+    "parallel.pipeline",
+    "parallel.microbatches",
+    "execution.scan_layers",
+    "train.batch_size",
+)
+
+
 def base_overrides(args: argparse.Namespace) -> list[str]:
-    """--kernels / --loss, then the --set items, as `--key=value` overrides."""
-    sets = [s if s.startswith("--") else f"--{s}" for s in args.set]
-    return [f"--execution.kernels={args.kernels}", f"--execution.loss_impl={args.loss}", *sets]
+    """This script's DEFAULTS, then the user's overrides (which win)."""
+    return [*DEFAULTS, *args.overrides]
 
 
 def make_variants(args: argparse.Namespace, names: list[str], n: int) -> list[Variant]:
@@ -134,7 +149,7 @@ def make_variants(args: argparse.Namespace, names: list[str], n: int) -> list[Va
 
 
 def variant_config(args: argparse.Namespace, v: Variant) -> Config:
-    """The typed Config of a variant: preset, --kernels/--loss/--set, the variant's settings."""
+    """The typed Config of a variant: preset, DEFAULTS, overrides, the variant's settings."""
     overrides = [*base_overrides(args), *v.overrides, f"--train.batch_size={v.global_batch}"]
     return load_config(args.config, overrides)
 
@@ -224,7 +239,7 @@ def measure(args: argparse.Namespace, v: Variant, devices: list[jax.Device]) -> 
     """Time variant `v`: step ms (median, spread), tokens/s, MFU, loss, bytes per device."""
     cfg = variant_config(args, v)
     run = Run(cfg, devices, v.label, args.seed)
-    timing = time_calls(run.step, warmup=args.warmup, group=args.steps, samples=args.repeats)
+    timing = time_calls(run.step, warmup=args.warmup, group=args.group, samples=args.samples)
     loss = float(run.step()["loss"])
     tps = v.global_batch * cfg.model.context_length / timing.median_s
     return {
@@ -253,12 +268,13 @@ def free() -> None:
 
 def setup_key(args: argparse.Namespace, devices: list[jax.Device]) -> dict[str, Any]:
     """What makes two rows comparable (a baseline from an earlier run must match it)."""
+    ex = load_config(args.config, base_overrides(args)).execution
     return {
         "config": args.config,
-        "sets": list(args.set),
+        "overrides": list(args.overrides),
         "per_device_batch": args.per_device_batch,
-        "kernels": args.kernels,
-        "loss": args.loss,
+        "kernels": ex.kernels,
+        "loss": ex.loss_impl,
         "device_kind": devices[0].device_kind,
     }
 
@@ -378,7 +394,7 @@ def run_variants(args: argparse.Namespace, visible: list[jax.Device]) -> int:
             before = earlier.get(BASELINE[v.name])
             row["baseline_from"] = "this run" if base else "jsonl" if before else None
             compare(row, base or before)
-        row.update(setup=setup, jax=jax.__version__, steps=args.steps, repeats=args.repeats)
+        row.update(setup=setup, jax=jax.__version__, group=args.group, samples=args.samples)
         append_row(args.jsonl, row)
         rows.append(row)
         print(f"{v.label}: {json.dumps({k: row.get(k) for k in _SHOWN})}", flush=True)
@@ -395,8 +411,7 @@ def run_big(args: argparse.Namespace, visible: list[jax.Device]) -> int:
     n = args.devices or len(visible)
     check_devices("big", n, visible)
     b = n * args.per_device_batch
-    sets = base_overrides(args)
-    own_remat = any(s.startswith("--execution.remat") for s in sets)
+    own_remat = "execution.remat" in parse_overrides(args.overrides)
     remat = [] if own_remat else ["--execution.remat=block"]
     mesh = ("--parallel.data=1", f"--parallel.fsdp={n}", "--parallel.pipeline=1")
     v = Variant("big", n, b, (*mesh, "--execution.scan_layers=true", *remat))
@@ -457,7 +472,14 @@ def run_big(args: argparse.Namespace, visible: list[jax.Device]) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        allow_abbrev=False,
+        epilog="Config overrides as train.py takes them (--model.n_layers=2 --execution.remat=block"
+        " ...) apply to every variant. Unless an override names them, this script runs "
+        "execution.kernels=pallas and execution.loss_impl=pallas (the preset may say "
+        "otherwise); the all-XLA path: --execution.kernels=xla --execution.loss_impl=xla.",
+    )
     p.add_argument("--config", default="configs/gpt2_124m.yaml", help="YAML preset")
     p.add_argument("--per-device-batch", type=int, default=32, help="rows per device")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
@@ -468,20 +490,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pp: comma-separated microbatch counts, one row each",
     )
     p.add_argument("--devices", type=int, default=None, help="N for dp/fsdp/pp/big (all)")
-    paths = ["xla", "pallas"]
-    p.add_argument("--kernels", default="pallas", choices=paths, help="execution.kernels")
-    p.add_argument("--loss", default="pallas", choices=paths, help="execution.loss_impl")
-    p.add_argument(
-        "--set",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config overrides, e.g. --set model.n_layers=2 model.d_model=64 (repeatable)",
-    )
-    p.add_argument("--steps", type=int, default=10, help="steps per timed sample")
-    p.add_argument("--repeats", type=int, default=5, help="timed samples (median)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls (compile included)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile included)")
+    p.add_argument("--samples", type=int, default=5, help="timed samples (median)")
+    p.add_argument("--group", type=int, default=10, help="back-to-back steps per sample")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jsonl", default=None, help="append one JSON object per row")
     p.add_argument(
@@ -491,8 +502,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--big", action="store_true", help="train a large model with fsdp (see top)")
     p.add_argument("--big-steps", type=int, default=5, help="--big: steps to train")
-    args = p.parse_args(argv)
-    for name in ("per_device_batch", "steps", "repeats", "big_steps"):
+    args, overrides = p.parse_known_args(argv)
+    args.overrides = overrides  # --section.key=value, as train.py takes them
+    bad = [a for a in args.overrides if a.startswith("--") and "." not in a.partition("=")[0]]
+    if bad:
+        p.error(f"unrecognized arguments: {' '.join(bad)} (config overrides: --section.key=value)")
+    try:
+        mine = sorted(set(parse_overrides(args.overrides)) & set(VARIANT_KEYS))
+    except ConfigError as e:
+        p.error(str(e))
+    if mine:
+        p.error(
+            f"--{mine[0]}: the variants set it (--variants, --per-device-batch, --microbatches)"
+        )
+    for name in ("per_device_batch", "group", "samples", "big_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.devices is not None and args.devices < 1:

@@ -17,21 +17,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "parallel_throughput.py"
+OVERRIDES = [  # config overrides, as train.py takes them
+    "--execution.kernels=xla",
+    "--execution.loss_impl=xla",
+    "--model.n_layers=2",
+    "--model.d_model=32",
+    "--model.n_heads=2",
+    "--model.context_length=32",
+    "--model.vocab_size=64",
+    "--data.kind=associative_recall",  # the preset's token files insist on GPT-2's vocabulary
+]
 TINY = [
     "--config=configs/gpt2_124m.yaml",
     "--per-device-batch=4",
-    "--kernels=xla",
-    "--loss=xla",
-    "--steps=1",
-    "--repeats=1",
+    "--group=1",
+    "--samples=1",
     "--warmup=1",
-    "--set",
-    "model.n_layers=2",
-    "model.d_model=32",
-    "model.n_heads=2",
-    "model.context_length=32",
-    "model.vocab_size=64",
-    "data.kind=associative_recall",  # the preset's token files insist on GPT-2's vocabulary
+    *OVERRIDES,
 ]
 
 
@@ -66,6 +68,9 @@ def test_every_variant_on_two_devices(tmp_path: Path) -> None:
     assert "parallel: mesh data=1 fsdp=2" in done.stdout  # describe() lines, once per variant
     assert "ops: norm=xla" in done.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
+    setup = rows[0]["setup"]  # the overrides as given; the paths they chose
+    assert setup["overrides"] == OVERRIDES and setup["kernels"] == "xla"
+    assert (rows[0]["group"], rows[0]["samples"]) == (1, 1)
     check_every_variant_gives_a_finite_row(rows)
     check_fsdp_halves_the_state_per_device(rows)
     check_pipeline_rows_carry_bubble_and_bound(rows)
@@ -113,3 +118,13 @@ def test_dp_on_one_device_is_refused() -> None:
     assert "1 cpu device visible" in done.stderr, done.stderr[-2000:]
     assert "needs at least 2 devices" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_flags_of_the_old_grammar_and_the_variants_keys_are_refused() -> None:
+    """Config fields are --section.key=value overrides; those a variant sets are not."""
+    for args, message in (
+        (["--kernels=xla", "--set", "model.n_layers=2"], "unrecognized arguments: --kernels"),
+        (["--train.batch_size=8"], "--train.batch_size: the variants set it"),
+    ):
+        done = _run([*TINY, *args], devices=None)
+        assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
