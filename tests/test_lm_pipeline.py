@@ -1,17 +1,16 @@
 """Text -> tokens -> TransformerLM training -> checkpoint -> generate.py, end to end on CPU."""
 
+import os
 import subprocess
 import sys
-from pathlib import Path
 
-from conftest import BPE_DIR, needs_bpe
+import pytest
+from conftest import BPE_DIR, ROOT, needs_bpe
 
 from jaxllm.config import load_config
 from jaxllm.data.prepare import prepare_text_files
 from jaxllm.plot import plot_run
 from jaxllm.train.loop import train
-
-ROOT = Path(__file__).resolve().parents[1]
 
 STORY = (
     "Once upon a time there was a little cat named Tom. Tom liked to play in the sun. "
@@ -19,6 +18,7 @@ STORY = (
 )
 
 
+@pytest.mark.slow  # prepare, train to memorise, generate.py in a process
 @needs_bpe
 def test_tokens_train_generate(tmp_path, monkeypatch):
     text = tmp_path / "stories.txt"
@@ -79,7 +79,7 @@ def test_tokens_train_generate(tmp_path, monkeypatch):
         text=True,
         cwd=tmp_path,
         timeout=120,
-        env={**__import__("os").environ, "JAXLLM_BPE_DIR": str(BPE_DIR)},
+        env={**os.environ, "JAXLLM_BPE_DIR": str(BPE_DIR)},
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("Once upon a time") and "there was" in out.stdout
