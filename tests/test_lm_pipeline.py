@@ -5,9 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import BPE_DIR, ROOT, needs_bpe
+from conftest import BPE_DIR, ROOT, needs_bpe, tiny_run
 
-from jaxllm.config import load_config
 from jaxllm.data.prepare import prepare_text_files
 from jaxllm.plot import plot_run
 from jaxllm.train.loop import train
@@ -34,28 +33,24 @@ def test_tokens_train_generate(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXLLM_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("JAXLLM_BPE_DIR", str(BPE_DIR))
     run = tmp_path / "run"
-    cfg = load_config(
-        ROOT / "configs/tinystories.yaml",
-        [
-            "--model.d_model=32",
-            "--model.d_ff=64",
-            "--model.n_layers=1",
-            "--model.n_heads=2",
-            "--model.context_length=32",
-            "--model.compute_dtype=float32",
-            "--model.dropout=0.0",
-            "--model.attention_impl=xla",
-            "--train.batch_size=8",
-            "--train.steps=60",
-            "--train.eval_every=30",
-            "--train.eval_batches=2",
-            "--optim.warmup_steps=5",
-            "--optim.lr=1e-2",
-            "--train.progress=false",
-            f"--train.run_dir={run}",
-            "--data.tokens.train_path=train.bin",
-            "--data.tokens.val_path=val.bin",
-        ],
+    cfg = tiny_run(
+        run,
+        "--model.d_ff=64",
+        "--model.n_heads=2",
+        "--model.context_length=32",
+        "--model.compute_dtype=float32",
+        "--model.dropout=0.0",
+        "--model.attention_impl=xla",
+        "--train.batch_size=8",
+        "--train.steps=60",
+        "--train.eval_every=30",
+        "--train.eval_batches=2",
+        "--train.checkpoint_every=0",
+        "--optim.warmup_steps=5",
+        "--optim.lr=1e-2",
+        "--data.tokens.train_path=train.bin",
+        "--data.tokens.val_path=val.bin",
+        preset="tinystories.yaml",
     )
     res = train(cfg)
     assert res.losses[-1] < 0.5 * res.losses[0]  # memorises the repeated story

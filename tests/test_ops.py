@@ -3,7 +3,7 @@
 import dataclasses
 
 import pytest
-from conftest import tiny_config
+from conftest import ROOT, tiny_config
 
 from jaxllm.config import ConfigError, load_config
 from jaxllm.ops import plan_ops
@@ -20,7 +20,7 @@ def test_gpt2_benchmark_preset_on_gpu(monkeypatch, hopper):
     import pallas_kernels.triton_backend as tb
 
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: hopper)  # whatever this machine is
-    cfg = load_config("configs/gpt2_124m.yaml").model
+    cfg = load_config(ROOT / "configs/gpt2_124m.yaml").model
     plan = plan_ops(cfg, backend="gpu")
     assert (plan.norm, plan.attention, plan.loss, plan.conv) == (
         "pallas",
@@ -59,7 +59,7 @@ def test_cudnn_attention_with_dropout_is_refused():
     with pytest.raises(ConfigError, match="has no attention dropout; set model.dropout=0"):
         tiny_config(attention_impl="dot_product_attention", dropout=0.1)
     with pytest.raises(ConfigError, match="dot_product_attention has no attention dropout"):
-        load_config("configs/gpt2_124m.yaml", ["--model.dropout=0.1"])
+        load_config(ROOT / "configs/gpt2_124m.yaml", ["--model.dropout=0.1"])
 
 
 def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch):
@@ -67,7 +67,7 @@ def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch)
     for bfloat16 logits whose rows fit its shared memory; the plan names the path it took."""
     import pallas_kernels.triton_backend as tb
 
-    cfg = load_config("configs/gpt2_124m.yaml").model
+    cfg = load_config(ROOT / "configs/gpt2_124m.yaml").model
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: False)  # another GPU: Triton
     assert plan_ops(cfg, backend="gpu").loss == "pallas"
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
