@@ -99,8 +99,9 @@ def test_a_resume_on_remade_token_files_is_refused(tmp_path):
     rng = np.random.default_rng(0)
     for name in ("train.bin", "val.bin"):
         _token_file(tmp_path / name, rng.integers(0, 64, 4000))
-    args = ["--model.context_length=16", "--model.d_model=32",
-            "--model.d_ff=64", "--model.n_layers=1", "--model.n_heads=2", "--train.batch_size=4",
+    args = ["--model.context_length=16", "--model.d_ff=64",
+            "--model.n_heads=2", "--model.dropout=0", "--model.compute_dtype=float32",
+            "--train.batch_size=4",
             "--train.eval_batches=1", f"--data.tokens.train_path={tmp_path / 'train.bin'}",
             f"--data.tokens.val_path={tmp_path / 'val.bin'}"]  # fmt: skip
     run = tmp_path / "run"
@@ -154,9 +155,14 @@ def test_divergence_before_any_checkpoint_says_so(tmp_path):
             "token file not found",
         ),  # fmt: skip
         (["--config", "BAD_YAML"], "is not valid YAML"),
-        (["--optim.grad_clip=nan"], "optim.grad_clip must be a finite number"),
-        (["--train.run_dir="], "train.run_dir must be a non-empty string"),
-        (["--train.seed=-1"], "train.seed must be >= 0"),
+        *(  # more of the same path (each a process): in the slow run
+            pytest.param(args, message, marks=pytest.mark.slow)
+            for args, message in [
+                (["--optim.grad_clip=nan"], "optim.grad_clip must be a finite number"),
+                (["--train.run_dir="], "train.run_dir must be a non-empty string"),
+                (["--train.seed=-1"], "train.seed must be >= 0"),
+            ]
+        ),
     ],
 )
 def test_train_cli_errors_are_one_line(tmp_path, args, message):
@@ -180,6 +186,7 @@ def test_a_missing_optional_extra_is_one_line(tmp_path):
     assert "pip install" in out.stderr and "datasets" in out.stderr
 
 
+@pytest.mark.slow  # five train.py / generate.py processes
 def test_resuming_a_changed_model_is_one_line(finished_run):
     run = [*TINY_RUN, f"--train.run_dir={finished_run}"]
     out = cli("train.py", *run, "--model.d_model=16")
