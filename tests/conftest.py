@@ -46,6 +46,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxllm.config import Config, ModelConfig, load_config  # noqa: E402
+from jaxllm.train.loop import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 # CI clones the repo beside shared/ (data for real runs; the tests need only the BPE files and
@@ -96,8 +97,6 @@ def trained_tiny_run(tmp_path_factory):
     """(run dir, TrainResult) of tiny_run's 20 steps, trained once per worker: checkpoints
     at 10 and 20, best/, metrics.jsonl and TensorBoard logs. Read it; copy it to change it
     (`finished_run`)."""
-    from jaxllm.train.loop import train
-
     run_dir = tmp_path_factory.mktemp("trained") / "run"
     return run_dir, train(tiny_run(run_dir))
 
