@@ -1,13 +1,17 @@
-"""Shared test setup: tiny model configs, the GPT-2 BPE files, float64 references.
+"""Shared test setup: the repo root, tiny model and run configs, the GPT-2 BPE files, float64
+references.
 
-Test files import the constants from here (`from conftest import BPE_DIR, needs_bpe`);
-pytest puts this directory on sys.path.
+Test files import the names from here (`from conftest import ROOT, tiny_run`); pytest puts this
+directory on sys.path. Tests marked `slow` (multi-device subprocesses, convergence, kill and
+resume) run only with `pytest -m slow`: the default `pytest` leaves them out.
 """
 
 import dataclasses
 import itertools
 import os
 import re
+import shutil
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -15,10 +19,10 @@ from jaxllm.xla_flags import add_xla_flags  # imports no jax: the flags must com
 
 # The suite runs on the CPU, as CI does, also on a machine with a GPU: many tests compare float32
 # results at 1e-5 (a GPU's default TF32 matmuls miss that), count on the CPU's behaviour (Pallas
-# in interpret mode, cost analysis, no allocator statistics) or start CPU subprocesses. A whole
-# run on an H100 (2026-11-25, benchmarks/RESULTS.md) failed 18 such tests, no library bug found
-# among them. JAX_PLATFORMS=cuda,cpu runs them on the GPU instead: that is how the kernel tests
-# are run compiled (`JAX_PLATFORMS=cuda,cpu pytest -n 0 tests/test_pallas_*.py tests/test_ops.py
+# in interpret mode, cost analysis, no allocator statistics) or start CPU subprocesses: a whole
+# run on an H100 fails some 18 such tests, no library bug among them. JAX_PLATFORMS=cuda,cpu
+# runs them on the GPU instead: that is how the kernel tests are run compiled
+# (`JAX_PLATFORMS=cuda,cpu pytest -n 0 tests/test_pallas_*.py tests/test_ops.py
 # tests/test_kernel_switch.py`; the Mosaic GPU ones need a Hopper GPU and skip elsewhere; `cpu`
 # too, because jax's Mosaic GPU interpreter runs its kernels on the CPU through io_callback).
 # Children started by tests inherit the setting.
@@ -27,15 +31,26 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # use atomics: the tests check that a rerun with the same seed is bit-identical. Added to any
 # XLA_FLAGS already set (a flag given there wins), so an environment's own flags keep these.
 add_xla_flags({"--xla_cpu_multi_thread_eigen": "false", "--xla_gpu_deterministic_ops": "true"})
+# One persistent compilation cache for the whole session: the xdist workers and the processes
+# tests start inherit it, so a program compiled once (a tiny run's train step, a resume's, an
+# 8-device check's) loads in milliseconds the next time. Compiling is most of a test's time on
+# a CPU. A new directory each session (removed at its end); a JAX_COMPILATION_CACHE_DIR already
+# set is used as it is.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxllm-test-jit-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxllm.config import ExecutionConfig, ModelConfig  # noqa: E402
+from jaxllm.config import Config, ExecutionConfig, ModelConfig, load_config  # noqa: E402
 from jaxllm.models import Decoder, build_model  # noqa: E402
+from jaxllm.train.loop import train  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 # CI clones the repo beside shared/ (data for real runs; the tests need only the BPE files and
 # make everything else themselves). JAXLLM_TEST_BPE_DIR overrides.
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared/data"
@@ -62,6 +77,52 @@ def tiny_model(arch: str = "gpt2", **overrides) -> Decoder:
     execution = ExecutionConfig(**{k: v for k, v in overrides.items() if k in names})
     model = {k: v for k, v in overrides.items() if k not in names}
     return build_model(tiny_config(arch, **model), execution)
+
+
+# The tiny training run every loop-level test starts from: the ar preset (associative recall)
+# at d 32, one layer, batch 16, 20 steps, with its log, evaluation and checkpoints every few steps.
+TINY_RUN = [
+    "--model.d_model=32",
+    "--model.n_layers=1",
+    "--data.associative_recall.num_train=256",
+    "--data.associative_recall.num_test=64",
+    "--train.batch_size=16",
+    "--train.steps=20",
+    "--train.log_every=5",
+    "--train.eval_every=10",
+    "--train.checkpoint_every=10",
+    "--optim.warmup_steps=2",
+    "--train.progress=false",
+]
+
+
+def tiny_run(run_dir: Path | str | None, *overrides: str, preset: str = "ar.yaml") -> Config:
+    """A tiny training Config of configs/`preset` writing to `run_dir`; `overrides`
+    ("--section.key=value", as train.py takes them) go after TINY_RUN's and win."""
+    run = [] if run_dir is None else [f"--train.run_dir={run_dir}"]
+    return load_config(ROOT / "configs" / preset, [*TINY_RUN, *run, *overrides])
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_run(tmp_path_factory):
+    """(run dir, TrainResult) of tiny_run's 20 steps, trained once per worker: checkpoints
+    at 10 and 20, best/, metrics.jsonl and TensorBoard logs. Read it; copy it to change it
+    (`finished_run`)."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    return run_dir, train(tiny_run(run_dir))
+
+
+@pytest.fixture
+def finished_run(trained_tiny_run, tmp_path) -> Path:
+    """A copy of trained_tiny_run's run dir, tmp_path/run, for this test to change."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_tiny_run[0], run, ignore=shutil.ignore_patterns(".lock"))
+    return run
+
+
+def pytest_unconfigure(config) -> None:
+    if _OWN_CACHE:  # the process that made the cache: the controller (or the only process)
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(params=sorted(ARCH_EXTRAS))

@@ -1,5 +1,5 @@
 """Orbax checkpoints: resume after SIGKILL gives the same loss curve; mismatch errors; logs;
-faults (issue 15): corrupt checkpoints fall back, a full disk and a kill mid-save are one line."""
+faults: corrupt checkpoints fall back, a full disk and a kill mid-save are one line."""
 
 import errno
 import json
@@ -16,17 +16,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT, tiny_run
 from flax.training.train_state import TrainState
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jaxllm.config import OptimConfig, load_config
+from jaxllm.config import OptimConfig
 from jaxllm.models import build_model
 from jaxllm.train.checkpoint import (
+    CheckpointConfigWarning,
     CheckpointCorruptError,
     Checkpointer,
     CheckpointFallbackWarning,
     CheckpointMismatchError,
     CheckpointSaveError,
+    load_run,
 )
 from jaxllm.train.loop import train
 from jaxllm.train.metrics_log import MetricsLog, truncate_logs
@@ -34,20 +37,9 @@ from jaxllm.train.optim import make_optimizer
 from jaxllm.train.run_lock import RunDirLock
 from jaxllm.train.state import create_state
 
-ROOT = Path(__file__).resolve().parents[1]
-ARGS = [  # small and short: these tests check bookkeeping, not learning
-    "--model.n_layers=1",
-    "--train.batch_size=16",
-    "--data.associative_recall.num_train=640",
-    "--data.associative_recall.num_test=64",
-    "--execution.dropout=0.1",  # dropout rng must resume too
-    "--train.steps=60",
-    "--train.log_every=5",
-    "--train.eval_every=30",
-    "--train.checkpoint_every=20",
-    "--optim.warmup_steps=5",
-    "--train.progress=false",
-]
+# A run killed and resumed: 60 steps, checkpoints every 20, dropout on (its rng must resume too).
+KILLED = ["--execution.dropout=0.1", "--train.steps=60", "--train.eval_every=30",
+          "--train.checkpoint_every=20"]  # fmt: skip
 
 
 def train_curve(run_dir: Path) -> list[tuple[int, float]]:
@@ -55,11 +47,14 @@ def train_curve(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in recs if "loss" in r and "split" not in r]
 
 
+@pytest.mark.slow  # three trainings, two of them in train.py processes
 def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path):
-    ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
-    train(load_config(ROOT / "configs/ar.yaml", [*ARGS, f"--train.run_dir={ref_dir}"]))
+    from conftest import TINY_RUN
 
-    cmd = [sys.executable, str(ROOT / "train.py"), *ARGS, f"--train.run_dir={run_dir}"]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
+    train(tiny_run(ref_dir, *KILLED))
+
+    cmd = [sys.executable, str(ROOT / "train.py"), *TINY_RUN, *KILLED, f"--train.run_dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     ckpts = run_dir / "checkpoints"
@@ -112,124 +107,80 @@ def test_truncate_logs_keeps_what_precedes_the_restart(tmp_path):
     assert steps() == [] and scalars() == []
 
 
-def test_restore_into_other_model_names_parameter(tmp_path):
-    cfg = load_config(
-        ROOT / "configs/ar.yaml", [*ARGS, "--train.steps=10", f"--train.run_dir={tmp_path}"]
-    )
-    train(cfg)
-    other = load_config(  # past the resume check: the checkpoint itself must refuse
-        ROOT / "configs/ar.yaml",
-        [
-            *ARGS,
-            "--train.steps=20",
-            "--model.d_model=32",
-            "--train.allow_config_change=true",
-            f"--train.run_dir={tmp_path}",
-        ],
+def test_restore_into_other_model_names_parameter(finished_run):
+    other = tiny_run(  # past the resume check: the checkpoint itself must refuse
+        finished_run, "--train.steps=30", "--model.d_model=16", "--train.allow_config_change=true"
     )
     with pytest.raises(
         CheckpointMismatchError,
-        match=r"parameter .* has shape \[.*64.*\] in the "
-        r"checkpoint and \[.*32.*\] in the model",
+        match=r"parameter .* has shape \[.*32.*\] in the "
+        r"checkpoint and \[.*16.*\] in the model",
     ):
         train(other)
 
 
-def test_existing_checkpoints_without_resume_is_an_error(tmp_path):
-    args = [*ARGS, "--train.steps=10", f"--train.run_dir={tmp_path}"]
-    train(load_config(ROOT / "configs/ar.yaml", args))
+def test_existing_checkpoints_without_resume_is_an_error(finished_run):
     with pytest.raises(FileExistsError, match="already holds checkpoints"):
-        train(load_config(ROOT / "configs/ar.yaml", [*args, "--train.resume=false"]))
+        train(tiny_run(finished_run, "--train.resume=false"))
 
 
-def test_rerunning_a_finished_run_reports_its_evaluation(tmp_path, capsys):
-    args = [*ARGS, "--train.steps=10", "--train.eval_every=10", f"--train.run_dir={tmp_path}"]
-    first = train(load_config(ROOT / "configs/ar.yaml", args))
-    again = train(load_config(ROOT / "configs/ar.yaml", args))
+def test_rerunning_a_finished_run_reports_its_evaluation(trained_tiny_run, finished_run, capsys):
+    first = trained_tiny_run[1]
+    again = train(tiny_run(finished_run))
     assert again.eval_accuracy == first.eval_accuracy and again.eval_loss == first.eval_loss
-    assert "already holds the finished run (step 10 of 10)" in capsys.readouterr().out
+    assert "already holds the finished run (step 20 of 20)" in capsys.readouterr().out
 
 
-def test_load_run_builds_the_model_the_checkpoint_was_trained_as(tmp_path):
+def test_load_run_builds_the_model_the_checkpoint_was_trained_as(finished_run):
     """generate.py's loader: a config.yaml edited after training (n_heads: the same parameter
-    shapes, another model) loaded silently into another model (logits 0.015 off); now the
-    checkpoint's recorded model config wins, with a warning naming the edit, while config.yaml's
-    execution fields (kernels) still apply."""
+    shapes, another model) loses to the checkpoint's recorded model, with a warning naming the
+    edit, while config.yaml's execution fields (kernels, dropout) apply."""
     import warnings
 
-    from jaxllm.runs import CheckpointConfigWarning, load_run
-
-    args = [*ARGS, "--train.steps=10", "--model.n_heads=4", f"--train.run_dir={tmp_path}"]
-    train(load_config(ROOT / "configs/ar.yaml", args))
-    cfg, variables, step = load_run(tmp_path)
-    moved = tmp_path.parent / (tmp_path.name + "_moved")  # config.yaml names the old dir
-    shutil.copytree(tmp_path, moved, ignore=shutil.ignore_patterns(".lock"))
+    run = finished_run
+    cfg, variables, step = load_run(run)
+    moved = run.parent / "run_moved"  # config.yaml names the old dir
+    shutil.copytree(run, moved, ignore=shutil.ignore_patterns(".lock"))
     assert load_run(moved)[0].train.run_dir == str(moved)  # (translate read its tokenizer there)
     tokens = jnp.arange(12, dtype=jnp.int32)[None] % cfg.model.vocab_size
     want = build_model(cfg.model, cfg.execution).apply(variables, tokens)
-    yaml = tmp_path / "config.yaml"
+    yaml = run / "config.yaml"
     text = yaml.read_text()
     assert "n_heads: 4" in text and "kernels: xla" in text
     edit = text.replace("n_heads: 4", "n_heads: 2").replace("kernels: xla", "kernels: pallas")
     yaml.write_text(edit)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        edited, variables2, step2 = load_run(tmp_path)
+        edited, variables2, step2 = load_run(run)
     assert [type(w.message) for w in seen] == [CheckpointConfigWarning]
     assert "(n_heads: 4 -> 2): the checkpoint's is used" in str(seen[0].message)
     assert (edited.model.n_heads, edited.execution.kernels, step2) == (4, "pallas", step)
-    got = build_model(edited.model).apply(variables2, tokens)  # Pallas norms, interpreted
+    got = build_model(edited.model, edited.execution).apply(
+        variables2, tokens
+    )  # Pallas, interpreted
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    # training-only fields (dropout: 0.1 in ARGS) follow config.yaml: no warning, no refusal
-    yaml.write_text(text.replace("dropout: 0.1", "dropout: 0.0"))
+    # training-only fields (dropout) follow config.yaml: no warning, no refusal
+    yaml.write_text(text.replace("dropout: 0.0", "dropout: 0.1"))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert load_run(tmp_path)[0].execution.dropout == 0.0
+        assert load_run(run)[0].execution.dropout == 0.1
     assert not [w for w in seen if w.category is CheckpointConfigWarning]
     # an unreadable newest record: the older checkpoint is restored, as restore() does
     yaml.write_text(text)
-    garble_meta(tmp_path / "checkpoints" / str(step))
+    garble_meta(run / "checkpoints" / str(step))
     with pytest.warns(CheckpointFallbackWarning):  # (it was a raw JSON error)
-        load_run(tmp_path)
+        load_run(run)
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
-    args = [
-        *ARGS,
-        "--train.steps=40",
-        "--optim.lr=1e9",
-        "--optim.grad_clip=0",
-        "--optim.warmup_steps=0",
-        "--train.checkpoint_every=1",
-        "--train.log_every=1",
-        f"--train.run_dir={tmp_path}",
-    ]
-    with pytest.raises(RuntimeError, match=r"became non-finite at step \d+"):
-        train(load_config(ROOT / "configs/ar.yaml", args))
-    steps = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
-    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    finite = [
-        r["step"]
-        for r in recs
-        if "loss" in r and r["loss"] == r["loss"] and abs(r["loss"]) < float("inf")
-    ]
-    assert steps and max(steps) <= max(finite)
-
-
-def test_tensorboard_events_written(tmp_path):
-    train(
-        load_config(
-            ROOT / "configs/ar.yaml", [*ARGS, "--train.steps=20", f"--train.run_dir={tmp_path}"]
-        )
-    )
-    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+def test_tensorboard_events_written(trained_tiny_run):
+    acc = EventAccumulator(str(trained_tiny_run[0] / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "eval/loss"} <= tags
     assert [e.step for e in acc.Scalars("train/loss")] == [5, 10, 15, 20]
 
 
-# --- Faults (issue 15): corrupt checkpoints, a full disk, a kill during the save into best/ ------
+# --- Faults: corrupt checkpoints, a full disk, a kill during the save into best/ ---------------
 # Tiny TrainStates saved and restored directly, without training: each test takes a second or two.
 
 
@@ -537,33 +488,28 @@ def test_a_run_dir_in_use_by_another_process_is_not_repaired(tmp_path):
     assert not stale.exists()
 
 
-@pytest.mark.slow  # two short trainings
-def test_training_resumes_past_a_corrupt_newest_checkpoint(tmp_path, capfd):
+def test_training_resumes_past_a_corrupt_newest_checkpoint(finished_run, capfd):
     """The loop end to end: the newest checkpoint and its copy in best/ are corrupt; the re-run
     says so in one warning, resumes from the one before and gives the uninterrupted curve."""
-    args = [*ARGS, "--train.steps=40", f"--train.run_dir={tmp_path}"]
-    train(load_config(ROOT / "configs/ar.yaml", args))
-    curve = train_curve(tmp_path)
-    assert Checkpointer(tmp_path).latest.all_steps() == [20, 30, 40]
-    corrupt_manifest(tmp_path / "checkpoints/40")
-    corrupt_btree_node(tmp_path / "best/40")
+    run = finished_run
+    curve = train_curve(run)
+    assert Checkpointer(run).latest.all_steps() == [10, 20]
+    corrupt_manifest(run / "checkpoints/20")
+    corrupt_btree_node(run / "best/20")
     capfd.readouterr()
     with pytest.warns(CheckpointFallbackWarning) as record:
-        result = train(load_config(ROOT / "configs/ar.yaml", args))
+        result = train(tiny_run(run))
     assert len(record) == 1, [str(r.message) for r in record]
     line = str(record[0].message)
-    assert "checkpoints/40 (DATA_LOSS" in line and "best/40 (" in line
-    assert line.endswith(f"restored step 30 ({tmp_path / 'checkpoints/30'}) instead")
-    assert result.start_step == 30 and train_curve(tmp_path) == curve  # bit-exact on CPU
-    assert f"resuming from step 30 ({tmp_path / 'checkpoints/30'})" in capfd.readouterr().err
+    assert "checkpoints/20 (DATA_LOSS" in line and "best/20 (" in line
+    assert line.endswith(f"restored step 10 ({run / 'checkpoints/10'}) instead")
+    assert result.start_step == 10 and train_curve(run) == curve  # bit-exact on CPU
+    assert f"resuming from step 10 ({run / 'checkpoints/10'})" in capfd.readouterr().err
     assert_quiet(capfd)
-    assert (tmp_path / "corrupt_checkpoints/checkpoints_40").is_dir()  # step 40 saved anew
-    assert int(Checkpointer(tmp_path).restore(tiny_state_of_ar(args))[0].step) == 40
-
-
-def tiny_state_of_ar(args: list[str]) -> TrainState:
-    """A template of the ar preset's state under `args`."""
-    cfg = load_config(ROOT / "configs/ar.yaml", args)
-    model = build_model(cfg.model, cfg.execution)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    return create_state(model, tx, jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))
+    assert (run / "corrupt_checkpoints/checkpoints_20").is_dir()  # step 20 saved anew
+    cfg = tiny_run(run)
+    template = create_state(
+        build_model(cfg.model, cfg.execution), make_optimizer(cfg.optim, cfg.train.steps),
+        jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32),
+    )  # fmt: skip
+    assert int(Checkpointer(run).restore(template)[0].step) == 20

@@ -1,12 +1,11 @@
 """Config parsing: presets, overrides, and clear errors for unknown keys and bad values."""
 
-from pathlib import Path
-
 import pytest
+from conftest import ROOT
 
 from jaxllm.config import Config, ConfigError, load_config, parse_overrides, save_config
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = ROOT / "configs"
 
 
 @pytest.mark.parametrize("preset", sorted(p.name for p in CONFIGS.glob("*.yaml")))

@@ -34,7 +34,11 @@ PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 10, 11]]
 N = 8
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHS))
+# The fast run decodes GPT-2; `pytest -m slow` repeats every test on the TransformerLM (its cache
+# and rotary positions are checked in the fast run by test_models.py).
+@pytest.fixture(
+    scope="module", params=["gpt2", pytest.param("transformer_lm", marks=pytest.mark.slow)]
+)
 def lm(request):
     cfg = ARCHS[request.param]
     model = build_model(cfg)

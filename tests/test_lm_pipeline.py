@@ -1,17 +1,15 @@
 """Text -> tokens -> TransformerLM training -> checkpoint -> generate.py, end to end on CPU."""
 
+import os
 import subprocess
 import sys
-from pathlib import Path
 
-from conftest import BPE_DIR, needs_bpe
+import pytest
+from conftest import BPE_DIR, ROOT, needs_bpe, tiny_run
 
-from jaxllm.config import load_config
 from jaxllm.data.prepare import prepare_text_files
 from jaxllm.plot import plot_run
 from jaxllm.train.loop import train
-
-ROOT = Path(__file__).resolve().parents[1]
 
 STORY = (
     "Once upon a time there was a little cat named Tom. Tom liked to play in the sun. "
@@ -19,6 +17,7 @@ STORY = (
 )
 
 
+@pytest.mark.slow  # prepare, train to memorise, generate.py in a process
 @needs_bpe
 def test_tokens_train_generate(tmp_path, monkeypatch):
     text = tmp_path / "stories.txt"
@@ -34,28 +33,24 @@ def test_tokens_train_generate(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXLLM_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("JAXLLM_BPE_DIR", str(BPE_DIR))
     run = tmp_path / "run"
-    cfg = load_config(
-        ROOT / "configs/tinystories.yaml",
-        [
-            "--model.d_model=32",
-            "--model.d_ff=64",
-            "--model.n_layers=1",
-            "--model.n_heads=2",
-            "--model.context_length=32",
-            "--execution.compute_dtype=float32",
-            "--execution.dropout=0.0",
-            "--execution.attention_impl=xla",
-            "--train.batch_size=8",
-            "--train.steps=60",
-            "--train.eval_every=30",
-            "--train.eval_batches=2",
-            "--optim.warmup_steps=5",
-            "--optim.lr=1e-2",
-            "--train.progress=false",
-            f"--train.run_dir={run}",
-            "--data.tokens.train_path=train.bin",
-            "--data.tokens.val_path=val.bin",
-        ],
+    cfg = tiny_run(
+        run,
+        "--model.d_ff=64",
+        "--model.n_heads=2",
+        "--model.context_length=32",
+        "--execution.compute_dtype=float32",
+        "--execution.dropout=0.0",
+        "--execution.attention_impl=xla",
+        "--train.batch_size=8",
+        "--train.steps=60",
+        "--train.eval_every=30",
+        "--train.eval_batches=2",
+        "--train.checkpoint_every=0",
+        "--optim.warmup_steps=5",
+        "--optim.lr=1e-2",
+        "--data.tokens.train_path=train.bin",
+        "--data.tokens.val_path=val.bin",
+        preset="tinystories.yaml",
     )
     res = train(cfg)
     assert res.losses[-1] < 0.5 * res.losses[0]  # memorises the repeated story
@@ -79,7 +74,7 @@ def test_tokens_train_generate(tmp_path, monkeypatch):
         text=True,
         cwd=tmp_path,
         timeout=120,
-        env={**__import__("os").environ, "JAXLLM_BPE_DIR": str(BPE_DIR)},
+        env={**os.environ, "JAXLLM_BPE_DIR": str(BPE_DIR)},
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("Once upon a time") and "there was" in out.stdout

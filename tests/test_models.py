@@ -268,7 +268,10 @@ def test_label_smoothing_only_in_training_loss(arch):
     np.testing.assert_allclose(train_sums["loss_sum"], ref_sums["loss_sum"], rtol=1e-6)
 
 
-@pytest.mark.parametrize(("arch", "remat"), [("gpt2", "none"), ("transformer_lm", "block")])
+@pytest.mark.parametrize(
+    ("arch", "remat"),
+    [("gpt2", "none"), pytest.param("transformer_lm", "block", marks=pytest.mark.slow)],
+)
 def test_scan_layers_is_the_same_function_of_the_same_parameters(arch, remat):
     """execution.scan_layers: logits, loss gradients and the cached decode equal the unrolled
     model's on the same weights (stack_blocks / unstack_blocks convert the layouts)."""

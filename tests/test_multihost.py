@@ -28,9 +28,9 @@ from jaxllm.data import associative_recall as ar
 from jaxllm.data.sources import TokenSource, TranslationSource
 from jaxllm.runs import load_run
 
-ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
+from conftest import ROOT  # noqa: E402
 from test_parallel import _cfg  # noqa: E402  (the tiny AR run: d 32, 2 layers, batch 16)
 
 STEPS = ["--train.steps=3", "--train.eval_every=3"]  # logged every step
@@ -201,6 +201,7 @@ def _run_pair(run_dir: Path, timeout: float = 150) -> list[dict]:
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 
 
+@pytest.mark.slow  # two processes, 2 devices each, train together
 def test_two_processes_train_together_like_one(tmp_path):
     pair_dir, single_dir = tmp_path / "pair", tmp_path / "single"
     p0, p1 = _run_pair(pair_dir)

@@ -3,7 +3,7 @@
 import dataclasses
 
 import pytest
-from conftest import tiny_config, tiny_model
+from conftest import ROOT, tiny_config, tiny_model
 
 from jaxllm.config import ConfigError, ExecutionConfig, load_config
 from jaxllm.ops import plan_ops
@@ -17,7 +17,7 @@ def plan_of(backend, arch="gpt2", **overrides):
 
 def preset(**execution):
     """configs/gpt2_124m.yaml's (model, execution), execution fields replaced."""
-    cfg = load_config("configs/gpt2_124m.yaml")
+    cfg = load_config(ROOT / "configs/gpt2_124m.yaml")
     return cfg.model, dataclasses.replace(cfg.execution, **execution)
 
 
@@ -69,7 +69,7 @@ def test_cudnn_attention_with_dropout_is_refused():
     with pytest.raises(ConfigError, match="has no attention dropout; set execution.dropout=0"):
         ExecutionConfig(attention_impl="dot_product_attention", dropout=0.1)
     with pytest.raises(ConfigError, match="dot_product_attention has no attention dropout"):
-        load_config("configs/gpt2_124m.yaml", ["--execution.dropout=0.1"])
+        load_config(ROOT / "configs/gpt2_124m.yaml", ["--execution.dropout=0.1"])
 
 
 def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch):

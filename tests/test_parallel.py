@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import pallas_kernel_names
+from conftest import ROOT, pallas_kernel_names, tiny_run
 from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey
 
 from jaxllm import distributed, parallel
-from jaxllm.config import ConfigError, ParallelConfig, config_changes, load_config
+from jaxllm.config import ConfigError, ParallelConfig, config_changes
 from jaxllm.data.sources import make_source
 from jaxllm.models import build_model
 from jaxllm.runs import load_run
@@ -35,33 +35,27 @@ from jaxllm.train.checkpoint import Checkpointer
 from jaxllm.train.optim import make_optimizer
 from jaxllm.train.state import create_state, loss_and_sums, train_step
 
-ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
 
 def _cfg(*overrides: str):
-    """A tiny associative-recall run: d 32, 2 layers, context 9, batch 16."""
-    return load_config(
-        ROOT / "configs" / "ar.yaml",
-        [
-            "--model.d_model=32",
-            # The key bias only shifts each softmax row: its gradient is float noise around 0,
-            # which Adam scales up to full-size steps, different for every summation order.
-            "--model.qkv_bias=false",
-            "--model.vocab_size=16",
-            "--model.context_length=9",
-            "--data.associative_recall.vocab_size=16",
-            "--data.associative_recall.num_pairs=4",
-            "--data.associative_recall.num_train=256",
-            "--data.associative_recall.num_test=48",
-            "--train.batch_size=16",
-            "--train.steps=4",
-            "--train.eval_every=4",
-            "--train.log_every=1",
-            "--optim.warmup_steps=1",
-            "--train.progress=false",
-            *overrides,
-        ],
+    """A tiny associative-recall run: d 32, 2 layers, context 9, batch 16, 4 steps."""
+    return tiny_run(
+        None,
+        "--model.n_layers=2",
+        # The key bias only shifts each softmax row: its gradient is float noise around 0,
+        # which Adam scales up to full-size steps, different for every summation order.
+        "--model.qkv_bias=false",
+        "--model.vocab_size=16",
+        "--model.context_length=9",
+        "--data.associative_recall.vocab_size=16",
+        "--data.associative_recall.num_pairs=4",
+        "--data.associative_recall.num_test=48",
+        "--train.steps=4",
+        "--train.eval_every=4",
+        "--train.log_every=1",
+        "--optim.warmup_steps=1",
+        *overrides,
     )
 
 
@@ -284,6 +278,7 @@ def _assert_trees_close(got, want, rtol, name):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * np.abs(w).max(), err_msg=name)
 
 
+@pytest.mark.slow  # an 8-device subprocess that trains
 def test_data_and_fsdp_parallel_match_one_device():
     out = _on_8_devices("_check_dp_equivalence")
     ref = out.pop("single")
@@ -439,6 +434,7 @@ def _check_pipeline_and_fsdp_layers() -> None:
     print(json.dumps(jax.tree.map(lambda x: np.asarray(x).tolist(), out)))
 
 
+@pytest.mark.slow  # an 8-device subprocess that trains
 def test_pipeline_and_per_layer_fsdp_match_one_device():
     out = _on_8_devices("_check_pipeline_and_fsdp_layers")
     ref = out.pop("single")
@@ -651,6 +647,7 @@ def _check_pallas_on_mesh() -> None:
     print(json.dumps(out))
 
 
+@pytest.mark.slow  # an 8-device subprocess that trains
 def test_pallas_kernels_run_per_batch_shard_and_match_one_device():
     out = _on_8_devices("_check_pallas_on_mesh")
     ref = out.pop("single")
@@ -690,6 +687,7 @@ def _check_train_and_save(run_dir: str) -> None:
     print(json.dumps({"losses": result.losses, "eval_loss": result.eval_loss}))
 
 
+@pytest.mark.slow  # an 8-device subprocess that trains
 def test_save_on_8_devices_restore_on_one(tmp_path):
     from jaxllm.train.loop import evaluate, train
 

@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT
 from jax.sharding import Mesh
 
 from jaxllm.pipeline import bubble_fraction, gpipe_schedule, pipeline_apply
 
-ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 D = 16  # toy model width
 
@@ -303,6 +303,7 @@ def _check_pipelines() -> None:
     print(json.dumps(out))
 
 
+@pytest.mark.slow  # an 8-device subprocess
 def test_pipelines_on_8_devices():
     env = {
         **os.environ,

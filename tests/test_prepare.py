@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BPE_DIR, SHARED_DATA, needs_bpe
+from conftest import BPE_DIR, ROOT, SHARED_DATA, needs_bpe
 
 from jaxllm.data import prepare, sources, token_file
 from jaxllm.data.tokenizer import EOT_TEXT, load_gpt2_tokenizer
@@ -514,13 +514,12 @@ def test_ids_beyond_the_model_vocab_are_refused_on_open(tmp_path, monkeypatch):
     good = tmp_path / "good.bin"
     _prepare(src, good)
     monkeypatch.setenv(sources.DATA_DIR_ENV, str(tmp_path))
-    root = Path(__file__).resolve().parents[1]
     paths = ["--data.tokens.train_path=good.bin"]
-    cfg = load_config(root / "configs/tinystories.yaml", [*paths, "--data.tokens.val_path=bad.bin"])
+    cfg = load_config(ROOT / "configs/tinystories.yaml", [*paths, "--data.tokens.val_path=bad.bin"])
     with pytest.raises(token_file.StaleTokensError, match="bad.bin"):
         sources.make_source(cfg)
     cfg = load_config(
-        root / "configs/tinystories.yaml", [*paths, "--data.tokens.val_path=good.bin"]
+        ROOT / "configs/tinystories.yaml", [*paths, "--data.tokens.val_path=good.bin"]
     )
     assert isinstance(sources.make_source(cfg), sources.TokenSource)
     # A file shorter than one window is refused when opened, naming it (not at the first eval).
@@ -528,7 +527,7 @@ def test_ids_beyond_the_model_vocab_are_refused_on_open(tmp_path, monkeypatch):
     n = short_meta["num_tokens"]
     assert n < meta["num_tokens"]
     short = [*paths, "--data.tokens.val_path=s.bin", f"--model.context_length={n}"]
-    cfg = load_config(root / "configs/tinystories.yaml", short)
+    cfg = load_config(ROOT / "configs/tinystories.yaml", short)
     message = rf"val_path .*s.bin holds {n} tokens: a window needs model.context_length \+ 1"
     with pytest.raises(ValueError, match=message):
         sources.make_source(cfg)

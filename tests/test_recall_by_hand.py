@@ -4,17 +4,16 @@ ablation showing the previous-token head is what makes it work."""
 
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import ROOT
 
 from jaxllm.config import AssociativeRecallConfig, ConfigError
 from jaxllm.models import build_model
 from jaxllm.tasks import recall_by_hand as rbh
 
-REPO = Path(__file__).resolve().parents[1]
 AR = "data.associative_recall."
 
 
@@ -96,7 +95,7 @@ def test_rejects_configs_it_was_not_built_for():
 def test_cli_prints_full_accuracy():
     proc = subprocess.run(
         [sys.executable, "-m", "jaxllm.tasks.recall_by_hand", f"--{AR}num_test=300"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "test accuracy 100.00% (300 examples, vocab 32, 8 pairs)" in proc.stdout

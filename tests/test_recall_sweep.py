@@ -7,10 +7,11 @@ import pytest
 from jaxllm.tasks import recall_sweep
 
 
+@pytest.mark.slow  # trains, plots, resumes
 def test_sweep_writes_results_and_plot(tmp_path, capsys):
     out = tmp_path / "sweep"
     args = ["--out", str(out), "--layers", "1", "--widths", "16", "--seeds", "0"]
-    args += ["--model.short_conv=true", "--train.steps=150"]
+    args += ["--model.short_conv=true", "--train.steps=110"]
     assert recall_sweep.main(args) == 0
     (rec,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert rec["layers"] == 1 and rec["width"] == 16 and rec["short_conv"] is True
@@ -26,7 +27,7 @@ def test_sweep_writes_results_and_plot(tmp_path, capsys):
         recall_sweep.main([*args[:-1], "--train.steps=300"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "holds a sweep with other settings" in err
-    assert "train.steps: 150 -> 300" in err and "use another --out" in err
+    assert "train.steps: 110 -> 300" in err and "use another --out" in err
 
 
 def test_sweep_rejects_bad_arguments(tmp_path, capsys):

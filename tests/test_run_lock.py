@@ -1,4 +1,4 @@
-"""jaxllm.train.run_lock: one process per run dir (issue 15, item 1).
+"""jaxllm.train.run_lock: one process per run dir.
 
 The holders are real processes: a live one makes acquire fail at once, naming its pid, host and
 start time; one killed with SIGKILL (no cleanup runs) leaves a lock the next run takes over.
@@ -13,13 +13,11 @@ import sys
 import textwrap
 import time
 from datetime import datetime
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from jaxllm.train.run_lock import INFO_NAME, RunDirLock, RunDirLockedError
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # Takes the lock, says so, then holds it until its stdin closes (or it is killed).
 HOLDER = textwrap.dedent(

@@ -24,7 +24,7 @@ def test_load_run_gives_either_block_layout_and_the_same_function(tmp_path):
     assert step == 3 and scanned_cfg.execution.scan_layers and not cfg.execution.scan_layers
     assert {"h0", "h1"} <= set(unrolled["params"]) and "blocks" in stacked["params"]
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 9), 0, cfg.model.vocab_size)
-    a = build_model(cfg.model).apply(unrolled, tokens)
+    a = build_model(cfg.model, cfg.execution).apply(unrolled, tokens)
     b = build_model(cfg.model, ExecutionConfig(scan_layers=True)).apply(stacked, tokens)
     np.testing.assert_allclose(a, b, atol=1e-5)
     with pytest.raises(Exception, match="model"):  # the model comes from the checkpoint

@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from jaxllm.config import ConfigError, load_config
 from jaxllm.data.sources import make_source
 from jaxllm.train.loop import train
 
-ROOT = Path(__file__).resolve().parents[1]
 SRC_WORDS = "haus katze hund baum auto buch tisch stuhl vogel blume fisch brot".split()  # noqa: SIM905
 TGT_WORDS = "house cat dog tree car book table chair bird flower fish bread".split()  # noqa: SIM905
 
