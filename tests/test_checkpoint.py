@@ -22,14 +22,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from jaxllm.config import OptimConfig
 from jaxllm.models import build_model
+from jaxllm.runs import CheckpointConfigWarning, load_run
 from jaxllm.train.checkpoint import (
-    CheckpointConfigWarning,
     CheckpointCorruptError,
     Checkpointer,
     CheckpointFallbackWarning,
     CheckpointMismatchError,
     CheckpointSaveError,
-    load_run,
 )
 from jaxllm.train.loop import train
 from jaxllm.train.metrics_log import MetricsLog, truncate_logs
