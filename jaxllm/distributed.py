@@ -55,6 +55,7 @@ from jax._src.distributed import global_state  # the group's client and service 
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
 
 from jaxllm import parallel
 from jaxllm.config import ConfigError, ParallelConfig
@@ -233,7 +234,8 @@ def _abort(process_id: int | None, message: str, code: int) -> NoReturn:
     docstring)."""
     sys.stdout.flush()
     who = "" if process_id is None else f"process {process_id}: "
-    print(f"error: {who}{message}", file=sys.stderr, flush=True)
+    tqdm.write(f"error: {who}{message}", file=sys.stderr)  # a line of its own under a bar
+    sys.stderr.flush()
     os._exit(code)
 
 
