@@ -38,7 +38,6 @@ the others poll to the end, goes last; after an error a process leaves at once.
 from __future__ import annotations
 
 import atexit
-import itertools
 import os
 import re
 import socket
@@ -243,10 +242,10 @@ def _not_formed(address: str | None, n: int | None, i: int | None) -> None:
     """The group did not form within INIT_TIMEOUT_S: say where it waited and what to check."""
     where = f"at {address}" if address else "(from the launcher)"
     try:
-        host, port = address.rsplit(":", 1)  # type: ignore[union-attr]
+        host, port = (address or "").rsplit(":", 1)
         socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
-        why = f"the coordinator {where} answers but not all {n or ''} processes joined"
-    except (AttributeError, OSError, ValueError):
+        why = f"the coordinator {where} answers but not all {n} processes joined"
+    except (OSError, ValueError):
         why = f"nothing accepts connections {where}"
     _abort(
         i,
@@ -261,18 +260,17 @@ def _not_formed(address: str | None, n: int | None, i: int | None) -> None:
 def _watch(group: ProcessGroup) -> None:
     """Each process's sign of life: a counter in the coordinator's key-value store, written
     every BEAT_S; every process checks every counter (see the module docstring)."""
-    client, me = global_state.client, group.process_id
-    seen: dict[str, tuple[str, float]] = {}  # key -> (its value, when it last changed)
-    for beat in itertools.count():
-        if _stop_watch.wait(BEAT_S):
-            return
+    client, me, beat = global_state.client, group.process_id, 0
+    seen: dict[int, tuple[str, float]] = {}  # process -> (its counter, when it last changed)
+    while not _stop_watch.wait(BEAT_S):
+        beat += 1
         try:
             client.key_value_set(f"jaxllm/alive/{me}", str(beat), allow_overwrite=True)
             alive = dict(client.key_value_dir_get("jaxllm/alive/"))
         except Exception as e:  # the store is gone with the coordinator's process
             if _stop_watch.is_set():
                 return
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = (str(e).strip() or type(e).__name__).splitlines()[0]
             _abort(
                 me,
                 f"lost the coordinator (process 0) at {group.coordinator_address}: it crashed, "
@@ -281,10 +279,10 @@ def _watch(group: ProcessGroup) -> None:
             )
         now = time.monotonic()
         for p in range(group.num_processes):
-            value = alive.get(f"jaxllm/alive/{p}", "")
-            if seen.get(str(p), (None,))[0] != value:
-                seen[str(p)] = (value, now)
-            elif now - seen[str(p)][1] > PEER_TIMEOUT_S and not _stop_watch.is_set():
+            value, (last, since) = alive.get(f"jaxllm/alive/{p}", ""), seen.get(p, (None, now))
+            if value != last:
+                seen[p] = (value, now)
+            elif now - since > PEER_TIMEOUT_S and not _stop_watch.is_set():
                 _abort(
                     me,
                     f"process {p} is gone: no sign of life for {PEER_TIMEOUT_S} s (it crashed, "
