@@ -324,10 +324,6 @@ def finish(code: int) -> int:
     os._exit(code)
 
 
-def process_count() -> int:
-    return jax.process_count()
-
-
 def is_primary() -> bool:
     """Process 0: the one that writes logs, metrics, config, plots and prints."""
     return jax.process_index() == 0
