@@ -15,6 +15,7 @@ apply_default_xla_flags()  # before jax is imported: XLA reads its flags then
 import argparse
 import errno
 import sys
+import traceback
 from pathlib import Path
 
 import jax
@@ -43,6 +44,25 @@ def _who() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The exit status; in a multi-process run each process ends in distributed.finish: all
+    together after success, at once after an error (one line, or the traceback)."""
+    try:
+        code = _main(argv)
+    except SystemExit as e:  # parser.exit: the error line is out
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException as e:
+        if not jax.distributed.is_initialized():
+            raise
+        lost = distributed.peer_lost(e)
+        if lost:
+            print(f"error: {_who()}{lost}", file=sys.stderr)
+        else:
+            traceback.print_exc()
+        code = 1
+    return distributed.finish(code)
+
+
+def _main(argv: list[str] | None) -> int:
     use_one_line_warnings()
     parser = argparse.ArgumentParser(
         description=__doc__,

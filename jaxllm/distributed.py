@@ -23,19 +23,38 @@ Who does what (`is_primary`): every process computes and takes part in every che
 (orbax coordinates them; the run dir must be one shared filesystem); process 0 alone writes the
 logs, metrics, config, plots and progress bar, holds the run dir lock and repairs the run dir.
 Each process feeds only its own rows of each global batch (`process_rows`, `global_batch`).
+
+Failures and exit. A process waits INIT_TIMEOUT_S for the group to form, then stops with one
+line naming the coordinator address and what to check. While the group runs, each process
+writes a counter to the coordinator's key-value store every BEAT_S (`_watch`): a process whose
+counter stands still for PEER_TIMEOUT_S is gone, and a store that stops answering means the
+coordinator is; the process that sees it prints one line and ends at once (os._exit: jax's
+own shutdown would wait for the missing process, then abort with a page of gRPC logs).
+jax's heartbeat timeout is set longer, so this check speaks first. `finish` ends a process:
+after success every process leaves the group together and the coordinator, whose service
+the others poll to the end, goes last; after an error a process leaves at once.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import re
+import socket
+import sys
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import NoReturn
 
 import jax
 import numpy as np
+from jax._src.distributed import global_state  # the group's client and service (no public handle)
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
 
 from jaxllm import parallel
 from jaxllm.config import ConfigError, ParallelConfig
@@ -70,6 +89,15 @@ class ProcessGroup:
 
 
 _group: ProcessGroup | None = None  # what this process started (initialize runs once)
+_stop_watch = threading.Event()  # set when this process leaves the group on purpose
+_watcher: threading.Thread | None = None  # runs _watch while in a group
+
+INIT_TIMEOUT_S = 300  # how long a process waits for all processes to join at the start
+PEER_TIMEOUT_S = 120  # a process that shows no sign of life this long is gone
+BEAT_S = 2.0  # how often each process shows it is alive and checks the others
+EXIT_GRACE_S = 1.0  # after a clean exit the coordinator outlives the others by this
+# Errors of a collective whose peer process went away (gloo over TCP, NCCL).
+PEER_LOST = re.compile(r"connection (reset|closed|refused)|broken pipe|closed by peer", re.I)
 
 
 def _cluster_launch(environ: Mapping[str, str]) -> str | None:
@@ -159,11 +187,18 @@ def initialize(cfg: ParallelConfig, environ: Mapping[str, str] | None = None) ->
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         collectives = jax.config.jax_cpu_collectives_implementation
     origins = {"environment" if getattr(asked, k) is None else "config" for k in ENV}
+    # jax's own limits sit above ours, so that ours report first (jax's end in a fatal abort).
+    limits = dict(
+        initialization_timeout=INIT_TIMEOUT_S + 60, heartbeat_timeout_seconds=PEER_TIMEOUT_S + 60
+    )
+    watchdog = threading.Timer(INIT_TIMEOUT_S, _not_formed, (address, n, i))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         if launcher is not None:
-            jax.distributed.initialize()
+            jax.distributed.initialize(**limits)
         else:
-            jax.distributed.initialize(address, n, i)
+            jax.distributed.initialize(address, n, i, **limits)
     except RuntimeError as e:
         if "must be called before" in str(e):
             raise ConfigError(
@@ -171,6 +206,8 @@ def initialize(cfg: ParallelConfig, environ: Mapping[str, str] | None = None) ->
                 "with train() / train.py before touching devices"
             ) from None
         raise
+    finally:
+        watchdog.cancel()
     if launcher is not None:
         source = launcher
     else:
@@ -180,15 +217,111 @@ def initialize(cfg: ParallelConfig, environ: Mapping[str, str] | None = None) ->
     _group = ProcessGroup(
         jax.process_count(),
         jax.process_index(),
-        address or jax.distributed.global_state.coordinator_address,
+        address or global_state.coordinator_address,
         source,
         collectives,
     )
+    global _watcher
+    _watcher = threading.Thread(target=_watch, args=(_group,), daemon=True, name="jaxllm-watch")
+    _watcher.start()
+    atexit.register(_leave_watch)  # runs before jax's exit handler (registered earlier)
     return _group
 
 
-def process_count() -> int:
-    return jax.process_count()
+def _abort(process_id: int | None, message: str, code: int) -> NoReturn:
+    """One error line, then end this process at once (the group is broken; see the module
+    docstring)."""
+    sys.stdout.flush()
+    who = "" if process_id is None else f"process {process_id}: "
+    tqdm.write(f"error: {who}{message}", file=sys.stderr)  # a line of its own under a bar
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _not_formed(address: str | None, n: int | None, i: int | None) -> None:
+    """The group did not form within INIT_TIMEOUT_S: say where it waited and what to check."""
+    where = f"at {address}" if address else "(from the launcher)"
+    try:
+        host, port = (address or "").rsplit(":", 1)
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        why = f"the coordinator {where} answers but not all {n} processes joined"
+    except (OSError, ValueError):
+        why = f"nothing accepts connections {where}"
+    _abort(
+        i,
+        f"the process group did not form within {INIT_TIMEOUT_S} s: {why}; check that process "
+        "0 runs with the same --parallel.coordinator_address, that this host can reach that "
+        "host and port (address, firewall), and that every process has the same "
+        "num_processes and its own process_id",
+        2,
+    )
+
+
+def _watch(group: ProcessGroup) -> None:
+    """Each process's sign of life: a counter in the coordinator's key-value store, written
+    every BEAT_S; every process checks every counter (see the module docstring)."""
+    client, me, beat = global_state.client, group.process_id, 0
+    seen: dict[int, tuple[str, float]] = {}  # process -> (its counter, when it last changed)
+    while not _stop_watch.wait(BEAT_S):
+        beat += 1
+        try:
+            client.key_value_set(f"jaxllm/alive/{me}", str(beat), allow_overwrite=True)
+            alive = dict(client.key_value_dir_get("jaxllm/alive/"))
+        except Exception as e:  # the store is gone with the coordinator's process
+            if _stop_watch.is_set():
+                return
+            reason = (str(e).strip() or type(e).__name__).splitlines()[0]
+            _abort(
+                me,
+                f"lost the coordinator (process 0) at {group.coordinator_address}: it crashed, "
+                f"was killed or its host is unreachable; see its log ({reason})",
+                1,
+            )
+        now = time.monotonic()
+        for p in range(group.num_processes):
+            value, (last, since) = alive.get(f"jaxllm/alive/{p}", ""), seen.get(p, (None, now))
+            if value != last:
+                seen[p] = (value, now)
+            elif now - since > PEER_TIMEOUT_S and not _stop_watch.is_set():
+                _abort(
+                    me,
+                    f"process {p} is gone: no sign of life for {PEER_TIMEOUT_S} s (it crashed, "
+                    "was killed or its host is unreachable; see its log)",
+                    1,
+                )
+
+
+def _leave_watch() -> None:
+    _stop_watch.set()
+    if _watcher is not None:
+        _watcher.join()
+
+
+def peer_lost(error: BaseException) -> str | None:
+    """One line for an error of a collective whose peer process went away, else None."""
+    text = str(error).strip()
+    if not PEER_LOST.search(text):
+        return None
+    return f"a peer process is gone ({text.splitlines()[0]}); see the other processes' logs"
+
+
+def finish(code: int) -> int:
+    """End this process: alone, return `code`. In a group this process ends here: after
+    success (`code` 0) every process leaves the group together, the coordinator last (the
+    others' jax runtimes poll its service until they end); after an error at once, since the
+    others cannot finish without it (they report it gone)."""
+    if not jax.distributed.is_initialized():
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code == 0:
+        sync("jaxllm-exit")  # everyone is done (checkpoints written)
+        _leave_watch()
+        service, global_state.service = global_state.service, None  # the coordinator's: kept up
+        jax.distributed.shutdown()  # a barrier: every process leaves together
+        if service is not None:
+            time.sleep(EXIT_GRACE_S)  # the others end at once: let them go first
+    os._exit(code)
 
 
 def is_primary() -> bool:

@@ -1,19 +1,24 @@
-"""jaxllm.distributed: process-group settings, per-process data shards, and a 2-process run.
+"""jaxllm.distributed: process-group settings, per-process data shards, and 2-process runs.
 
 The 2-process run starts two local processes (`_worker`, in subprocesses) that join one
 process group through a coordinator on a free localhost port, each with 2 fake CPU devices
 (XLA_FLAGS in the child's environment only), and train the tiny associative-recall run of
 tests/test_parallel.py together on a data=4 mesh. The test compares them with a single-process
-run of the same global batches in this process.
+run of the same global batches in this process, and checks that both end without an error
+block. The failure tests run train.py's `main` in subprocesses with short time limits: a
+coordinator nobody runs, and a peer killed mid-run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 import types
 import warnings
 from pathlib import Path
@@ -34,6 +39,7 @@ from conftest import ROOT  # noqa: E402
 from test_parallel import _cfg  # noqa: E402  (the tiny AR run: d 32, 2 layers, batch 16)
 
 STEPS = ["--train.steps=3", "--train.eval_every=3"]  # logged every step
+ERROR_BLOCK = ("Traceback", "WatchTasks", "Connection refused", "Check failure", "RPC:")
 
 
 # ----------------------------------------------------------------------------- settings
@@ -153,8 +159,10 @@ def _worker(run_dir: str) -> None:
                 "losses": result.losses,
                 "eval_loss": result.eval_loss,
             }
-        )
+        ),
+        flush=True,
     )
+    distributed.finish(0)  # train.py's exit: every process leaves the group together
 
 
 def _free_port() -> int:
@@ -163,30 +171,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_pair(run_dir: Path, timeout: float = 150) -> list[dict]:
-    port = _free_port()
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    base |= {
+def _spawn(code: str, args: list[str], port: int, process_id: int) -> subprocess.Popen:
+    """`python -c code *args` as process `process_id` of 2 (coordinator localhost:port)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env |= {
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false",
         "JAX_PLATFORMS": "cpu",
         "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
         "JAX_NUM_PROCESSES": "2",
+        "JAX_PROCESS_ID": str(process_id),
     }
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _run_pair(run_dir: Path, timeout: float = 150) -> list[dict]:
+    port = _free_port()
     code = (
         f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_multihost as t; "
         "t._worker(sys.argv[1])"
     )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(run_dir)],
-            env=base | {"JAX_PROCESS_ID": str(i)},
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    procs = [_spawn(code, [str(run_dir)], port, i) for i in range(2)]
     outs = []
     try:
         for p in procs:
@@ -198,6 +209,7 @@ def _run_pair(run_dir: Path, timeout: float = 150) -> list[dict]:
         pytest.fail("2-process run timed out:\n" + "\n".join(e[-3000:] for _, e in outs))
     for i, (p, (_, err)) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, f"process {i} failed (rc {p.returncode}):\n{err[-4000:]}"
+        assert not any(x in err for x in ERROR_BLOCK), f"process {i} after success:\n{err}"
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 
 
@@ -238,3 +250,69 @@ def test_two_processes_train_together_like_one(tmp_path):
     for a, b in zip(jax.tree.leaves(pair), jax.tree.leaves(ref), strict=True):
         a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+# ----------------------------------------------------------------------------- failures
+
+TINY_CLI = [  # train.py flags for _cfg's tiny run, trained until a test stops it
+    "--model.d_model=32", "--model.vocab_size=16", "--model.context_length=9",
+    "--data.associative_recall.vocab_size=16", "--data.associative_recall.num_pairs=4",
+    "--data.associative_recall.num_train=256", "--data.associative_recall.num_test=48",
+    "--train.batch_size=16", "--train.steps=100000", "--train.eval_every=100000",
+    "--train.log_every=1", "--optim.warmup_steps=1", "--train.progress=false",
+]  # fmt: skip
+
+
+def _cli(limit_s: int) -> str:
+    """train.py's main with every wait of the process group cut to `limit_s`."""
+    return (
+        "import sys, train; d = train.distributed; "
+        f"d.INIT_TIMEOUT_S = d.PEER_TIMEOUT_S = {limit_s}; sys.exit(train.main(sys.argv[1:]))"
+    )
+
+
+def _error_line(err: str) -> str:
+    """The stderr of a failed process: exactly one line, an `error:` line."""
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-4000:]
+    return lines[0]
+
+
+def test_unreachable_coordinator_is_one_line(tmp_path):
+    port = _free_port()  # nothing listens there: process 0 never starts
+    start = time.monotonic()
+    proc = _spawn(_cli(3), [f"--train.run_dir={tmp_path}", *TINY_CLI], port, 1)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and time.monotonic() - start < 45
+    line = _error_line(err)
+    assert line.startswith(
+        "error: process 1: the process group did not form within 3 s: nothing accepts "
+        f"connections at localhost:{port}; check that process 0 runs with the same "
+        "--parallel.coordinator_address"
+    ), line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_peer_gone_mid_run_stops_the_others_with_one_line(tmp_path, sig):
+    port = _free_port()
+    procs = [_spawn(_cli(5), [f"--train.run_dir={tmp_path}", *TINY_CLI], port, i) for i in (0, 1)]
+    try:
+        metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 120
+        while not (metrics.exists() and '"loss"' in metrics.read_text()):  # training runs
+            assert time.monotonic() < deadline and procs[0].poll() is None, procs[0].stderr
+            time.sleep(0.5)
+        os.kill(procs[1].pid, sig)
+        start = time.monotonic()
+        _, err = procs[0].communicate(timeout=60)
+        assert procs[0].returncode == 1 and time.monotonic() - start < 30
+        # A collective that lost its peer says so at once; else the watch, after 5 s.
+        assert re.match(
+            r"error: process 0: (a peer process is gone \(.*Connection (closed|reset) by peer"
+            r"|process 1 is gone: no sign of life for 5 s)",
+            _error_line(err),
+        ), err
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
