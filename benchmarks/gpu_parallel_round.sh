@@ -1,28 +1,53 @@
 #!/usr/bin/env bash
-# The 2-GPU measurements issue 14 still needs, in one call of at most ~8 minutes on
-# nvidia-h200-x2: DP against one GPU, and the pipeline (rows split over the stages, x + h sent
-# as one array: not yet measured) at batch 64 and 32 per device. Each step has its own timeout.
-# Usage: bash benchmarks/gpu_parallel_round.sh OUTDIR   (then copy OUTDIR/par.jsonl into
-# benchmarks/logs and the table rows into RESULTS.md)
+# One call on a 2-GPU machine (nvidia-h200-x2 / nvidia-h100-x2), at most ~9.5 minutes:
+#   kernels  the kernel-switch and op-plan tests compiled on the GPU
+#   mp       2 processes x 1 GPU through jax.distributed (the AR preset) against 1 process on 1
+#            GPU: the same losses, and no error block on any process's stderr after success
+#   dp       GPT-2 124M, data parallel over 2 GPUs against 1
+#   pp       the pipeline over 2 stages at M = 4, 8, 16 microbatches
+# Usage: bash benchmarks/gpu_parallel_round.sh OUTDIR [PART ...]  (default: all four)
 set -uo pipefail
 OUT=${1:?out dir}
+shift
+PARTS=${*:-kernels mp dp pp}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 BENCH="python3 benchmarks/parallel_throughput.py --config configs/gpt2_124m.yaml --group 10 \
-  --samples 5 --execution.kernels=pallas --execution.loss_impl=pallas --no-baseline \
-  --jsonl $OUT/par.jsonl"
-fail=0  # the script's exit status: 1 if any step failed or timed out
-step() {  # step NAME SECONDS ARGS...: run, keep its log, print its table rows
+  --samples 7 --no-baseline --jsonl $OUT/par.jsonl"
+fail=0
+step() {  # step NAME SECONDS COMMAND...: run it with a timeout, keep its log
   local name=$1 secs=$2 rc
   shift 2
   echo "== $name"
-  timeout -s INT -k 10 "$secs" $BENCH "$@" >"$OUT/$name.log" 2>&1
+  timeout -s INT -k 10 "$secs" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
   echo "   rc=$rc"
   [ "$rc" -eq 0 ] || fail=1
-  grep -E "^\|" "$OUT/$name.log" | grep -v "^|---" | cut -c1-220 | tail -6 || true
 }
-step dp 120 --per-device-batch 32 --variants single,dp
-step pp64 200 --per-device-batch 64 --variants single,pp --microbatches 4,8
-step pp32 120 --per-device-batch 32 --variants single,pp --microbatches 4,8
+mp() {  # the same AR run as 2 processes x 1 GPU and as 1 process on 1 GPU
+  local args="--train.steps=600 --train.progress=false"
+  for i in 0 1; do
+    CUDA_VISIBLE_DEVICES=$i python3 train.py $args --train.run_dir=/tmp/mp \
+      --parallel.coordinator_address=127.0.0.1:12355 --parallel.num_processes=2 \
+      --parallel.process_id=$i >"$OUT/mp$i.out" 2>"$OUT/mp$i.err" &
+  done
+  wait
+  CUDA_VISIBLE_DEVICES=0 python3 train.py $args --train.run_dir=/tmp/sp >"$OUT/sp.out" 2>&1
+  grep -h "done:" "$OUT"/mp0.out "$OUT"/mp1.out "$OUT"/sp.out
+  echo "stderr lines after success: p0 $(grep -c . "$OUT/mp0.err") p1 $(grep -c . "$OUT/mp1.err")"
+  ! grep -lE "WatchTasks|Connection refused|Traceback|Check failure" "$OUT"/mp*.err
+}
+export -f mp
+export OUT
+for part in $PARTS; do
+  case $part in
+    kernels) step kernels 170 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -n 0 \
+               -p no:cacheprovider -m "slow or not slow" tests/test_ops.py tests/test_kernel_switch.py ;;
+    mp) step mp 130 bash -c mp ;;
+    dp) step dp 130 $BENCH --per-device-batch 32 --variants single,dp ;;
+    pp) step pp 220 $BENCH --per-device-batch 32 --variants single,pp --microbatches 4,8,16 ;;
+  esac
+  tail -3 "$OUT/$part.log"
+  grep -E "^\|" "$OUT/$part.log" | grep -v "^|---" | cut -c1-200 | tail -6 || true
+done
 exit $fail
