@@ -16,8 +16,7 @@
 # chunk: these runs chose it), GPT-2 at batch 64 and
 # 16 (vocabulary 50304), the unchunked run repeated last; PART=determinism: the associative-
 # recall preset trained in separate processes, twice with XLA_FLAGS=--xla_gpu_deterministic_ops=
-# true and once without, their loss curves compared (an H100 test run saw two processes differ;
-# RESULTS.md, twelfth session). Each step has its
+# true and once without, their loss curves compared (RESULTS.md, determinism). Each step has its
 # own timeout so that one slow step cannot take the others' results with it. The torch part
 # times both sides back to back (--group 10: 10 steps per device sync, as a training loop
 # runs; 5 such samples), the way the 2026-11-25 equal-batch rows in RESULTS.md were taken.

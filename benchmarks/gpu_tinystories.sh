@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4's TinyStories run on the GPU machine: a small lr/dropout sweep of configs/tinystories.yaml,
+# The TinyStories run on the GPU machine: a small lr/dropout sweep of configs/tinystories.yaml,
 # then the learning curve and a 256-token sample from the best run. Needs .gpu_data/ (carried):
 # ts_train.bin, ts_val.bin (+ .json sidecars) and gpt2_bpe/. Usage: bash benchmarks/gpu_tinystories.sh OUTDIR
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 9's translation runs on the GPU machine: train a preset (default configs/multi30k.yaml)
+# The translation runs on the GPU machine: train a preset (default configs/multi30k.yaml)
 # plus any overrides, then score the best checkpoint on the test split with greedy and beam
 # search (5, alpha 0.6), draw the learning curve. Needs the data under .gpu_data (carried).
 #   bash benchmarks/gpu_translation.sh OUTDIR RUN_NAME [--section.key=value ...]

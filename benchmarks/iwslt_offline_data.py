@@ -1,4 +1,4 @@
-"""The offline IWSLT14 De->En training data of benchmarks/RESULTS.md (issue 9).
+"""The offline IWSLT14 De->En training data of benchmarks/RESULTS.md.
 
 The course trains on the 160k IWSLT14 training pairs from the hub (`configs/iwslt14.yaml`);
 offline we have only IWSLT14's valid and test sets (fairseq form: Moses-tokenized with

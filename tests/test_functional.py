@@ -72,7 +72,7 @@ def test_gelu_custom_vjp_matches_analytic_derivative():
 def test_gelu_backward_shares_nothing_with_the_forward():
     # On the GPU the forward runs inside the MLP GEMM's cuBLASLt epilogue only while no other
     # op uses its subexpressions; the barrier in the backward keeps XLA's CSE from sharing
-    # x * x or tanh with it (benchmarks/RESULTS.md, eighth session: -0.7 ms a GPT-2 step).
+    # x * x or tanh with it (-0.7 ms a GPT-2 step: benchmarks/RESULTS.md).
     fwd = str(jax.make_jaxpr(F.gelu)(jnp.ones(4)))
     bwd = str(jax.make_jaxpr(jax.grad(lambda v: F.gelu(v).sum()))(jnp.ones(4)))
     assert "optimization_barrier" not in fwd
@@ -115,7 +115,7 @@ def test_softmax_temperature(temperature):
 
 
 def test_softmax_float32_within_1e6_of_float64_at_large_offsets():
-    """CS336's check (issue 15, item 8): softmax(x + 100) of float32 x within 1e-6 of float64.
+    """CS336's check: softmax(x + 100) of float32 x within 1e-6 of float64.
     exp(z - logsumexp(z)) misses it by up to ~3e-6 here: logsumexp ~ 102 rounds to float32
     (ulp 7.6e-6), and that error multiplies every probability. Few keys, so probabilities are
     large and the error shows."""

@@ -1,4 +1,4 @@
-"""The Pallas kernels with `jax_enable_x64` on (issue 15, item 7).
+"""The Pallas kernels with `jax_enable_x64` on.
 
 With x64 on, Python ints and loop counters become int64 while program ids stay int32, and Pallas'
 interpret mode rejected the mix (`index arguments to dynamic_slice must be integers of the same
