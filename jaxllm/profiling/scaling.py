@@ -106,7 +106,7 @@ def fit_layer_tick_ms(s: Setup, rows: list[tuple[int, int, int, float]]) -> floa
     for n, m, b, ms in rows:
         xs.append((m + n - 1) * s.n_layers / n)
         rs.append(ms - pp_ms(s, n, m, b, layer_tick_ms=0.0))
-    return sum(x * r for x, r in zip(xs, rs)) / sum(x * x for x in xs)
+    return sum(x * r for x, r in zip(xs, rs, strict=True)) / sum(x * x for x in xs)
 
 
 def predict(s: Setup, strategy: str, n: int, microbatches: int | None = None,
@@ -150,8 +150,11 @@ def format_table(rows: list[dict]) -> str:
         lines.append(line)
     pp = [r for r in rows if r["strategy"] == "pp" and r["devices"] > 1]
     if pp:
-        b = ", ".join(f"S={r['devices']} M={r['microbatches']} "
-                      f"{bubble_fraction(r['devices'], r['microbatches']):.0%}" for r in pp)  # fmt: skip
+        b = ", ".join(
+            f"S={r['devices']} M={r['microbatches']} "
+            f"{bubble_fraction(r['devices'], r['microbatches']):.0%}"
+            for r in pp
+        )
         lines.append(f"PP: same global batch as one GPU; bubble {b}")
     return "\n".join(lines)
 
