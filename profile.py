@@ -240,13 +240,10 @@ def _memory(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def _scaling(args: argparse.Namespace, overrides: list[str]) -> None:
-    import json
-
     from jaxllm.config import load_config
     from jaxllm.profiling import scaling
 
-    rows = [json.loads(ln) for f in args.measured for ln in Path(f).read_text().splitlines()
-            if ln.strip().startswith("{")]  # fmt: skip
+    rows = scaling.read_rows(args.measured)
     ok = {r["variant"]: r for r in rows if r.get("status") == "ok"}  # the last row per variant
     one = ok.get("single", {})
     batch = args.per_device_batch or one.get("setup", {}).get("per_device_batch") or 32
@@ -258,9 +255,10 @@ def _scaling(args: argparse.Namespace, overrides: list[str]) -> None:
     anchor = "measured" if step else f"{scaling.ANCHOR_TFLOPS:.0f} TFLOP/s, H200 GPT-2 124M"
     print(f"scaling on paper: {cfg.model.arch} {s.n_params / 1e6:.1f}M params, {batch} x "
           f"{s.context} tokens per GPU; one GPU {s.step_ms:.1f} ms a step ({anchor}), scanned "
-          f"{s.scan_step_ms:.1f}; links {scaling.link_gbps(1):.0f} GB/s NVLink within "
-          f"{scaling.GPUS_PER_HOST}, {scaling.link_gbps(10**6):.0f} GB/s InfiniBand across hosts "
-          f"({scaling.ACHIEVED:.0%} of line rate), {s.overlap:.0%} hidden")  # fmt: skip
+          f"{s.scan_step_ms:.1f}; collectives at {scaling.ring_gbps(1):.0f} GB/s per GPU in a "
+          f"host of {scaling.GPUS_PER_HOST}, {scaling.ring_gbps(10**6):.0f} across hosts (sends "
+          f"{scaling.send_gbps(10**6):.0f}): {scaling.ACHIEVED:.0%} of NVLink's and InfiniBand's "
+          f"line rates; {s.overlap:.0%} hidden behind compute")  # fmt: skip
     table = scaling.table(s, args.gpus)
     print(scaling.format_table(table))
     checked = scaling.compare(s, rows)

@@ -10,13 +10,17 @@ the link's achieved bandwidth, nothing hidden behind compute unless `overlap` sa
   PP    S = N stages, M microbatches of the same global batch (GPipe): M + S - 1 ticks, each
         a stage's share of a microbatch's compute, a fixed cost per layer (fitted) and the
         sends of its activations forward and their gradients backward (B/M x T x d x 2 bytes).
-One host holds GPUS_PER_HOST GPUs over NVLink; more GPUs talk over InfiniBand, which then
-bounds every ring (one NIC per GPU).
+One host holds GPUS_PER_HOST GPUs over NVLink (NVSwitch); more hosts talk over InfiniBand,
+one NIC per GPU. NCCL runs one ring per NIC, so a ring's traffic leaves a host through all of its
+NICs at once: across hosts a collective moves at min(NVLink, GPUS_PER_HOST x IB) per GPU, while a
+pipeline send between two stages has one NIC. Large messages: latency is left out.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from jaxllm.config import ModelConfig
 from jaxllm.pipeline import bubble_fraction
@@ -67,25 +71,31 @@ def setup_for(m: ModelConfig, batch: int, step_ms: float | None = None,
     return Setup(n_params, m.n_layers, m.d_model, m.context_length, batch, step_ms, scan, overlap)
 
 
-def link_gbps(n: int) -> float:
-    """Achieved GB/s per GPU of a collective over n GPUs: NVLink in a host, InfiniBand across."""
+def ring_gbps(n: int) -> float:
+    """Achieved GB/s per GPU of a collective over n GPUs (bus bandwidth)."""
+    across = min(NVLINK_GBPS, GPUS_PER_HOST * IB_GBPS)  # a host's NICs carry its rings together
+    return ACHIEVED * (NVLINK_GBPS if n <= GPUS_PER_HOST else across)
+
+
+def send_gbps(n: int) -> float:
+    """Achieved GB/s of one GPU's send to the next stage, some of which cross hosts if n > 8."""
     return ACHIEVED * (NVLINK_GBPS if n <= GPUS_PER_HOST else IB_GBPS)
 
 
-def wire_ms(nbytes: float, n: int) -> float:
-    return nbytes / (link_gbps(n) * 1e9) * 1e3
+def wire_ms(nbytes: float, gbps: float) -> float:
+    return nbytes / (gbps * 1e9) * 1e3
 
 
 def dp_ms(s: Setup, n: int) -> float:
     """DP step: the one-GPU step + the gradient all-reduce, 2 (N-1)/N x param bytes."""
     ring = 2 * (n - 1) / n * s.n_params * s.param_bytes
-    return s.step_ms + (1 - s.overlap) * wire_ms(ring, n)
+    return s.step_ms + (1 - s.overlap) * wire_ms(ring, ring_gbps(n))
 
 
 def fsdp_ms(s: Setup, n: int) -> float:
     """FSDP step: the scanned one-GPU step + gather, gather again, reduce-scatter."""
     moved = 3 * (n - 1) / n * s.n_params * s.param_bytes
-    return s.scan_step_ms + (1 - s.overlap) * wire_ms(moved, n)
+    return s.scan_step_ms + (1 - s.overlap) * wire_ms(moved, ring_gbps(n))
 
 
 def pp_ms(s: Setup, n: int, microbatches: int, batch: int | None = None,
@@ -95,7 +105,7 @@ def pp_ms(s: Setup, n: int, microbatches: int, batch: int | None = None,
         return s.step_ms * (batch or s.batch) / s.batch
     rows = (batch or s.batch) / microbatches
     compute = s.step_ms * rows / s.batch / n  # a stage's share of one microbatch
-    send = wire_ms(rows * s.context * s.d_model * s.act_bytes, n)
+    send = wire_ms(rows * s.context * s.d_model * s.act_bytes, send_gbps(n))
     ticks = microbatches + n - 1  # = M / (1 - bubble_fraction(n, M))
     return ticks * (compute + layer_tick_ms * s.n_layers / n + 2 * send)
 
@@ -159,6 +169,18 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def read_rows(paths: list[str]) -> list[dict]:
+    """The JSON lines of parallel_throughput.py --jsonl files; a line cut by a killed run is
+    skipped."""
+    rows = []
+    for line in (ln for p in paths for ln in Path(p).read_text().splitlines()):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [r for r in rows if isinstance(r, dict)]
+
+
 def compare(s: Setup, measured: list[dict]) -> list[dict]:
     """Measured DP/FSDP/PP rows (parallel_throughput --jsonl) next to their predictions."""
     out = []
@@ -193,7 +215,10 @@ def plot(rows: list[dict], measured: list[dict], path: str) -> None:
     left.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="tokens/s (predicted)")
     right.set(xscale="log", xlabel="GPUs", ylabel="scaling efficiency", ylim=(0, 1.05))
     right.axvline(GPUS_PER_HOST, color="gray", ls=":", label="one host")
+    gpus = sorted({x["devices"] for x in rows})
     for ax in (left, right):
+        ax.set_xticks(gpus, [str(n) for n in gpus], minor=False)
+        ax.minorticks_off()
         ax.legend()
     fig.suptitle("predicted (lines), measured (dots)")
     fig.tight_layout()
