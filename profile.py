@@ -242,7 +242,12 @@ def _memory(args: argparse.Namespace, overrides: list[str]) -> None:
 def _scaling(args: argparse.Namespace, overrides: list[str]) -> None:
     from jaxllm.config import load_config
     from jaxllm.profiling import scaling
+    from jaxllm.profiling.harness import BadInput
 
+    missing = [f for f in args.measured if not Path(f).is_file()]
+    if missing or not 0 <= args.overlap <= 1:
+        raise BadInput(f"--measured {missing[0]}: no such file" if missing else
+                       f"--overlap {args.overlap}: must be in [0, 1]")  # fmt: skip
     rows = scaling.read_rows(args.measured)
     ok = {r["variant"]: r for r in rows if r.get("status") == "ok"}  # the last row per variant
     one = ok.get("single", {})
