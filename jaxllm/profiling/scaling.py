@@ -31,8 +31,8 @@ NVLINK_GBPS = 450.0  # NVLink 4 (H100/H200 SXM): 18 links x 25 GB/s per directio
 IB_GBPS = 50.0  # InfiniBand NDR, 400 Gb/s per GPU (one NIC per GPU, as in a DGX H100/H200)
 # Fraction of the line rate the step's collectives reach with nothing hidden. Fitted: 2 and 4
 # H200s, GPT-2 124M, the DP gradient all-reduce adds 3.2 ms for 498 MB (155 GB/s) and 3.8 ms
-# for 746 MB (196 GB/s), well under NCCL's large-message bus bandwidth (~80% of line rate):
-# XLA issues many smaller collectives. Used for both links.
+# for 746 MB (196 GB/s), well under nccl-tests' large-message bus bandwidth (near line rate);
+# why is not measured here. Used for both links.
 ACHIEVED = 0.4
 # One H200, GPT-2 124M, Pallas kernels + fused loss + cuDNN attention, batch 32 x 1024: 60.2 ms
 # a step, 544,658 tokens/s x 855.2 MFLOPs per token. Other models: same FLOP rate.
