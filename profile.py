@@ -7,6 +7,7 @@
   trace      jax.profiler trace of train steps (TensorBoard), top kernels per step, HLO
   nsys       `trace --nvtx` under Nsight Systems, then `nsys stats` per phase
   memory     peak memory of forward / train step per context, with and without remat
+  scaling    DP / FSDP / PP step time and efficiency over 1..64 GPUs on paper, vs measured rows
 
 Config overrides are train.py's: --execution.kernels=pallas --train.batch_size=16 ... Without a
 GPU every subcommand picks a CPU-sized model on the XLA path and says so in its first line.
@@ -238,6 +239,47 @@ def _memory(args: argparse.Namespace, overrides: list[str]) -> None:
                args.samples)  # fmt: skip
 
 
+def _scaling(args: argparse.Namespace, overrides: list[str]) -> None:
+    from jaxllm.config import load_config
+    from jaxllm.profiling import scaling
+    from jaxllm.profiling.harness import BadInput
+
+    missing = [f for f in args.measured if not Path(f).is_file()]
+    if missing or not 0 <= args.overlap <= 1:
+        raise BadInput(f"--measured {missing[0]}: no such file" if missing else
+                       f"--overlap {args.overlap}: must be in [0, 1]")  # fmt: skip
+    rows = scaling.read_rows(args.measured)
+    ok = {r["variant"]: r for r in rows if r.get("status") == "ok"}  # the last row per variant
+    one = ok.get("single", {})
+    batch = args.per_device_batch or one.get("setup", {}).get("per_device_batch") or 32
+    step = args.step_ms or one.get("step_ms")
+    scan = args.scan_step_ms or ok.get("single_scan", {}).get("step_ms")
+    config = args.config or one.get("setup", {}).get("config") or ROOT / "configs/gpt2_124m.yaml"
+    cfg = load_config(config, [*one.get("setup", {}).get("overrides", ()), *overrides])
+    s = scaling.setup_for(cfg.model, batch, step, scan, args.overlap)
+    anchor = "measured" if step else f"{scaling.ANCHOR_TFLOPS:.0f} TFLOP/s, H200 GPT-2 124M"
+    print(f"scaling on paper: {cfg.model.arch} {s.n_params / 1e6:.1f}M params, {batch} x "
+          f"{s.context} tokens per GPU; one GPU {s.step_ms:.1f} ms a step ({anchor}), scanned "
+          f"{s.scan_step_ms:.1f}; collectives at {scaling.ring_gbps(1):.0f} GB/s per GPU in a "
+          f"host of {scaling.GPUS_PER_HOST}, {scaling.ring_gbps(10**6):.0f} across hosts (sends "
+          f"{scaling.send_gbps(10**6):.0f}): {scaling.ACHIEVED:.0%} of NVLink's and InfiniBand's "
+          f"line rates; {s.overlap:.0%} hidden behind compute")  # fmt: skip
+    table = scaling.table(s, args.gpus)
+    print(scaling.format_table(table))
+    checked = scaling.compare(s, rows)
+    if checked:
+        print("\nmeasured vs predicted:")
+        for c in checked:
+            m_ = f" M={c['microbatches']}" if c["microbatches"] else ""
+            eff = "-" if c["measured_eff"] is None else f"{c['measured_eff']:.0%}"
+            print(f"  {c['variant']:>4} N={c['devices']}{m_}: {c['measured_ms']:.1f} ms vs "
+                  f"{c['predicted_ms']:.1f} predicted; efficiency {eff} vs "
+                  f"{c['predicted_eff']:.0%}")  # fmt: skip
+    if args.png:
+        scaling.plot(table, checked, args.png)
+        print(f"wrote {args.png}")
+
+
 # ----------------------------------------------------------------------------- the parser
 def _timing(p: argparse.ArgumentParser, warmup: int, samples: int, group: int | None) -> None:
     p.add_argument("--warmup", type=int, default=warmup, help="untimed calls (or steps) first")
@@ -314,6 +356,22 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.choices["trace"]
     t.add_argument("--top", type=_count, default=30, help="kernels in the table")
     t.add_argument("--nvtx", action="store_true", help="phases in NVTX ranges, for nsys")
+
+    s = add("scaling", _scaling, "DP / FSDP / PP over 1..64 GPUs on paper, vs measured rows")
+    s.add_argument("--config", default=None,
+                   help="YAML preset (default: the measured rows', else GPT-2 124M)")  # fmt: skip
+    s.add_argument("--per-device-batch", type=_count, default=None,
+                   help="rows per GPU (default: the measured single row's, else 32)")  # fmt: skip
+    s.add_argument("--step-ms", type=_positive, default=None,
+                   help="measured one-GPU step (default: the measured single row's, else "
+                   "from the H200 FLOP rate)")  # fmt: skip
+    s.add_argument("--scan-step-ms", type=_positive, default=None,
+                   help="scanned one-GPU step, FSDP's baseline (default: --step-ms)")  # fmt: skip
+    s.add_argument("--overlap", type=float, default=0.0, help="fraction of collectives hidden")
+    s.add_argument("--gpus", type=_ints, default=(1, 2, 4, 8, 16, 64), help="GPU counts")
+    s.add_argument("--measured", nargs="+", default=(), metavar="FILE",
+                   help="parallel_throughput.py --jsonl rows")  # fmt: skip
+    s.add_argument("--png", default=None, help="write tokens/s and efficiency per GPU count")
 
     m = add("memory", _memory, "peak memory of forward / train step per context, remat or not")
     m.add_argument("--size", choices=SIZES, default=None, help="default: large; no GPU: tiny")
