@@ -24,6 +24,7 @@ from pathlib import Path
 
 from jaxllm.config import ModelConfig
 from jaxllm.pipeline import bubble_fraction
+from jaxllm.profiling.bench import param_count
 from jaxllm.profiling.flops import train_flops_per_token
 
 GPUS_PER_HOST = 8
@@ -61,8 +62,6 @@ class Setup:
 def setup_for(m: ModelConfig, batch: int, step_ms: float | None = None,
               scan_step_ms: float | None = None, overlap: float = 0.0) -> Setup:  # fmt: skip
     """A Setup from the config's counts; no measured step: ANCHOR_TFLOPS x the FLOPs per step."""
-    from jaxllm.profiling.bench import param_count
-
     n_params = param_count(m)
     if step_ms is None:
         flops = batch * m.context_length * train_flops_per_token(m, n_params)
