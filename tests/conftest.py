@@ -109,6 +109,14 @@ def finished_run(trained_tiny_run, tmp_path) -> Path:
     return run
 
 
+def pytest_configure(config) -> None:
+    # The fast run (the default `-m "not slow"`) compiles at LLVM -O0: its programs are tiny and
+    # compiling them is most of its time (a quarter of its CPU time less). The slow run keeps
+    # XLA's default: its long trainings would run twice as long.
+    if config.option.markexpr == "not slow":
+        add_xla_flags({"--xla_backend_optimization_level": "0"})
+
+
 def pytest_unconfigure(config) -> None:
     if _OWN_CACHE:  # the process that made the cache: the controller (or the only process)
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
