@@ -113,8 +113,8 @@ def test_a_run_names_its_loss_chunks(tmp_path, capsys):
     cfg = dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, loss_impl="pallas", loss_chunk_mib=1),
-        train=dataclasses.replace(cfg.train, batch_size=128, steps=2, eval_every=100),
-        optim=dataclasses.replace(cfg.optim, warmup_steps=1),
+        train=dataclasses.replace(cfg.train, batch_size=128, steps=1, eval_every=100),
+        optim=dataclasses.replace(cfg.optim, warmup_steps=0),
     )
     train(cfg)
     line = "loss: a full batch's 2176 rows per device in 2 chunks of 1088 (model.loss_chunk_mib 1)"
