@@ -106,6 +106,7 @@ def test_ar_training_smoke(trained_tiny_run, tmp_path):
     assert train(tiny_run(tmp_path)).losses == res.losses
 
 
+@pytest.mark.slow  # a full batch of 2176 rows through the interpreted fused loss
 def test_a_run_names_its_loss_chunks(tmp_path, capsys):
     """A run whose fused loss splits a full batch says how, on the console and in the start
     record (128 x 17 rows of 128 float32 columns = 1.06 MiB at a 1 MiB budget: 2 chunks)."""
