@@ -31,15 +31,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # use atomics: the tests check that a rerun with the same seed is bit-identical. Added to any
 # XLA_FLAGS already set (a flag given there wins), so an environment's own flags keep these.
 add_xla_flags({"--xla_cpu_multi_thread_eigen": "false", "--xla_gpu_deterministic_ops": "true"})
-# One persistent compilation cache for the whole session: the xdist workers and the processes
-# tests start inherit it, so a program compiled once (a tiny run's train step, a resume's, an
-# 8-device check's) loads in milliseconds the next time. Compiling is most of a test's time on
-# a CPU. A new directory each session (removed at its end); a JAX_COMPILATION_CACHE_DIR already
-# set is used as it is.
-_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
-if _OWN_CACHE:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxllm-test-jit-")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 import jax  # noqa: E402
@@ -120,9 +111,32 @@ def finished_run(trained_tiny_run, tmp_path) -> Path:
     return run
 
 
+_own_cache: str | None = None  # the compilation cache this process made (and removes)
+
+
+def pytest_configure(config) -> None:
+    """Set up before any test compiles; xdist workers (started later) inherit the environment."""
+    global _own_cache
+    # One persistent compilation cache for the whole session: the workers and the processes tests
+    # start share it, so a program compiled once (a tiny run's train step, a resume's, an
+    # 8-device check's) loads in milliseconds the next time. Compiling is most of a test's time
+    # on a CPU. A new directory each session; a JAX_COMPILATION_CACHE_DIR already set is used.
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        _own_cache = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-jit-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    min_secs = float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
+    # The fast run (the default `-m "not slow"`) compiles at LLVM -O0: its programs are tiny and
+    # compiling them is most of its time (a quarter of its CPU time less). The slow run keeps
+    # XLA's default: its long trainings would run twice as long.
+    if config.option.markexpr == "not slow":
+        add_xla_flags({"--xla_backend_optimization_level": "0"})
+
+
 def pytest_unconfigure(config) -> None:
-    if _OWN_CACHE:  # the process that made the cache: the controller (or the only process)
-        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    if _own_cache:
+        shutil.rmtree(_own_cache, ignore_errors=True)
 
 
 @pytest.fixture(params=sorted(ARCH_EXTRAS))

@@ -55,7 +55,7 @@ def toy_config(run_dir: Path, *extra: str):
         [
             "--model.context_length=48",
             "--model.d_model=64",
-            "--model.n_layers=3",
+            "--model.n_layers=2",
             "--model.n_heads=4",
             "--execution.dropout=0.0",
             "--model.vocab_size=512",
@@ -68,7 +68,7 @@ def toy_config(run_dir: Path, *extra: str):
             "--optim.lr=3e-3",
             "--optim.warmup_steps=20",
             "--train.batch_size=64",
-            "--train.epochs=6",
+            "--train.epochs=4",
             "--train.progress=false",
             f"--train.run_dir={run_dir}",
             *extra,
@@ -82,8 +82,8 @@ def test_synthetic_translation_reaches_bleu_90(corpus):
     result = train(toy_config(run))
     assert result.bleu > 90, result.bleu
     epochs = sorted(run.glob("eval_results_epoch*.json"))
-    assert len(epochs) == 6
-    last = json.loads((run / "eval_results_epoch6.json").read_text())
+    assert len(epochs) == 4
+    last = json.loads((run / "eval_results_epoch4.json").read_text())
     assert last["bleu"] == result.bleu and last["validation_loss"] == result.eval_loss
     assert last["bleu_signature"].startswith("nrefs:1|case:mixed")
     hyps = (run / last["hypotheses"]).read_text().splitlines()
