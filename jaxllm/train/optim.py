@@ -10,7 +10,8 @@ from jaxllm.config import OptimConfig
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     """lr(step) for step = 0 .. total_steps - 1: 0 -> lr over `warmup_steps`, then a cosine
-    down to `min_lr`, reached exactly at step total_steps - 1 (the last update)."""
+    down to `min_lr`, reached exactly at step total_steps - 1 (the last update); with
+    warmup_steps = total_steps - 1 no step is left to decay and the last update is at lr."""
     if not 0 <= cfg.warmup_steps < total_steps:
         raise ValueError(f"warmup_steps must be in [0, {total_steps}), got {cfg.warmup_steps}")
     return optax.warmup_cosine_decay_schedule(
