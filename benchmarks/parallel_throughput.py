@@ -25,6 +25,10 @@ Variants (N = --devices, default all visible):
                --microbatches; global batch = per-device batch (the whole batch goes through
                every stage); compared with `single` at that same batch (the stages unroll
                their layers, as the plain model does).
+  dp_fsdp      2-D: parallel.data=N/2 x fsdp=2, scan_layers, global batch N x per-device
+               batch; compared with `single_scan`.
+  dp_pp        2-D: parallel.data=N/2 x pipeline=2, once per M; global batch N/2 x
+               per-device batch (each data shard goes through both stages); vs `single`.
 
 Per row: speedup = tokens/s over the 1-device baseline's, scaling efficiency = speedup / N.
 MFU per device counts throughput.py's FLOPs per token (jaxllm.profiling.flops, PaLM's 6 N +
@@ -77,10 +81,13 @@ from jaxllm.profiling.harness import is_oom, random_batch, time_calls
 from jaxllm.train.optim import make_optimizer
 from jaxllm.train.state import create_state, train_step
 
-VARIANTS = ("single", "single_scan", "dp", "fsdp", "pp")  # run order: baselines first
+VARIANTS = ("single", "single_scan", "dp", "fsdp", "pp", "dp_fsdp", "dp_pp")  # baselines first
 # pp against the plain (unrolled) model: the stages unroll their layers too (jaxllm.pipeline),
 # and the scanned model's loop overheads would flatter the pipeline.
-BASELINE = {"dp": "single", "fsdp": "single_scan", "pp": "single"}
+BASELINE = {
+    "dp": "single", "fsdp": "single_scan", "pp": "single", "dp_fsdp": "single_scan",
+    "dp_pp": "single",
+}  # fmt: skip
 MIB = 2**20
 
 
@@ -141,10 +148,15 @@ def make_variants(args: argparse.Namespace, names: list[str], n: int) -> list[Va
         elif name == "fsdp":
             mesh = ("--parallel.data=1", f"--parallel.fsdp={n}", "--parallel.pipeline=1")
             out.append(Variant(name, n, n * b, (*mesh, scan)))
-        else:  # pp
-            mesh = ("--parallel.data=1", "--parallel.fsdp=1", f"--parallel.pipeline={n}")
+        elif name == "dp_fsdp":  # 2-D: data N/2 x fsdp 2
+            mesh = (f"--parallel.data={n // 2}", "--parallel.fsdp=2", "--parallel.pipeline=1")
+            out.append(Variant(name, n, n * b, (*mesh, scan)))
+        else:  # pp: S = N stages; dp_pp: data N/2 x 2 stages, each data shard a pp batch
+            ways, stages = (1, n) if name == "pp" else (n // 2, 2)
+            mesh = (f"--parallel.data={ways}", "--parallel.fsdp=1", f"--parallel.pipeline={stages}")
             for m in args.microbatches:
-                out.append(Variant(name, n, b, (*mesh, scan, f"--parallel.microbatches={m}"), m))
+                micro = f"--parallel.microbatches={m}"
+                out.append(Variant(name, n, ways * b, (*mesh, scan, micro), m))
     return out
 
 
