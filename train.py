@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = _main(argv)
     except SystemExit as e:  # parser.exit: the error line is out
-        code = e.code if isinstance(e.code, int) else 1
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except BaseException as e:
         if not jax.distributed.is_initialized():
             raise

@@ -184,6 +184,10 @@ class ExecutionConfig(Section):
     # Training targets (1 - e) onehot + e / V; evaluation losses stay plain cross-entropy.
     label_smoothing: float = spec(0.0, ge=0.0, lt=1.0)
 
+    # The fields that change what is trained (the objective), not how it is computed: a resume
+    # that changes them is refused like a change of model (config_changes).
+    OBJECTIVE: ClassVar[tuple[str, ...]] = ("dropout", "label_smoothing")
+
     def _check(self) -> None:
         if self.residual_dtype == "bfloat16" and self.compute_dtype != "bfloat16":
             raise ConfigError(
@@ -486,8 +490,9 @@ class Config(Section):
 
 def config_changes(old: Config, new: Config) -> list[str]:
     """'section.key: old -> new' for every field that differs and changes what a run computes
-    (TrainConfig.NO_EFFECT fields, `execution` and the device layout, `parallel`, are left out:
-    a run saved on 8 devices with Pallas kernels may continue on 1 with XLA's)."""
+    (TrainConfig.NO_EFFECT fields, `execution` but its OBJECTIVE and the device layout,
+    `parallel`, are left out: a run saved on 8 devices with Pallas kernels may continue on 1 with
+    XLA's)."""
 
     def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -497,7 +502,8 @@ def config_changes(old: Config, new: Config) -> list[str]:
 
     a, b = flat(old.to_dict()), flat(new.to_dict())
     skip = {f"train.{k}" for k in TrainConfig.NO_EFFECT}
-    skip |= {f"execution.{f.name}" for f in dataclasses.fields(ExecutionConfig)}
+    how = {f.name for f in dataclasses.fields(ExecutionConfig)} - set(ExecutionConfig.OBJECTIVE)
+    skip |= {f"execution.{k}" for k in how}
     skip |= {f"parallel.{f.name}" for f in dataclasses.fields(ParallelConfig)}
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
             if k not in skip and a.get(k) != b.get(k)]  # fmt: skip

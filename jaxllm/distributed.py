@@ -240,13 +240,15 @@ def _abort(process_id: int | None, message: str, code: int) -> NoReturn:
 
 def _not_formed(address: str | None, n: int | None, i: int | None) -> None:
     """The group did not form within INIT_TIMEOUT_S: say where it waited and what to check."""
-    where = f"at {address}" if address else "(from the launcher)"
-    try:
-        host, port = (address or "").rsplit(":", 1)
-        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
-        why = f"the coordinator {where} answers but not all {n} processes joined"
-    except (OSError, ValueError):
-        why = f"nothing accepts connections {where}"
+    if address is None:
+        why = "the coordinator the launcher named was never reached"
+    else:
+        try:
+            host, port = address.rsplit(":", 1)
+            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+            why = f"the coordinator at {address} answers but not all {n} processes joined"
+        except (OSError, ValueError):
+            why = f"nothing accepts connections at {address}"
     _abort(
         i,
         f"the process group did not form within {INIT_TIMEOUT_S} s: {why}; check that process "

@@ -160,6 +160,7 @@ class OpPlan:
 def plan_ops(
     cfg: ModelConfig,
     ex: ExecutionConfig,
+    *,
     backend: str | None = None,
     shard: KernelShard | None = None,
 ) -> OpPlan:

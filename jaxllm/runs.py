@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from jaxllm.config import (
     Config,
     ConfigError,
-    ExecutionConfig,
     ModelConfig,
     from_dict,
     load_config,
@@ -55,14 +54,13 @@ def model_changes(trained: ModelConfig, current: ModelConfig) -> list[str]:
 def load_run(
     run_dir: str | Path,
     which: str = "latest",
-    execution: ExecutionConfig | None = None,
     overrides: list[str] | None = None,
 ) -> tuple[Config, dict[str, Any], int]:
     """(config, model variables {'params': ...}, step) of a train.py run dir's checkpoint.
 
     `which` is 'latest' or 'best' (lowest eval loss); the newest intact one (see
-    `Checkpointer.restore`). The returned config holds the checkpoint's model, `execution`
-    (default: config.yaml's) and the dir it was loaded from as train.run_dir (a run dir may
+    `Checkpointer.restore`). The returned config holds the checkpoint's model, config.yaml's
+    `execution` (with `overrides`) and the dir it was loaded from as train.run_dir (a run dir may
     have moved). The optimizer state is restored into an abstract template and dropped. The run
     dir is only read, never repaired. Where config.yaml's model differs from the checkpoint's,
     a CheckpointConfigWarning names the differences. `overrides` (a command line's
@@ -77,7 +75,7 @@ def load_run(
     if fixed := [f"--{k}" for k in parse_overrides(overrides or []) if k.startswith("model.")]:
         raise ConfigError(f"{', '.join(fixed)}: a trained run's model is its checkpoint's")
     cfg = load_config(run_dir / "config.yaml")
-    wanted = load_config(run_dir / "config.yaml", overrides)  # how the caller runs it
+    wanted = load_config(run_dir / "config.yaml", overrides) if overrides else cfg
     ckpt = Checkpointer(run_dir, cfg.train.keep_checkpoints, repair=False)
     try:
         newest = (ckpt.latest if which == "latest" else ckpt.best).latest_step()
@@ -113,7 +111,7 @@ def load_run(
             f"{run_dir}: {which} checkpoint {meta['step']}, restored because {newest} was "
             "unusable, was trained as another model than the one built for it"
         )
-    execution = execution or wanted.execution
+    execution = wanted.execution
     params = state.params
     if execution.scan_layers and not trained.execution.scan_layers:
         params = stack_blocks(params, trained.model.n_layers)

@@ -168,9 +168,13 @@ def test_parallel_config_validation():
     assert config_changes(_cfg(), _cfg("--parallel.data=8")) == []
     staged_args = ("--parallel.data=2", "--parallel.pipeline=4", "--parallel.microbatches=2")
     assert config_changes(_cfg(), _cfg(*staged_args)) == []
-    # Like execution (dropout too), the layout is how a run computes: free to change.
+    # Like execution, the layout is how a run computes: free to change, with dropout too
+    # (other masks); dropout and label smoothing themselves change the objective: refused.
     drop = ("--execution.dropout=0.1",)
-    assert config_changes(_cfg(*drop), _cfg("--parallel.data=4", "--parallel.fsdp=2")) == []
+    assert config_changes(_cfg(*drop), _cfg(*drop, "--parallel.data=4", "--parallel.fsdp=2")) == []
+    assert config_changes(_cfg(*drop), _cfg("--execution.kernels=pallas")) == [
+        "execution.dropout: 0.1 -> 0.0"
+    ]
 
 
 def test_param_spec_shards_largest_divisible_axis():
