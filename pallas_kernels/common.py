@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -146,13 +147,19 @@ def core_count() -> int:
 @functools.cache
 def tuning_table(kernel: str) -> dict[tuple, tuple]:
     """Measured tilings of `kernel`, key -> tiling, from tuning/<kernel>_<gpu>.json for the
-    default device's GPU model (REFERENCE_GPU's file where it has none). Each file records the
-    commands and dates that produced its entries."""
-    kind = jax.devices()[0].device_kind.lower()
-    path = TUNING_DIR / f"{kernel}_{REFERENCE_GPU}.json"
+    default device's GPU model (REFERENCE_GPU's file where it has none: said once, as a
+    warning, on a GPU). Each file records the commands and dates that produced its entries."""
+    device = jax.devices()[0]
+    kind = device.device_kind.lower()
+    path = None
     for candidate in sorted(TUNING_DIR.glob(f"{kernel}_*.json")):
-        if candidate.stem.removeprefix(f"{kernel}_") in kind:
+        if re.search(rf"\b{re.escape(candidate.stem.removeprefix(kernel + '_'))}\b", kind):
             path = candidate
+    if path is None:
+        path = TUNING_DIR / f"{kernel}_{REFERENCE_GPU}.json"
+        if device.platform == "gpu":
+            warnings.warn(f"{kernel}: no tilings measured on {device.device_kind}; using "
+                          f"{path.name}'s", stacklevel=2)  # fmt: skip
     entries = json.loads(path.read_text())["entries"]
     return {tuple(e["key"]): tuple(e["tiling"]) for e in entries}
 

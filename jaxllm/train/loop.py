@@ -175,11 +175,11 @@ def total_steps(cfg: Config, source: BatchSource) -> int:
     return cfg.train.epochs * source.steps_per_epoch
 
 
-def checkpoint_policy(done: int, total: int, every: int, improved: bool) -> tuple[bool, bool]:
-    """(save a checkpoint after update `done`?, as the best one?): every `every` updates (0:
-    never), after the last one, and after an evaluation that improved the best score (lowest
-    eval loss, or the source's own score: Extras.score), which is also the best checkpoint."""
-    return improved or done == total or bool(every and done % every == 0), improved
+def checkpoint_policy(done: int, total: int, every: int, improved: bool) -> bool:
+    """Whether to save a checkpoint after update `done`: every `every` updates (0: never), after
+    the last one, and after an evaluation that improved the best score (lowest eval loss, or the
+    source's own score: Extras.score), which is then saved as the best checkpoint too."""
+    return improved or done == total or bool(every and done % every == 0)
 
 
 def train(cfg: Config, source: BatchSource | None = None) -> TrainResult:
@@ -368,9 +368,8 @@ class _Run:
         end_of_epoch = self.per_epoch is not None and done % self.per_epoch == 0
         due = (tc.eval_every and done % tc.eval_every == 0) or done == self.total or end_of_epoch
         improved = bool(due) and self._evaluate(done)
-        save, best = checkpoint_policy(done, self.total, tc.checkpoint_every, improved)
-        if save:
-            self.save(done, best)
+        if checkpoint_policy(done, self.total, tc.checkpoint_every, improved):
+            self.save(done, best=improved)
         # the interval's tokens stay counted: move its start past the pause instead
         self.last_time += time.perf_counter() - paused
         self.bar.update(1)
