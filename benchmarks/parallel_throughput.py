@@ -217,9 +217,8 @@ class Run:
         self.cfg = cfg
         model, self.mesh = build(cfg, devices)
         micro = cfg.parallel.microbatches
-        scan = cfg.execution.scan_layers
         self.plan_line = parallel.kernel_model(model, self.mesh).plan.describe()
-        self.parallel_line = parallel.describe(self.mesh, micro, scan, cfg.train.batch_size)
+        self.parallel_line = parallel.describe(self.mesh, micro, cfg.train.batch_size)
         print(f"{label}: {self.plan_line}")
         print(f"{label}: {self.parallel_line}", flush=True)
         host = random_batch(cfg, cfg.train.batch_size, seed)

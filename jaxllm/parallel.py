@@ -13,16 +13,16 @@ the pipeline's (jaxllm/pipeline.py):
   holds layers s L/S .. (s + 1) L/S - 1 (and their Adam moments).
 - The train step is `jax.jit` with these in/out shardings: XLA's SPMD partitioner inserts the
   all-gathers of sharded weights, the reduce(-scatter)s of the gradients and the reduction of
-  the loss. With execution.scan_layers and fsdp > 1 the block weights are gathered one layer at a
-  time inside the scanned loop, forward and again in the backward (ZeRO-3), instead of all
-  at the start of the step. With pipeline > 1 the loss runs embed -> GPipe over the stages
+  the loss. With fsdp > 1 the block weights are gathered one layer at a time (unrolled blocks
+  or the scanned loop), forward and again in the backward (ZeRO-3), instead of all at the
+  start of the step. With pipeline > 1 the loss runs embed -> GPipe over the stages
   (`pipeline_apply`: shard_map + ppermute) -> final norm + loss. `mesh_apply` picks the path.
   Under a pipeline, fsdp-sharded stage weights are gathered once per step, on entering the
   stages: a per-layer gather there would run once per tick, M + S - 1 times a step instead of
   once (DeepSpeed does not combine ZeRO-3 with pipeline stages either).
   Dropout works on both paths: each layer (and under the pipeline each microbatch) gets its
   own key folded from the step's dropout rng (`Decoder.run_blocks`); the masks differ from the
-  one-device scanned model's, which splits its rng another way.
+  one-device model's, which splits its rng another way.
 
 Pallas kernels are custom calls that the partitioner cannot split (it would gather their operands
 and run them whole on every device), so on a mesh of several devices the model runs with a
@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import Config, ConfigError, ExecutionConfig, ModelConfig, ParallelConfig
 from jaxllm.functional import IGNORE
-from jaxllm.models.decoder import BlockRunner, Decoder
+from jaxllm.models.decoder import BlockRunner, Decoder, is_layer_name
 from jaxllm.ops import KernelShard
 from jaxllm.pipeline import bubble_fraction, pipeline_apply, rows_split
 
@@ -165,12 +165,11 @@ def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
 def describe(
     mesh: Mesh,
     microbatches: int | None = None,
-    scan_layers: bool = False,
     batch_size: int | None = None,
 ) -> str:
     """One line for the start of a run, e.g. 'parallel: mesh data=4 fsdp=2 over 8 cpu devices'
     ('... pipeline=4 (4 microbatches, bubble 43%) ...' with pipeline stages). With fsdp > 1 it
-    says where the weights are gathered: per layer (execution.scan_layers, no pipeline) or once at
+    says where the weights are gathered: per layer (no pipeline) or once at
     the start of the step. With stages and `batch_size` it says how the rows enter the pipeline
     (pipeline.rows_split): split over the stages, or replicated over them and why."""
     sizes = " ".join(f"{a}={mesh.shape[a]}" for a in AXES if a != "pipeline")
@@ -191,8 +190,7 @@ def describe(
     elif microbatches is not None:  # set, but there is nothing to pipeline: say so
         sizes += f" (parallel.microbatches={microbatches} unused: no pipeline stages)"
     if mesh.shape["fsdp"] > 1:
-        per_layer = scan_layers and stages == 1
-        sizes += f" (fsdp weights gathered per {'layer' if per_layer else 'step'})"
+        sizes += f" (fsdp weights gathered per {'layer' if stages == 1 else 'step'})"
     platform = mesh.devices.flat[0].platform
     return f"parallel: mesh {sizes} over {mesh.size} {platform} device{'s' * (mesh.size > 1)}"
 
@@ -294,7 +292,7 @@ def shard_batch(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
 
 
 # Ops that only move, cast or re-shape data: recomputed in the backward, never saved (see
-# gathered_scan). Weights pass through nothing else between their gather and their matmul.
+# gathered_layers). Weights pass through nothing else between their gather and their matmul.
 _DATA_MOVEMENT = frozenset({
     "sharding_constraint", "convert_element_type", "slice", "dynamic_slice", "split",
     "squeeze", "expand_dims", "reshape", "broadcast_in_dim", "transpose", "concatenate",
@@ -307,39 +305,41 @@ def _save_computed(prim: Any, *_: Any, **__: Any) -> bool:
     return prim.name not in _DATA_MOVEMENT
 
 
-def gathered_scan(mesh: Mesh) -> Callable[[Callable, Any, Any], Any]:
-    """A `BlockRunner.run` for `Decoder.loss`: the layers in a `lax.scan` whose body all-gathers its
-    layer's fsdp-sharded weights (a sharding constraint to replicated on the slice). The
-    gradients of each layer's weights are reduced inside the backward loop and written into the
-    stacked gradients in the shard layout (a reduce-scatter where XLA forms one; the CPU backend
-    writes all-reduce + slice).
+def gathered_layers(mesh: Mesh) -> Callable[..., Any]:
+    """A `BlockRunner.run` for `Decoder.loss` that all-gathers each layer's fsdp-sharded weights
+    just before the layer runs (a sharding constraint to replicated): a `lax.scan` over the
+    stacked layers (execution.scan_layers), else a Python loop over the unrolled blocks, which
+    leaves XLA free to fuse across layers and to start the next layer's gather during this one.
+    Each layer's weight gradients are reduced into the shard layout as the backward reaches it
+    (a reduce-scatter where XLA forms one; the CPU backend writes all-reduce + slice).
 
-    Nothing derived from the gathered weights is kept for the backward: the body runs under
+    Nothing derived from the gathered weights is kept for the backward: each layer runs under
     `jax.checkpoint` with `_save_computed`, which saves the outputs of the ops that compute
     (matmuls, kernels, elementwise math, reductions) and recomputes the ones that only move,
     cast or re-shape data, which is all the weights go through before a matmul. So the backward
-    loop gathers each layer again, re-casts and re-slices it, and recomputes nothing else; at
-    most a layer or two are ever whole on a device (ZeRO-3). Without a policy the scan would save
-    every layer's gathered weights (and their casts and slices): all of them whole. (The
-    `dots_saveable` policy keeps them out too, but recomputes the norms, activations and
-    attention in the backward.) With execution.remat=block each layer saves only its inputs.
+    gathers each layer again, re-casts and re-slices it, and recomputes nothing else; at most a
+    layer or two are ever whole on a device (ZeRO-3). Without a policy the backward would keep
+    every layer's gathered weights: all of them whole. (The `dots_saveable` policy keeps them
+    out too, but recomputes the norms, activations and attention in the backward.) With
+    execution.remat=block each layer saves only its inputs.
 
     With `rng` (dropout), layer i runs as `layer_fn(params_i, carry, fold_in(rng, i))`; the
     recomputation in the backward draws the same masks from the same keys."""
 
-    def run(layer_fn: Callable, stacked: Any, carry: Any, rng: jax.Array | None = None) -> Any:
-        whole = jax.tree.map(lambda _: replicated(mesh), stacked)
+    def run(layer_fn: Callable, layers: Any, carry: Any, rng: jax.Array | None = None) -> Any:
+        def layer(c: Any, p: Any, i: jax.Array | int) -> Any:
+            p = jax.lax.with_sharding_constraint(p, jax.tree.map(lambda _: replicated(mesh), p))
+            return layer_fn(p, c) if rng is None else layer_fn(p, c, jax.random.fold_in(rng, i))
 
-        def body(c: Any, p_i: tuple[Any, jax.Array]) -> tuple[Any, None]:
-            p, i = p_i
-            p = jax.lax.with_sharding_constraint(p, whole)
-            if rng is None:
-                return layer_fn(p, c), None
-            return layer_fn(p, c, jax.random.fold_in(rng, i)), None
-
-        body = jax.checkpoint(body, policy=_save_computed)
-        n_layers = jax.tree.leaves(stacked)[0].shape[0]
-        return jax.lax.scan(body, carry, (stacked, jnp.arange(n_layers)))[0]
+        layer = jax.checkpoint(layer, policy=_save_computed)
+        if isinstance(layers, list):  # unrolled blocks
+            for i, p in enumerate(layers):
+                with jax.named_scope(f"block_{i}"):
+                    carry = layer(carry, p, i)
+            return carry
+        n_layers = jax.tree.leaves(layers)[0].shape[0]
+        body = lambda c, p_i: (layer(c, *p_i), None)  # noqa: E731
+        return jax.lax.scan(body, carry, (layers, jnp.arange(n_layers)))[0]
 
     return run
 
@@ -403,8 +403,8 @@ def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) 
     """The apply function the train and eval steps use on `mesh` in place of a state's
     `apply_fn` (a Decoder's `model.apply`): with execution.scan_layers and pipeline > 1, a
     `MeshApply` whose loss runs the stages with `pipeline_apply` (`microbatches`, default one
-    per stage); with scan_layers and fsdp > 1, one whose loss gathers the block weights layer
-    by layer (`gathered_scan`); else the model's apply. Both thread dropout keys per layer
+    per stage); with fsdp > 1, one whose loss gathers the block weights layer by layer
+    (`gathered_layers`); else the model's apply. Both thread dropout keys per layer
     (`Decoder.run_blocks`). A Decoder runs as `kernel_model` makes it (Pallas calls per batch
     shard)."""
     model = getattr(apply_fn, "__self__", None)
@@ -436,18 +436,24 @@ def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) 
         what = f"pipeline {stages} stages x {m} microbatches"
         split = NamedSharding(mesh, P(ROW_AXES))
         return MeshApply(model, BlockRunner(run, per_device=True), ways, what, split_rows=split)
-    if scanned and fsdp > 1:
-        runner = BlockRunner(gathered_scan(mesh))
+    if isinstance(model, Decoder) and fsdp > 1:
+        runner = BlockRunner(gathered_layers(mesh))
         return MeshApply(model, runner, 1, f"fsdp {fsdp}, gathered per layer")
     return apply_fn
 
 
-def _gather_params(params: Any, mesh: Mesh, keep_blocks: bool) -> Any:
+def _gather_params(params: Any, mesh: Mesh, keep_layers: bool) -> Any:
     """Every parameter constrained to replicated (gathered at the start of the step), except
-    the stacked blocks when `keep_blocks` (their path gathers them itself)."""
+    the blocks' (params["blocks"], or h0, h1, ...) when `keep_layers`: their runner gathers
+    them layer by layer."""
     whole = replicated(mesh)
+
+    def layer(path: Sequence[Any]) -> bool:
+        return any(getattr(k, "key", None) == "blocks" or is_layer_name(str(getattr(k, "key", "")))
+                   for k in path)  # fmt: skip
+
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: x if keep_blocks and in_blocks(path) else
+        lambda path, x: x if keep_layers and layer(path) else
         jax.lax.with_sharding_constraint(x, whole),
         params,
     )  # fmt: skip
@@ -466,7 +472,7 @@ def _on_mesh(step: Callable, state: Any, mesh: Mesh, microbatches: int | None) -
     def run(state: Any, *args: Any) -> Any:
         orig, params = state.apply_fn, state.params
         if gather:
-            params = _gather_params(params, mesh, keep_blocks=isinstance(apply, MeshApply))
+            params = _gather_params(params, mesh, keep_layers=isinstance(apply, MeshApply))
         out = step(state.replace(params=params, apply_fn=apply), *args)
         if isinstance(out, tuple) and hasattr(out[0], "apply_fn"):  # (new state, metrics)
             out = (out[0].replace(apply_fn=orig), *out[1:])
@@ -483,7 +489,7 @@ def jit_train_step(
     the batch keeps the sharding `shard_batch` gave it. The old state is donated.
 
     The loss runs as `mesh_apply` says: through the pipeline stages (`microbatches`), or with
-    the block weights gathered per layer (execution.scan_layers, fsdp > 1). Otherwise, with
+    the block weights gathered per layer (a Decoder, fsdp > 1). Otherwise, with
     fsdp > 1, the parameters are gathered once, at the start of the step: left to itself, XLA's
     sharding propagation follows the weights' fsdp split into the activations and then has to
     undo it ("involuntary full rematerialization" warnings; the embeddings' gradients,

@@ -267,6 +267,7 @@ def _check_dp_equivalence() -> None:
             "params": [np.asarray(p).tolist() for p in jax.tree.leaves(jax.device_get(state))],
             "bytes": parallel.state_bytes_per_device(state),
             "eval": _eval_on(state, None if name == "single" else mesh),
+            "apply": repr(parallel.mesh_apply(state.apply_fn, mesh)),
         }
     fsdp8 = parallel.make_mesh(_cfg("--parallel.data=1", "--parallel.fsdp=8"))
     out["fsdp8_bytes"] = parallel.state_bytes_per_device(
@@ -292,6 +293,8 @@ def test_data_and_fsdp_parallel_match_one_device():
         np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-5, err_msg=name)
         _assert_trees_close(r["grads"], ref["grads"], 1e-5, name)
         _assert_trees_close(r["params"], ref["params"], 1e-5, name)  # params, moments, step
+    # the unrolled blocks gather their weights one layer at a time too
+    assert out["data4_fsdp2"]["apply"] == "MeshApply(GPT2, fsdp 2, gathered per layer)"
     # evaluate() on a mesh pads a partial batch (12 rows) to the data x fsdp layout by itself
     assert ref["eval"]["batches"] == [[16, False], [16, False], [12, False]]
     for name in ("data8", "data4_fsdp2"):
@@ -543,7 +546,7 @@ def _check_fsdp_layout_and_refusals() -> None:
 def test_fsdp_shards_params_and_refuses_bad_meshes():
     out = _on_8_devices("_check_fsdp_layout_and_refusals")
     assert out["describe"] == (
-        "parallel: mesh data=4 fsdp=2 (fsdp weights gathered per step) over 8 cpu devices"
+        "parallel: mesh data=4 fsdp=2 (fsdp weights gathered per layer) over 8 cpu devices"
     )
     assert out["qkv"]["shape"] == [32, 96]
     assert out["qkv"]["spec"] == str(P(None, "fsdp"))

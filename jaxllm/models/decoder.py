@@ -58,10 +58,11 @@ LayerFn = Callable[..., Carry]  # layer_fn(layer_params, carry[, key]) -> carry
 
 @dataclasses.dataclass(frozen=True)
 class BlockRunner:
-    """Runs a scanned model's block stack in place of its own `nn.scan` (`Decoder.loss(...,
-    blocks=runner)`): `run(layer_fn, stacked_params, carry, rng=key) -> carry`, where
-    `layer_fn(layer_params, carry[, key])` applies one layer (remat and all) to one slice of
-    params["blocks"]. With dropout, `rng` is a key of the blocks' own and `run` passes each
+    """Runs a model's block stack in place of its own loop or `nn.scan` (`Decoder.loss(...,
+    blocks=runner)`): `run(layer_fn, layers, carry, rng=key) -> carry`, where
+    `layer_fn(layer_params, carry[, key])` applies one layer (remat and all) and `layers` is
+    params["blocks"] (execution.scan_layers: leaves (L, ...), a layer is a slice) or the list
+    of the unrolled blocks' parameters [params["h0"], ...]. With dropout, `rng` is a key of the blocks' own and `run` passes each
     layer (and microbatch) a key of its own (e.g. `fold_in(rng, layer)`); else rng is None.
     jaxllm.parallel runs the layers gathering each one's weights (fsdp), jaxllm.pipeline as
     pipeline stages. `per_device`: `run` calls layer_fn inside its own shard_map, on per-device
@@ -161,6 +162,11 @@ class Decoder(nn.Module):
             with jax.named_scope("ln_f"):
                 _, x = add_and_norm(self.ln_f, x, h)
             return x, cache
+        if blocks is not None:  # one layer's parameters (h{i}) at a time, as the runner says
+            x, h = self.run_blocks(blocks, (x, None), inputs.deterministic)
+            with jax.named_scope("ln_f"):
+                _, x = add_and_norm(self.ln_f, x, h)
+            return x, cache
         h, new_cache = None, []
         for i, block in enumerate(self.blocks):
             with jax.named_scope(f"block_{i}"):
@@ -171,20 +177,30 @@ class Decoder(nn.Module):
         return x, (None if cache is None else new_cache)
 
     def run_blocks(self, runner: BlockRunner, carry: Carry, deterministic: bool) -> Carry:
-        """The scanned stack run by `runner`: the same layer body as `self.blocks`, applied to
-        one layer's slice of params["blocks"] at a time."""
+        """The block stack run by `runner`: the layer body of `self.blocks` applied to one
+        layer's parameters at a time: slices of params["blocks"] (execution.scan_layers), or
+        the list params["h0"], params["h1"], ... (unrolled; carry (x, None) before block 0)."""
         plan = dataclasses.replace(self.plan, shard=None) if runner.per_device else self.plan
-        body = _ScanLayer(self.cfg, self.execution, plan, self.blocks.block, parent=None)
+        params = self.variables["params"]
+        scanned = self.execution.scan_layers
+        if scanned:
+            body = _ScanLayer(self.cfg, self.execution, plan, self.blocks.block, parent=None)
+            layers = params["blocks"]
+        else:
+            body = self.blocks[0].clone(parent=None, plan=plan)  # a block, unbound
+            layers = [params[f"h{i}"] for i in range(self.cfg.n_layers)]
 
         def layer_fn(layer_params: Any, carry: Carry, key: jax.Array | None = None) -> Carry:
             b, t = carry[0].shape[:2]  # a microbatch's own rows
             inputs = AttentionInputs(jnp.broadcast_to(jnp.arange(t), (b, t)), deterministic)
             rngs = None if key is None else {"dropout": key}
-            return body.apply({"params": layer_params}, carry, inputs, None, rngs=rngs)[0]
+            if scanned:
+                return body.apply({"params": layer_params}, carry, inputs, None, rngs=rngs)[0]
+            return body.apply({"params": layer_params}, *carry, inputs, None, rngs=rngs)[:2]
 
         dropout = not deterministic and self.execution.dropout > 0 and self.has_rng("dropout")
         rng = self.make_rng("dropout") if dropout else None
-        return runner.run(layer_fn, self.variables["params"]["blocks"], carry, rng=rng)
+        return runner.run(layer_fn, layers, carry, rng=rng)
 
     def head_matrix(self) -> jax.Array:
         """The LM head as (V, D): the token table when tied."""
@@ -214,13 +230,9 @@ class Decoder(nn.Module):
     ) -> tuple[jax.Array, Sums]:
         """tokens, targets (B, T) int (IGNORE = -1: no loss) -> (mean loss over the counted
         targets, sums). On the Pallas loss path the (B, T, V) logits are never formed.
-        `blocks` (execution.scan_layers): how the block stack runs (jaxllm.parallel)."""
+        `blocks`: how the block stack runs (jaxllm.parallel)."""
         check_tokens(tokens, self.cfg)
         check_targets(targets, tokens, self.cfg)
-        if blocks is not None and not self.execution.scan_layers:
-            raise ValueError(
-                "Decoder.loss(blocks=...) runs a scanned stack: it needs execution.scan_layers=true"
-            )
         inputs = AttentionInputs(default_positions(tokens), deterministic)
         x, _ = self.hidden(tokens, inputs, blocks=blocks)
         smoothing = 0.0 if deterministic else self.execution.label_smoothing
@@ -276,7 +288,7 @@ def stack_blocks(params: dict, n_layers: int) -> dict:
     """Unrolled parameters (h0 .. h{L-1}) -> the execution.scan_layers layout (blocks/block, every
     leaf stacked on a leading (L,) axis). The other entries are kept as they are."""
     layers = [params[f"h{i}"] for i in range(n_layers)]
-    rest = {k: v for k, v in params.items() if not _is_layer_name(k)}
+    rest = {k: v for k, v in params.items() if not is_layer_name(k)}
     return rest | {"blocks": {"block": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}}
 
 
@@ -288,7 +300,8 @@ def unstack_blocks(params: dict) -> dict:
     return rest | {f"h{i}": jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)}
 
 
-def _is_layer_name(name: str) -> bool:
+def is_layer_name(name: str) -> bool:
+    """Whether `name` is an unrolled block's parameter entry (h0, h1, ...)."""
     return name.startswith("h") and name[1:].isdigit()
 
 

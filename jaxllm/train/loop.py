@@ -307,8 +307,7 @@ class _Run:
         # outside any pipeline, on the rows of the whole batch split over the mesh: plan.shard)
         rows = tc.batch_size * cfg.model.context_length
         chunks = self.plan.loss_chunks(cfg.model, cfg.execution, rows)
-        microbatches, scan = cfg.parallel.microbatches, cfg.execution.scan_layers
-        layout = parallel.describe(self.mesh, microbatches, scan, tc.batch_size)
+        layout = parallel.describe(self.mesh, cfg.parallel.microbatches, tc.batch_size)
         state_bytes = parallel.state_bytes_per_device(self.state)
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(self.state.params))
         record = {"event": "resume" if self.start_step else "start", "step": self.start_step}
