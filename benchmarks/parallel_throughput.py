@@ -17,16 +17,18 @@ back-to-back steps closed by a device sync (profile.py's --warmup / --samples / 
 
 Variants (N = --devices, default all visible):
   single       1 device, batch = per-device batch.
-  single_scan  1 device, execution.scan_layers=true: the baseline of fsdp (which needs it).
+  single_scan  1 device, execution.scan_layers=true: the baseline of fsdp_scan.
   dp           parallel.data=N, global batch N x per-device batch; compared with `single`.
-  fsdp         parallel.fsdp=N, scan_layers (weights gathered per layer), global batch
+  fsdp         parallel.fsdp=N (weights gathered per layer, unrolled blocks), global batch
+               N x per-device batch; compared with `single`.
+  fsdp_scan    the same with scan_layers (gathered per layer inside the scanned loop), global batch
                N x per-device batch; compared with `single_scan`.
   pp           parallel.pipeline=N (S = N stages), scan_layers, once per microbatch count M of
                --microbatches; global batch = per-device batch (the whole batch goes through
                every stage); compared with `single` at that same batch (the stages unroll
                their layers, as the plain model does).
-  dp_fsdp      2-D: parallel.data=N/2 x fsdp=2, scan_layers, global batch N x per-device
-               batch; compared with `single_scan`.
+  dp_fsdp      2-D: parallel.data=N/2 x fsdp=2, global batch N x per-device batch; compared
+               with `single`.
   dp_pp        2-D: parallel.data=N/2 x pipeline=2, once per M; global batch N/2 x
                per-device batch (each data shard goes through both stages); vs `single`.
 
@@ -81,11 +83,12 @@ from jaxllm.profiling.harness import is_oom, random_batch, time_calls
 from jaxllm.train.optim import make_optimizer
 from jaxllm.train.state import create_state, train_step
 
-VARIANTS = ("single", "single_scan", "dp", "fsdp", "pp", "dp_fsdp", "dp_pp")  # baselines first
+VARIANTS = ("single", "single_scan", "dp", "fsdp", "fsdp_scan", "pp", "dp_fsdp", "dp_pp")
 # pp against the plain (unrolled) model: the stages unroll their layers too (jaxllm.pipeline),
 # and the scanned model's loop overheads would flatter the pipeline.
 BASELINE = {
-    "dp": "single", "fsdp": "single_scan", "pp": "single", "dp_fsdp": "single_scan",
+    "dp": "single", "fsdp": "single", "fsdp_scan": "single_scan", "pp": "single",
+    "dp_fsdp": "single",
     "dp_pp": "single",
 }  # fmt: skip
 MIB = 2**20
@@ -145,12 +148,12 @@ def make_variants(args: argparse.Namespace, names: list[str], n: int) -> list[Va
         elif name == "dp":
             mesh = (f"--parallel.data={n}", "--parallel.fsdp=1", "--parallel.pipeline=1")
             out.append(Variant(name, n, n * b, (*mesh, plain)))
-        elif name == "fsdp":
+        elif name in ("fsdp", "fsdp_scan"):
             mesh = ("--parallel.data=1", f"--parallel.fsdp={n}", "--parallel.pipeline=1")
-            out.append(Variant(name, n, n * b, (*mesh, scan)))
+            out.append(Variant(name, n, n * b, (*mesh, scan if name == "fsdp_scan" else plain)))
         elif name == "dp_fsdp":  # 2-D: data N/2 x fsdp 2
             mesh = (f"--parallel.data={n // 2}", "--parallel.fsdp=2", "--parallel.pipeline=1")
-            out.append(Variant(name, n, n * b, (*mesh, scan)))
+            out.append(Variant(name, n, n * b, (*mesh, plain)))
         else:  # pp: S = N stages; dp_pp: data N/2 x 2 stages, each data shard a pp batch
             ways, stages = (1, n) if name == "pp" else (n // 2, 2)
             mesh = (f"--parallel.data={ways}", "--parallel.fsdp=1", f"--parallel.pipeline={stages}")

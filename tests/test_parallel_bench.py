@@ -61,7 +61,7 @@ def test_every_variant_on_two_devices(tmp_path: Path) -> None:
     """One bench run (about 30 s on 2 CPU cores) checked three ways. One test, not three
     sharing a fixture: pytest-xdist would run that fixture once per worker."""
     out = tmp_path / "rows.jsonl"
-    variants = "--variants=single,single_scan,dp,fsdp,pp"
+    variants = "--variants=single,single_scan,dp,fsdp,fsdp_scan,pp"
     done = _run([*TINY, variants, "--microbatches=2", f"--jsonl={out}"], devices=2)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     assert "| variant | devices |" in done.stdout  # the markdown table
@@ -78,19 +78,24 @@ def test_every_variant_on_two_devices(tmp_path: Path) -> None:
 
 def check_every_variant_gives_a_finite_row(rows: list[dict]) -> None:
     by = {r["variant"]: r for r in rows}
-    assert set(by) == {"single", "single_scan", "dp", "fsdp", "pp"}
+    assert set(by) == {"single", "single_scan", "dp", "fsdp", "fsdp_scan", "pp"}
     for r in rows:
         assert r["status"] == "ok", r
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
         assert math.isfinite(r["loss"]) and r["loss"] > 0
         assert r["step_ms"] > 0 and r["state_bytes_per_device"] > 0
         assert r["devices"] == (1 if r["variant"].startswith("single") else 2)
-    assert by["dp"]["global_batch"] == by["fsdp"]["global_batch"] == 8
+    assert (
+        by["dp"]["global_batch"]
+        == by["fsdp"]["global_batch"]
+        == by["fsdp_scan"]["global_batch"]
+        == 8
+    )
     assert by["pp"]["global_batch"] == by["single"]["global_batch"] == 4
     assert by["dp"]["baseline"] == "single"
-    assert by["fsdp"]["baseline"] == "single_scan"
-    assert by["pp"]["baseline"] == by["dp"]["baseline"] == "single"
-    for name in ("dp", "fsdp", "pp"):
+    assert by["fsdp_scan"]["baseline"] == "single_scan"
+    assert by["pp"]["baseline"] == by["dp"]["baseline"] == by["fsdp"]["baseline"] == "single"
+    for name in ("dp", "fsdp", "fsdp_scan", "pp"):
         r = by[name]
         assert r["speedup"] > 0
         assert r["scaling_efficiency"] == pytest.approx(r["speedup"] / 2)
@@ -98,8 +103,9 @@ def check_every_variant_gives_a_finite_row(rows: list[dict]) -> None:
 
 def check_fsdp_halves_the_state_per_device(rows: list[dict]) -> None:
     by = {r["variant"]: r for r in rows}
-    fsdp, one = by["fsdp"]["state_bytes_per_device"], by["single_scan"]["state_bytes_per_device"]
-    assert 0.45 * one <= fsdp <= 0.6 * one
+    for fsdp, one in (("fsdp", "single"), ("fsdp_scan", "single_scan")):
+        half, whole = by[fsdp]["state_bytes_per_device"], by[one]["state_bytes_per_device"]
+        assert 0.45 * whole <= half <= 0.6 * whole, (fsdp, half, whole)
     assert by["dp"]["state_bytes_per_device"] == by["single"]["state_bytes_per_device"]
 
 

@@ -62,8 +62,9 @@ class BlockRunner:
     blocks=runner)`): `run(layer_fn, layers, carry, rng=key) -> carry`, where
     `layer_fn(layer_params, carry[, key])` applies one layer (remat and all) and `layers` is
     params["blocks"] (execution.scan_layers: leaves (L, ...), a layer is a slice) or the list
-    of the unrolled blocks' parameters [params["h0"], ...]. With dropout, `rng` is a key of the blocks' own and `run` passes each
-    layer (and microbatch) a key of its own (e.g. `fold_in(rng, layer)`); else rng is None.
+    of the unrolled blocks' parameters [params["h0"], ...]. With dropout, `rng` is a key of
+    the blocks' own and `run` passes each layer (and microbatch) a key of its own (e.g.
+    `fold_in(rng, layer)`); else rng is None.
     jaxllm.parallel runs the layers gathering each one's weights (fsdp), jaxllm.pipeline as
     pipeline stages. `per_device`: `run` calls layer_fn inside its own shard_map, on per-device
     arrays, so the layers' Pallas calls run as they are (no KernelShard)."""
