@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# One call on a 2-GPU machine (nvidia-h200-x2 / nvidia-h100-x2), at most ~9.5 minutes:
+# One call on a machine of N GPUs (2: nvidia-h200-x2, 4: nvidia-h200-x4); each part one log:
 #   kernels  the kernel-switch and op-plan tests compiled on the GPU
 #   mp       2 processes x 1 GPU through jax.distributed (the AR preset) against 1 process on 1
 #            GPU: the same losses, and no error block on any process's stderr after success
-#   dp       GPT-2 124M, data parallel over 2 GPUs against 1
-#   pp       the pipeline over 2 stages at M = 4, 8, 16 microbatches
-# Usage: bash benchmarks/gpu_parallel_round.sh OUTDIR [PART ...]  (default: all four)
+#   dp       GPT-2 124M, data parallel over N GPUs against 1
+#   pp       the pipeline over N stages at M = 4, 8, 16 microbatches
+#   table    GPT-2 124M at 32 rows a GPU: 1 GPU (unrolled, scanned), dp, fsdp (unrolled and
+#            scanned, per-layer gather) over N
+#   dp64     dp at 64 rows a GPU against 1 GPU at 64
+#   pp128    the pipeline at a global batch of 128: GPipe and circular (V = 3), M = 8, 16
+#   big      the largest GPT-2-shaped model of a ladder that trains with fsdp over N GPUs, then
+#            the same model on 1 GPU (out of memory)
+# Usage: bash benchmarks/gpu_parallel_round.sh OUTDIR [PART ...]  (default: kernels mp dp pp)
 set -uo pipefail
 OUT=${1:?out dir}
 shift
@@ -37,7 +43,19 @@ mp() {  # the same AR run as 2 processes x 1 GPU and as 1 process on 1 GPU
   echo "stderr lines after success: p0 $(grep -c . "$OUT/mp0.err") p1 $(grep -c . "$OUT/mp1.err")"
   ! grep -lE "WatchTasks|Connection refused|Traceback|Check failure" "$OUT"/mp*.err
 }
-export -f mp
+big() {  # d_model x n_layers, largest first (GPT-2's shape: heads of 128, d_ff 4 d)
+  local big="python3 benchmarks/parallel_throughput.py --config configs/gpt2_124m.yaml --big \
+    --per-device-batch 1 --big-steps 4 --optim.warmup_steps=1 --jsonl $OUT/big.jsonl"
+  shape() { echo "--model.d_model=$1 --model.n_layers=$2 --model.n_heads=$(($1 / 128))"; }
+  echo "-- the smallest rung (d_model 5120, 36 layers) on 1 GPU"
+  timeout -s INT 100 $big --devices 1 $(shape 5120 36) 2>&1 | tail -4
+  for dl in 6144x52 6144x44 5120x48; do
+    echo "-- d_model ${dl%x*}, ${dl#*x} layers, fsdp over all GPUs"
+    timeout -s INT 150 $big $(shape ${dl%x*} ${dl#*x}) 2>&1 | tail -8
+    tail -1 "$OUT/big.jsonl" | grep -q '"status": "ok"' && break
+  done
+}
+export -f mp big
 export OUT
 for part in $PARTS; do
   case $part in
@@ -46,6 +64,12 @@ for part in $PARTS; do
     mp) step mp 130 bash -c mp ;;
     dp) step dp 130 $BENCH --per-device-batch 32 --variants single,dp ;;
     pp) step pp 220 $BENCH --per-device-batch 32 --variants single,pp --microbatches 4,8,16 ;;
+    table) step table 330 $BENCH --per-device-batch 32 \
+             --variants single,single_scan,dp,fsdp,fsdp_scan ;;
+    dp64) step dp64 150 $BENCH --per-device-batch 64 --variants single,dp ;;
+    pp128) step pp128 420 $BENCH --per-device-batch 128 --variants single,pp --microbatches 8,16 \
+             --virtual-stages 1,3 ;;
+    big) step big 330 bash -c big ;;
   esac
   tail -3 "$OUT/$part.log"
   grep -E "^\|" "$OUT/$part.log" | grep -v "^|---" | cut -c1-200 | tail -6 || true
