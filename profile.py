@@ -253,14 +253,13 @@ def _scaling(args: argparse.Namespace, overrides: list[str]) -> None:
     one = ok.get("single", {})
     batch = args.per_device_batch or one.get("setup", {}).get("per_device_batch") or 32
     step = args.step_ms or one.get("step_ms")
-    scan = args.scan_step_ms or ok.get("single_scan", {}).get("step_ms")
     config = args.config or one.get("setup", {}).get("config") or ROOT / "configs/gpt2_124m.yaml"
     cfg = load_config(config, [*one.get("setup", {}).get("overrides", ()), *overrides])
-    s = scaling.setup_for(cfg.model, batch, step, scan, args.overlap)
+    s = scaling.setup_for(cfg.model, batch, step, args.overlap)
     anchor = "measured" if step else f"{scaling.ANCHOR_TFLOPS:.0f} TFLOP/s, H200 GPT-2 124M"
     print(f"scaling on paper: {cfg.model.arch} {s.n_params / 1e6:.1f}M params, {batch} x "
-          f"{s.context} tokens per GPU; one GPU {s.step_ms:.1f} ms a step ({anchor}), scanned "
-          f"{s.scan_step_ms:.1f}; collectives at {scaling.ring_gbps(1):.0f} GB/s per GPU in a "
+          f"{s.context} tokens per GPU; one GPU {s.step_ms:.1f} ms a step ({anchor}); "
+          f"collectives at {scaling.ring_gbps(1):.0f} GB/s per GPU in a "
           f"host of {scaling.GPUS_PER_HOST}, {scaling.ring_gbps(10**6):.0f} across hosts (sends "
           f"{scaling.send_gbps(10**6):.0f}): {scaling.ACHIEVED:.0%} of NVLink's and InfiniBand's "
           f"line rates; {s.overlap:.0%} hidden behind compute")  # fmt: skip
@@ -365,8 +364,6 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--step-ms", type=_positive, default=None,
                    help="measured one-GPU step (default: the measured single row's, else "
                    "from the H200 FLOP rate)")  # fmt: skip
-    s.add_argument("--scan-step-ms", type=_positive, default=None,
-                   help="scanned one-GPU step, FSDP's baseline (default: --step-ms)")  # fmt: skip
     s.add_argument("--overlap", type=float, default=0.0, help="fraction of collectives hidden")
     s.add_argument("--gpus", type=_ints, default=(1, 2, 4, 8, 16, 64), help="GPU counts")
     s.add_argument("--measured", nargs="+", default=(), metavar="FILE",

@@ -5,8 +5,8 @@ A step on N GPUs is the one-GPU step (same rows per GPU) plus the time its colle
 the link's achieved bandwidth, nothing hidden behind compute unless `overlap` says so:
   DP    ring all-reduce of the float32 gradients: 2 (N-1)/N x 4 P bytes per GPU.
   FSDP  all-gather of the float32 parameters in the forward, again in the backward (the
-        gathered weights are not saved: jaxllm.parallel.gathered_scan), reduce-scatter of the
-        gradients: 3 (N-1)/N x 4 P bytes per GPU. Baseline: the one-GPU scanned model.
+        gathered weights are not saved: jaxllm.parallel.gathered_layers), reduce-scatter of the
+        gradients: 3 (N-1)/N x 4 P bytes per GPU.
   PP    S = N stages, M microbatches of the same global batch (GPipe): M + S - 1 ticks, each
         a stage's share of a microbatch's compute, a fixed cost per layer (fitted) and the
         sends of its activations forward and their gradients backward (B/M x T x d x 2 bytes).
@@ -53,21 +53,19 @@ class Setup:
     context: int
     batch: int  # rows per GPU
     step_ms: float  # one GPU, `batch` rows, layers unrolled
-    scan_step_ms: float  # one GPU, layers scanned (FSDP's baseline)
     overlap: float = 0.0  # fraction of collective time hidden behind compute
     param_bytes: int = 4  # float32 parameters and gradients on the wire
     act_bytes: int = 2  # bfloat16 activations between stages
 
 
 def setup_for(m: ModelConfig, batch: int, step_ms: float | None = None,
-              scan_step_ms: float | None = None, overlap: float = 0.0) -> Setup:  # fmt: skip
+              overlap: float = 0.0) -> Setup:  # fmt: skip
     """A Setup from the config's counts; no measured step: ANCHOR_TFLOPS x the FLOPs per step."""
     n_params = param_count(m)
     if step_ms is None:
         flops = batch * m.context_length * train_flops_per_token(m, n_params)
         step_ms = flops / (ANCHOR_TFLOPS * 1e12) * 1e3
-    scan = step_ms if scan_step_ms is None else scan_step_ms
-    return Setup(n_params, m.n_layers, m.d_model, m.context_length, batch, step_ms, scan, overlap)
+    return Setup(n_params, m.n_layers, m.d_model, m.context_length, batch, step_ms, overlap)
 
 
 def ring_gbps(n: int) -> float:
@@ -92,9 +90,9 @@ def dp_ms(s: Setup, n: int) -> float:
 
 
 def fsdp_ms(s: Setup, n: int) -> float:
-    """FSDP step: the scanned one-GPU step + gather, gather again, reduce-scatter."""
+    """FSDP step: the one-GPU step + gather, gather again, reduce-scatter."""
     moved = 3 * (n - 1) / n * s.n_params * s.param_bytes
-    return s.scan_step_ms + (1 - s.overlap) * wire_ms(moved, ring_gbps(n))
+    return s.step_ms + (1 - s.overlap) * wire_ms(moved, ring_gbps(n))
 
 
 def pp_ms(s: Setup, n: int, microbatches: int, batch: int | None = None,
@@ -127,9 +125,8 @@ def predict(s: Setup, strategy: str, n: int, microbatches: int | None = None,
     else:
         m, rows = None, n * s.batch
         ms = dp_ms(s, n) if strategy == "dp" else fsdp_ms(s, n)
-    base = s.scan_step_ms if strategy == "fsdp" else s.step_ms
     tps = rows * s.context / ms * 1e3
-    eff = tps / (n * s.batch * s.context / base * 1e3)
+    eff = tps / (n * s.batch * s.context / s.step_ms * 1e3)
     return {"step_ms": ms, "tokens_per_s": tps, "efficiency": eff, "microbatches": m}
 
 
