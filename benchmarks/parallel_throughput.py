@@ -24,8 +24,8 @@ Variants (N = --devices, default all visible):
   pp           parallel.pipeline=N (S = N stages), scan_layers, once per microbatch count M of
                --microbatches and virtual stage count V of --virtual-stages (V > 1: the
                circular schedule, parallel.virtual_stages); global batch = per-device batch
-               (the whole batch goes through every stage); compared with `single` at that same batch (the stages unroll
-               their layers, as the plain model does).
+               (the whole batch goes through every stage); compared with `single` at that
+               same batch (the stages unroll their layers, as the plain model does).
   dp_fsdp      2-D: parallel.data=N/2 x fsdp=2, scan_layers, global batch N x per-device
                batch; compared with `single_scan`.
   dp_pp        2-D: parallel.data=N/2 x pipeline=2, once per (M, V); global batch N/2 x
