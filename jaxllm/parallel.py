@@ -138,19 +138,13 @@ def check_pipeline(
             f"parallel.pipeline={n_stages} with model.short_conv=true needs execution.kernels=xla: "
             "the Pallas depthwise conv inside pipeline stages is not supported yet"
         )
-    if model.n_layers % n_stages:
-        raise ConfigError(
-            f"model.n_layers ({model.n_layers}) must be divisible by parallel.pipeline "
-            f"({n_stages}): each stage runs n_layers / pipeline consecutive layers. Change "
-            "model.n_layers or parallel.pipeline"
-        )
     chunks = n_stages * virtual_stages
     if model.n_layers % chunks:
+        v = f" x parallel.virtual_stages ({virtual_stages})" if virtual_stages > 1 else ""
         raise ConfigError(
-            f"model.n_layers ({model.n_layers}) must be divisible by parallel.pipeline x "
-            f"parallel.virtual_stages = {n_stages} x {virtual_stages} = {chunks}: each stage "
-            "runs chunks of n_layers / (pipeline x virtual_stages) consecutive layers. Change "
-            "parallel.virtual_stages"
+            f"model.n_layers ({model.n_layers}) must be divisible by parallel.pipeline "
+            f"({n_stages}){v}: the stages run chunks of n_layers / {chunks} consecutive layers. "
+            f"Change model.n_layers or parallel.pipeline{' or parallel.virtual_stages' * bool(v)}"
         )
     m = microbatches or n_stages
     if virtual_stages > 1 and m < n_stages:

@@ -145,18 +145,16 @@ def pipeline_apply(
     layer_fn(layer_params, x) -> x: one layer; layer_params are stacked_params' leaves without
         their leading axis, x a pytree of arrays (B, ...) that keeps its shapes (e.g. (x, h)).
     stacked_params: a pytree whose leaves all have a leading layer axis L divisible by
-        S V, S = mesh.shape[axis], in layer order and split over `axis` (stage s holds layers
-        s L/S .. (s + 1) L/S - 1). Stage s runs the chunks of L/(S V) consecutive layers
-        v S + s, v = 0 .. V - 1 (GPipe: its own L/S layers), in order (`remat`: recompute
-        them in the backward, GPipe's re-materialisation).
-    n_microbatches: M, at least S when V > 1.
+        S V (S = mesh.shape[axis]), in layer order, split over `axis` (L/S layers a stage).
+        Stage s runs the chunks v S + s (v = 0 .. V - 1) of L/(S V) layers, in order
+        (`remat`: recompute them in the backward, GPipe's re-materialisation).
     x: the batch, a pytree of arrays (B, ...). B is split over `batch_axes` (default: every
-        other mesh axis, e.g. `data`), then each shard into `n_microbatches` microbatches of
-        consecutive rows.
+        other mesh axis, e.g. `data`), then each shard into `n_microbatches` (M, at least S
+        when V > 1) microbatches of consecutive rows.
     rng: a PRNG key (e.g. for dropout), or None. When given, layer_fn(layer_params, x, key)
         gets key = fold_in(fold_in(rng, layer), microbatch), both global indices (shard d of
         the batch axes, row-major, has microbatches d M .. d M + M - 1): a key per layer and
-        microbatch, the same on any run with the same rng (bubble ticks use microbatch 0's).
+        microbatch, the same on any run with the same rng (bubble ticks reuse a microbatch's).
     check_vma: jax.shard_map's type check of what varies across devices; layers that call
         Pallas kernels need it off (a pallas_call declares no such types).
     wire: (pack, unpack), or None: every send carries pack(carry), the receiver goes on with
@@ -170,11 +168,10 @@ def pipeline_apply(
     stage scatters its results with S - 1 point-to-point sends each. Otherwise x is read
     replicated over the stages and the output comes back that way.
     """
-    checked = _check_inputs(
+    batch_axes, ways, n_layers, batch = _check_inputs(
         stacked_params, x, mesh, n_microbatches, virtual_stages, axis, batch_axes
     )
-    batch_axes, ways, n_layers, batch = checked
-    n_stages, n_rep = mesh.shape[axis], virtual_stages
+    n_stages = mesh.shape[axis]
 
     # Rows split over the stages too (where they divide): device (stage s, shard d) holds
     # rows chunk s of shard d, in and out. Stage 0 gathers its shard's rows from the other
@@ -188,14 +185,9 @@ def pipeline_apply(
     else:
         in_spec = P(batch_axes) if batch_axes else P()
         out_spec = P(axis, batch_axes) if batch_axes else P(axis)
-    per_chunk = n_layers // (n_stages * n_rep)
-    if n_rep > 1:  # (L, ...) chunks c = v S + s, reordered s-major: device s gets its V chunks
-        stacked_params = jax.tree.map(
-            lambda p: p.reshape(n_rep, n_stages, -1, *p.shape[1:]).swapaxes(0, 1).reshape(p.shape),
-            stacked_params,
-        )
+    if virtual_stages > 1:  # device s gets its chunks s, S + s, .. (an all-to-all)
+        stacked_params = _by_stage(stacked_params, n_stages, virtual_stages)
     stage_fn = _stage_fn(layer_fn, remat, keyed=rng is not None)
-    last = n_stages - 1
     pack, unpack = wire or (lambda c: c, lambda c: c)
 
     def per_device(params: Any, x: Any, *key: jax.Array) -> Any:
@@ -207,11 +199,6 @@ def pipeline_apply(
         shard = 0  # this device's index over the batch axes, row-major
         for a in batch_axes:
             shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
-        # One pytree per layer of each chunk, sliced once per step (not once per tick and layer).
-        chunks = [
-            [jax.tree.map(lambda p, i=v * per_chunk + i: p[i], params) for i in range(per_chunk)]
-            for v in range(n_rep)
-        ]
         # (M, B'/M, ...): microbatch i is rows i B'/M .. (i + 1) B'/M - 1 of this shard
         mbs = jax.tree.map(lambda a: a.reshape(n_microbatches, -1, *a.shape[1:]), x)
         # What this stage received from the previous one; varying over `axis` like the sends.
@@ -220,11 +207,9 @@ def pipeline_apply(
         if not split:
             recv = jax.tree.map(lambda a: jax.lax.pcast(a, axis, to="varying"), recv)
         keyed = (key[0], shard) if key else None
-        outs = _ticks(stage_fn, chunks, mbs, recv, stage, axis, n_stages, (pack, unpack), keyed)
-        # On the last stage, tick (V - 1) M + S - 1 + i finished microbatch i.
-        done = jax.tree.map(
-            lambda *o: jnp.concatenate(o), *outs[(n_rep - 1) * n_microbatches + last :]
-        )
+        outs = _ticks(stage_fn, params, virtual_stages, mbs, recv, stage, axis, n_stages,
+                      (pack, unpack), keyed)  # fmt: skip
+        done = jax.tree.map(lambda *o: jnp.concatenate(o), *outs)  # (B', ...)
         if split:
             done = jax.tree.map(lambda a: _scatter_rows(a, stage, axis, n_stages), pack(done))
             return unpack(done)
@@ -243,7 +228,8 @@ def pipeline_apply(
 
 def _ticks(
     stage_fn: Callable[..., Any],
-    chunks: list[list[Any]],
+    params: Any,
+    n_rep: int,
     mbs: Any,
     recv: Any,
     stage: jax.Array,
@@ -252,16 +238,22 @@ def _ticks(
     wire: tuple[Callable[[Any], Any], Callable[[Any], Any]],
     keyed: tuple[jax.Array, jax.Array] | None,
 ) -> list[Any]:
-    """The V M + S - 1 forward ticks on one device, V = len(chunks) (unrolled: see the module
-    docstring). At tick k this stage runs item j = k - stage, microbatch j % M in its chunk
-    j // M (clipped to a dummy item in its bubble), and sends the result to the next stage,
-    with V > 1 the last stage's to stage 0. Stage 0 reads microbatch k of `mbs` (leaves
-    (M, B'/M, ...)) while k < M, then what the last stage sent M - S + 1 ticks before (that
-    microbatch's previous chunk), then zeros; the others what they received (`recv`).
-    `chunks[v]`: chunk v's layers, one params pytree each. `keyed` (rng, this device's batch
-    shard): each layer of each microbatch gets its own key. Returns every tick's output."""
+    """The V M + S - 1 forward ticks on one device, V = n_rep (unrolled: see the module
+    docstring). `params`: this stage's leaves (L/S, ...), its V chunks in order. At tick k
+    this stage runs item j = k - stage, microbatch j % M in its chunk j // M (clipped to a
+    dummy item in its bubble), and sends the result to the next stage, with V > 1 the last
+    stage's to stage 0. Stage 0 reads microbatch k of `mbs` (leaves (M, B'/M, ...)) while
+    k < M, then what the last stage sent M - S + 1 ticks before (that microbatch's previous
+    chunk), then zeros; the others what they received (`recv`). `keyed` (rng, this device's
+    batch shard): each layer of each microbatch gets its own key. Returns the outputs of the
+    last M ticks: on the last stage, microbatches 0 .. M - 1 done."""
     pack, unpack = wire
-    n_rep, per_chunk = len(chunks), len(chunks[0])
+    per_chunk = jax.tree.leaves(params)[0].shape[0] // n_rep
+    # One pytree per layer of each chunk, sliced once per step (not once per tick and layer).
+    chunks = [
+        [jax.tree.map(lambda p, i=v * per_chunk + i: p[i], params) for i in range(per_chunk)]
+        for v in range(n_rep)
+    ]
     m = jax.tree.leaves(mbs)[0].shape[0]
     items, n_ticks = n_rep * m, n_rep * m + n_stages - 1
     # stage s -> s + 1, and with V > 1 the last round to stage 0
@@ -296,7 +288,7 @@ def _ticks(
                 recv = unpack(jax.lax.ppermute(pack(out), axis, shift))
                 received.append(recv)
         outs.append(out)
-    return outs
+    return outs[-m:]
 
 
 def _check_inputs(
@@ -344,6 +336,16 @@ def _check_inputs(
             f"{ways} x {n_microbatches} = {ways * n_microbatches}"
         )
     return batch_axes, ways, n_layers, batch
+
+
+def _by_stage(stacked: Any, n_stages: int, n_rep: int) -> Any:
+    """Leaves (L, ...) in layer order -> (L, ...) with stage s's chunks of L/(S V) layers, s,
+    S + s, .., (V - 1) S + s, at rows s L/S .. (s + 1) L/S - 1: (V, S, L/(S V), ...) ->
+    (S, V, L/(S V), ...)."""
+    return jax.tree.map(
+        lambda p: p.reshape(n_rep, n_stages, -1, *p.shape[1:]).swapaxes(0, 1).reshape(p.shape),
+        stacked,
+    )
 
 
 def _gather_rows(a: jax.Array, axis: str, n_stages: int) -> jax.Array:
