@@ -273,17 +273,18 @@ def _ticks(
             # The chunk: the same on every stage at tick k, or one of two (M >= S).
             lo, hi = (min(max(i, 0), items - 1) // m for i in (k - n_stages + 1, k))
             if lo == hi:
-                rep, params = lo, chunks[lo]
+                rep, chunk = lo, chunks[lo]
             else:
                 rep = j // m
-                pick = functools.partial(jnp.where, rep == lo)
-                params = jax.tree.map(pick, chunks[lo], chunks[hi])
+                chunk = jax.tree.map(
+                    functools.partial(jnp.where, rep == lo), chunks[lo], chunks[hi]
+                )
             if keyed:
                 rng, shard = keyed
                 layers = [(rep * n_stages + stage) * per_chunk + i for i in range(per_chunk)]
-                out = stage_fn(params, inp, rng, layers, shard * m + j % m)
+                out = stage_fn(chunk, inp, rng, layers, shard * m + j % m)
             else:
-                out = stage_fn(params, inp)
+                out = stage_fn(chunk, inp)
             if shift and k < n_ticks - 1:  # the last tick's output goes nowhere
                 recv = unpack(jax.lax.ppermute(pack(out), axis, shift))
                 received.append(recv)
