@@ -24,20 +24,22 @@ Variants (N = --devices, default all visible):
   fsdp_scan    the same with scan_layers (gathered per layer inside the scanned loop), global batch
                N x per-device batch; compared with `single_scan`.
   pp           parallel.pipeline=N (S = N stages), scan_layers, once per microbatch count M of
-               --microbatches; global batch = per-device batch (the whole batch goes through
-               every stage); compared with `single` at that same batch (the stages unroll
-               their layers, as the plain model does).
+               --microbatches and virtual stage count V of --virtual-stages (V > 1: the
+               circular schedule, parallel.virtual_stages); global batch = per-device batch
+               (the whole batch goes through every stage); compared with `single` at that
+               same batch (the stages unroll their layers, as the plain model does).
   dp_fsdp      2-D: parallel.data=N/2 x fsdp=2, global batch N x per-device batch; compared
                with `single`.
-  dp_pp        2-D: parallel.data=N/2 x pipeline=2, once per M; global batch N/2 x
+  dp_pp        2-D: parallel.data=N/2 x pipeline=2, once per (M, V); global batch N/2 x
                per-device batch (each data shard goes through both stages); vs `single`.
 
 Per row: speedup = tokens/s over the 1-device baseline's, scaling efficiency = speedup / N.
 MFU per device counts throughput.py's FLOPs per token (jaxllm.profiling.flops, PaLM's 6 N +
 12 L d T) against its peak (989 TFLOP/s dense bf16: H100 SXM, the same for the H200) x N.
 Pipeline bubble, measured: 1 - t_single / (S x t_pp), the share of the S devices' time
-not spent on the 1-device work (t = step time at the same global batch); next to GPipe's bound
-(S - 1) / (M + S - 1) (jaxllm.pipeline.bubble_fraction), which ignores the stages' transfers.
+not spent on the 1-device work (t = step time at the same global batch); next to the schedule's
+bound (S - 1) / (V M + S - 1) (jaxllm.pipeline.bubble_fraction), which ignores the stages'
+transfers.
 A baseline this run does not measure is taken from an earlier row of --jsonl with the same
 setup (config, overrides, per-device batch, kernels, loss, device kind), else single_scan is added.
 
@@ -64,6 +66,7 @@ if "--big" in sys.argv[1:]:  # a model that barely fits: let the allocator use m
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import math
 import statistics
@@ -103,10 +106,14 @@ class Variant:
     global_batch: int
     overrides: tuple[str, ...]
     microbatches: int | None = None  # pp only
+    virtual_stages: int = 1  # pp only
 
     @property
     def label(self) -> str:
-        return self.name if self.microbatches is None else f"{self.name} M={self.microbatches}"
+        if self.microbatches is None:
+            return self.name
+        circular = f" V={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"{self.name} M={self.microbatches}{circular}"
 
 
 class BenchError(Exception):
@@ -118,12 +125,14 @@ class BenchError(Exception):
 
 # This script's defaults where they differ from a preset: the fast paths (an override wins)
 DEFAULTS = ("--execution.kernels=pallas", "--execution.loss_impl=pallas")
-# What each variant sets itself (--variants, --per-device-batch, --microbatches): no override
+# What each variant sets itself (--variants, --per-device-batch, --microbatches,
+# --virtual-stages): no override
 VARIANT_KEYS = (
     "parallel.data",
     "parallel.fsdp",
     "parallel.pipeline",
     "parallel.microbatches",
+    "parallel.virtual_stages",
     "execution.scan_layers",
     "train.batch_size",
 )
@@ -135,7 +144,7 @@ def base_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def make_variants(args: argparse.Namespace, names: list[str], n: int) -> list[Variant]:
-    """The rows of `names` (in VARIANTS order, pp once per microbatch count)."""
+    """The rows of `names` (in VARIANTS order, pp once per microbatch and virtual stage count)."""
     b = args.per_device_batch
     one = ["--parallel.data=1", "--parallel.fsdp=1", "--parallel.pipeline=1"]
     plain, scan = "--execution.scan_layers=false", "--execution.scan_layers=true"
@@ -157,9 +166,9 @@ def make_variants(args: argparse.Namespace, names: list[str], n: int) -> list[Va
         else:  # pp: S = N stages; dp_pp: data N/2 x 2 stages, each data shard a pp batch
             ways, stages = (1, n) if name == "pp" else (n // 2, 2)
             mesh = (f"--parallel.data={ways}", "--parallel.fsdp=1", f"--parallel.pipeline={stages}")
-            for m in args.microbatches:
-                micro = f"--parallel.microbatches={m}"
-                out.append(Variant(name, n, ways * b, (*mesh, scan, micro), m))
+            for m, v in itertools.product(args.microbatches, args.virtual_stages):
+                micro = (f"--parallel.microbatches={m}", f"--parallel.virtual_stages={v}")
+                out.append(Variant(name, n, ways * b, (*mesh, scan, *micro), m, v))
     return out
 
 
@@ -219,9 +228,10 @@ class Run:
     def __init__(self, cfg: Config, devices: list[jax.Device], label: str, seed: int) -> None:
         self.cfg = cfg
         model, self.mesh = build(cfg, devices)
-        micro = cfg.parallel.microbatches
+        micro, virtual = cfg.parallel.microbatches, cfg.parallel.virtual_stages
         self.plan_line = parallel.kernel_model(model, self.mesh).plan.describe()
-        self.parallel_line = parallel.describe(self.mesh, micro, cfg.train.batch_size)
+        batch = cfg.train.batch_size
+        self.parallel_line = parallel.describe(self.mesh, micro, batch, virtual)
         print(f"{label}: {self.plan_line}")
         print(f"{label}: {self.parallel_line}", flush=True)
         host = random_batch(cfg, cfg.train.batch_size, seed)
@@ -231,7 +241,7 @@ class Run:
             lambda: create_state(model, tx, init_rng, example), self.mesh
         )
         self.n_params = sum(x.size for x in jax.tree_util.tree_leaves(self.state.params))
-        self.step_fn = parallel.jit_train_step(train_step, self.state, self.mesh, micro)
+        self.step_fn = parallel.jit_train_step(train_step, self.state, self.mesh, micro, virtual)
         self.batch = parallel.shard_batch(host, self.mesh)
         self.key = jax.random.PRNGKey(seed + 1)
 
@@ -390,9 +400,10 @@ def run_variants(args: argparse.Namespace, visible: list[jax.Device]) -> int:
             "devices": v.n_devices,
             "global_batch": v.global_batch,
             "microbatches": v.microbatches,
+            "virtual_stages": v.virtual_stages,
         }
         if v.name == "pp":
-            row["bubble_bound"] = bubble_fraction(v.n_devices, v.microbatches)
+            row["bubble_bound"] = bubble_fraction(v.n_devices, v.microbatches, v.virtual_stages)
             row["bubble"] = None
         try:
             row |= measure(args, v, visible[: v.n_devices])
@@ -503,6 +514,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[4, 8],
         help="pp: comma-separated microbatch counts, one row each",
     )
+    p.add_argument(
+        "--virtual-stages",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[1],
+        help="pp: comma-separated virtual stage counts (1: GPipe), one row per (M, V)",
+    )
     p.add_argument("--devices", type=int, default=None, help="N for dp/fsdp/pp/big (all)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile included)")
     p.add_argument("--samples", type=int, default=5, help="timed samples (median)")
@@ -527,7 +544,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(e))
     if mine:
         p.error(
-            f"--{mine[0]}: the variants set it (--variants, --per-device-batch, --microbatches)"
+            f"--{mine[0]}: the variants set it (--variants, --per-device-batch, --microbatches, "
+            "--virtual-stages)"
         )
     for name in ("per_device_batch", "group", "samples", "big_steps"):
         if getattr(args, name) < 1:
@@ -536,6 +554,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--devices must be >= 1")
     if not args.microbatches or min(args.microbatches) < 1:
         p.error("--microbatches: comma-separated integers >= 1, e.g. 4,8")
+    if not args.virtual_stages or min(args.virtual_stages) < 1:
+        p.error("--virtual-stages: comma-separated integers >= 1, e.g. 1,3")
     return args
 
 

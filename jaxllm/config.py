@@ -388,6 +388,10 @@ class ParallelConfig(Section):
     # GPipe microbatches per data x fsdp shard of the batch; the bubble is (S - 1) / (M + S - 1)
     # of a step. None: as many as stages (M = S). Unused when the mesh has pipeline = 1.
     microbatches: int | None = spec(None, ge=1)
+    # Layer chunks per stage, V: 1 is GPipe; V > 1 the circular schedule (each microbatch goes
+    # round the stages V times), bubble (S - 1) / (V M + S - 1); needs pipeline > 1, M >= S
+    # and n_layers divisible by pipeline x V.
+    virtual_stages: int = spec(1, ge=1)
     # Several processes (hosts), started with jax.distributed (jaxllm/distributed.py): all
     # three, or none. None: from $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES /
     # $JAX_PROCESS_ID, else a Slurm or Open MPI launch of more than one task, else one process.

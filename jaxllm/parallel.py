@@ -109,9 +109,21 @@ def check_batch(batch_size: int, sizes: dict[str, int], microbatches: int = 1) -
         )
 
 
-def check_pipeline(model: ModelConfig, ex: ExecutionConfig, n_stages: int) -> None:
+def check_pipeline(
+    model: ModelConfig,
+    ex: ExecutionConfig,
+    n_stages: int,
+    virtual_stages: int = 1,
+    microbatches: int | None = None,
+) -> None:
     """What `pipeline` > 1 needs from the model: scanned layers that split evenly into the
-    stages."""
+    stages (and their `virtual_stages` chunks each, which need as many `microbatches` as
+    stages at least)."""
+    if virtual_stages > 1 and n_stages == 1:
+        raise ConfigError(
+            f"parallel.virtual_stages={virtual_stages} needs pipeline stages: it splits each "
+            "stage's layers into chunks. Set parallel.pipeline > 1 or parallel.virtual_stages=1"
+        )
     if n_stages == 1:
         return
     if not ex.scan_layers:
@@ -126,11 +138,21 @@ def check_pipeline(model: ModelConfig, ex: ExecutionConfig, n_stages: int) -> No
             f"parallel.pipeline={n_stages} with model.short_conv=true needs execution.kernels=xla: "
             "the Pallas depthwise conv inside pipeline stages is not supported yet"
         )
-    if model.n_layers % n_stages:
+    chunks = n_stages * virtual_stages
+    if model.n_layers % chunks:
+        v = f" x parallel.virtual_stages ({virtual_stages})" if virtual_stages > 1 else ""
         raise ConfigError(
             f"model.n_layers ({model.n_layers}) must be divisible by parallel.pipeline "
-            f"({n_stages}): each stage runs n_layers / pipeline consecutive layers. Change "
-            "model.n_layers or parallel.pipeline"
+            f"({n_stages}){v}: the stages run chunks of n_layers / {chunks} consecutive layers. "
+            f"Change model.n_layers or parallel.pipeline{' or parallel.virtual_stages' * bool(v)}"
+        )
+    m = microbatches or n_stages
+    if virtual_stages > 1 and m < n_stages:
+        raise ConfigError(
+            f"parallel.virtual_stages={virtual_stages} needs parallel.microbatches >= "
+            f"parallel.pipeline ({m} < {n_stages}): stage 0 starts a microbatch's next chunk "
+            "once the last stage has sent it round. Raise parallel.microbatches (or leave it "
+            "unset: one per stage) or set parallel.virtual_stages=1"
         )
 
 
@@ -156,7 +178,10 @@ def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
     the pipeline, and the batch (ConfigError naming the fix)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_sizes(cfg.parallel, len(devices))
-    check_pipeline(cfg.model, cfg.execution, sizes["pipeline"])
+    par = cfg.parallel
+    check_pipeline(
+        cfg.model, cfg.execution, sizes["pipeline"], par.virtual_stages, par.microbatches
+    )
     check_batch(cfg.train.batch_size, sizes, n_microbatches(cfg.parallel, sizes["pipeline"]))
     shape = tuple(sizes[a] for a in MESH_AXES)
     return Mesh(np.array(devices).reshape(shape), MESH_AXES)
@@ -166,9 +191,11 @@ def describe(
     mesh: Mesh,
     microbatches: int | None = None,
     batch_size: int | None = None,
+    virtual_stages: int = 1,
 ) -> str:
     """One line for the start of a run, e.g. 'parallel: mesh data=4 fsdp=2 over 8 cpu devices'
-    ('... pipeline=4 (4 microbatches, bubble 43%) ...' with pipeline stages). With fsdp > 1 it
+    ('... pipeline=4 (4 microbatches, bubble 43%) ...' with pipeline stages, '... (4
+    microbatches, circular, 3 virtual stages, bubble 20%) ...' with virtual ones). With fsdp > 1 it
     says where the weights are gathered: per layer (no pipeline) or once at
     the start of the step. With stages and `batch_size` it says how the rows enter the pipeline
     (pipeline.rows_split): split over the stages, or replicated over them and why."""
@@ -176,7 +203,9 @@ def describe(
     stages = mesh.shape["pipeline"]
     if stages > 1:
         m = microbatches or stages
-        sizes += f" pipeline={stages} ({m} microbatches, bubble {bubble_fraction(stages, m):.0%}"
+        circular = f"circular, {virtual_stages} virtual stages, " if virtual_stages > 1 else ""
+        bubble = bubble_fraction(stages, m, virtual_stages)
+        sizes += f" pipeline={stages} ({m} microbatches, {circular}bubble {bubble:.0%}"
         if batch_size is not None:
             ways = mesh.shape["data"] * mesh.shape["fsdp"]
             if rows_split(batch_size, ways, stages):
@@ -399,12 +428,14 @@ def pending_folded(ex: ExecutionConfig) -> tuple[Callable[[Any], Any], Callable[
     return pack, unpack
 
 
-def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) -> Callable:
+def mesh_apply(
+    apply_fn: Callable, mesh: Mesh, microbatches: int | None = None, virtual_stages: int = 1
+) -> Callable:
     """The apply function the train and eval steps use on `mesh` in place of a state's
     `apply_fn` (a Decoder's `model.apply`): with execution.scan_layers and pipeline > 1, a
     `MeshApply` whose loss runs the stages with `pipeline_apply` (`microbatches`, default one
-    per stage); with fsdp > 1, one whose loss gathers the block weights layer by layer
-    (`gathered_layers`); else the model's apply. Both thread dropout keys per layer
+    per stage; `virtual_stages`); with fsdp > 1, one whose loss gathers the block weights layer
+    by layer (`gathered_layers`); else the model's apply. Both thread dropout keys per layer
     (`Decoder.run_blocks`). A Decoder runs as `kernel_model` makes it (Pallas calls per batch
     shard)."""
     model = getattr(apply_fn, "__self__", None)
@@ -420,7 +451,7 @@ def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) 
                 f"a mesh with pipeline={stages} needs a Decoder with execution.scan_layers=true, "
                 f"got the apply function {apply_fn!r}"
             )
-        check_pipeline(model.cfg, model.execution, stages)
+        check_pipeline(model.cfg, model.execution, stages, virtual_stages, microbatches)
         m = microbatches or stages
         plan = model.plan
         pallas = "pallas" in (plan.norm, plan.attention, plan.conv)  # in the stages
@@ -428,12 +459,14 @@ def mesh_apply(apply_fn: Callable, mesh: Mesh, microbatches: int | None = None) 
             pipeline_apply,
             mesh=mesh,
             n_microbatches=m,
+            virtual_stages=virtual_stages,
             batch_axes=BATCH_AXES,
             check_vma=not pallas,
             wire=pending_folded(model.execution),
         )
         ways = mesh.shape["data"] * fsdp * m
         what = f"pipeline {stages} stages x {m} microbatches"
+        what += f", {virtual_stages} virtual stages" if virtual_stages > 1 else ""
         split = NamedSharding(mesh, P(ROW_AXES))
         return MeshApply(model, BlockRunner(run, per_device=True), ways, what, split_rows=split)
     if isinstance(model, Decoder) and fsdp > 1:
@@ -459,12 +492,14 @@ def _gather_params(params: Any, mesh: Mesh, keep_layers: bool) -> Any:
     )  # fmt: skip
 
 
-def _on_mesh(step: Callable, state: Any, mesh: Mesh, microbatches: int | None) -> Callable:
+def _on_mesh(
+    step: Callable, state: Any, mesh: Mesh, microbatches: int | None, virtual_stages: int
+) -> Callable:
     """`step(state, ...)` with the state's apply function swapped for `mesh_apply`'s (and
     swapped back in a returned state) and, with fsdp > 1, the parameters that no per-layer
     path gathers gathered at its start."""
     step = getattr(step, "__wrapped__", step)  # a jitted step: its body, not a nested call
-    apply = mesh_apply(state.apply_fn, mesh, microbatches)
+    apply = mesh_apply(state.apply_fn, mesh, microbatches, virtual_stages)
     swapped, gather = apply is not state.apply_fn, mesh.shape["fsdp"] > 1
     if not swapped and not gather:
         return step
@@ -482,14 +517,19 @@ def _on_mesh(step: Callable, state: Any, mesh: Mesh, microbatches: int | None) -
 
 
 def jit_train_step(
-    step: Callable, state: Any, mesh: Mesh, microbatches: int | None = None
+    step: Callable,
+    state: Any,
+    mesh: Mesh,
+    microbatches: int | None = None,
+    virtual_stages: int = 1,
 ) -> Callable:
     """`step(state, batch, rng) -> (state, metrics)` jitted with the state's shardings pinned on
     both sides (so XLA cannot pick another layout for the new state) and metrics replicated;
     the batch keeps the sharding `shard_batch` gave it. The old state is donated.
 
-    The loss runs as `mesh_apply` says: through the pipeline stages (`microbatches`), or with
-    the block weights gathered per layer (a Decoder, fsdp > 1). Otherwise, with
+    The loss runs as `mesh_apply` says: through the pipeline stages (`microbatches`,
+    `virtual_stages`), or with the block weights gathered per layer (a Decoder, fsdp > 1).
+    Otherwise, with
     fsdp > 1, the parameters are gathered once, at the start of the step: left to itself, XLA's
     sharding propagation follows the weights' fsdp split into the activations and then has to
     undo it ("involuntary full rematerialization" warnings; the embeddings' gradients,
@@ -497,7 +537,7 @@ def jit_train_step(
     time: slower, still exact). The stored state stays sharded either way."""
     shardings = state_shardings(state, mesh)
     return jax.jit(
-        _on_mesh(step, state, mesh, microbatches),
+        _on_mesh(step, state, mesh, microbatches, virtual_stages),
         in_shardings=(shardings, None, replicated(mesh)),
         out_shardings=(shardings, replicated(mesh)),
         donate_argnums=0,
@@ -505,11 +545,15 @@ def jit_train_step(
 
 
 def jit_eval_step(
-    step: Callable, state: Any, mesh: Mesh, microbatches: int | None = None
+    step: Callable,
+    state: Any,
+    mesh: Mesh,
+    microbatches: int | None = None,
+    virtual_stages: int = 1,
 ) -> Callable:
     """`step(state, batch) -> sums` (jaxllm.train.state.eval_step) jitted for `mesh`, its loss
     run as in `jit_train_step`; state and batch keep the shardings they have."""
-    return jax.jit(_on_mesh(step, state, mesh, microbatches))
+    return jax.jit(_on_mesh(step, state, mesh, microbatches, virtual_stages))
 
 
 def state_bytes_per_device(state: Any) -> int:

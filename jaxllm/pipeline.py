@@ -1,4 +1,4 @@
-"""Pipeline parallelism: a GPipe schedule over a `pipeline` mesh axis.
+"""Pipeline parallelism: GPipe and circular schedules over a `pipeline` mesh axis.
 
 The L layers of a block stack are split into S stages of L/S consecutive layers, one stage per
 device along the mesh axis `pipeline`. The batch is cut into M microbatches that flow through
@@ -8,13 +8,27 @@ a microbatch at all), then hands its output to stage s + 1. GPipe runs all M for
 end of each phase where some stages have nothing to do are the bubble,
 (S - 1) / (M + S - 1) of the step.
 
+The circular schedule (`virtual_stages` V > 1; MaxText's pipeline repeats, Megatron's
+interleaved stages) cuts the stack into S V chunks of L/(S V) layers and gives stage s the
+chunks s, S + s, .., (V - 1) S + s: each microbatch goes round the ring of stages V times,
+the last stage sending it back to stage 0 for its next chunk. A tick is then 1/V of a GPipe
+tick, and the bubble shrinks to (S - 1) / (V M + S - 1), for V times the sends and
+M >= S (stage 0 needs a microbatch back before it runs out of fresh ones). The stored
+parameters keep their layer order (checkpoints do not depend on the schedule): each step
+reorders the layer axis so that device s gets its V chunks, which XLA does with collectives
+(an all-to-all of the block weights forward, of their gradients backward).
+Why circular and not 1F1B: `jax.grad` transposes the forward tick loop, so the backward mirrors
+whatever forward schedule is written here. Circular stages shrink the bubble that way; 1F1B
+has GPipe's bubble, only saves activation memory, and would need its backward by hand.
+
 - `gpipe_schedule`, `bubble_fraction`: the schedule as pure data (the course's
   `_clock_cycles` helper, llmsys 11-868 assignment 4) and its idle fraction.
 - `pipeline_apply`: the forward written with `jax.shard_map` + `jax.lax.ppermute`. It works on
   any `layer_fn(layer_params, x) -> x` and parameters stacked along a leading layer axis (the
   layout of `execution.scan_layers`: params["blocks"] with leaves (L, ...)), not on model classes.
   The backward is not written: `jax.grad` transposes the (unrolled) tick loop into the reversed
-  sequence of ticks whose ppermutes send cotangents stage s + 1 -> s, i.e. the GPipe backward.
+  sequence of ticks whose ppermutes send cotangents stage s + 1 -> s (circular: and 0 -> S - 1),
+  i.e. the GPipe (or circular) backward.
 
 Composes with data parallelism: every mesh axis other than `pipeline` (e.g. `data`) splits the
 batch, and each stage's parameters are replicated over those axes (their gradients are summed
@@ -28,11 +42,11 @@ crosses devices as one array x + h (`wire`). With dropout, `rng` gives every (la
 microbatch) pair its own key.
 
 Every tick, each stage runs its layers (under the named scope `pipeline_tick`, so the profiler
-shows the M + S - 1 ticks of the forward and of the backward) and sends its output to the next
+shows the V M + S - 1 ticks of the forward and of the backward) and sends its output to the next
 stage with one ppermute. Stages in their bubble compute on a dummy microbatch whose results are
 never used: on one accelerator per stage that costs no wall time (every tick waits for the
 busiest stage anyway); fake CPU devices that share cores do pay for it. Memory per device: the
-stage's L/S layers, the M + S - 1 tick outputs and what the backward keeps of each tick (with
+stage's L/S layers, the V M + S - 1 tick outputs and what the backward keeps of each tick (with
 `remat`, only each tick's stage input).
 
 The tick loop and each stage's layer loop are Python loops, unrolled into the jaxpr: as `lax.scan`
@@ -41,13 +55,14 @@ carries (GPT-2 124M, S = 2, M = 4 on 2 H200s: 150.9 ms a step against 91.9 as
 `scan(unroll=True)`), cuDNN
 attention crashed XLA inside a rolled tick loop (a segmentation fault, jax 0.11.2), and
 `scan(unroll=True)` still stacked every residual the backward keeps and sliced it back. The price
-is compile time, growing with (M + S - 1) x L/S. The measured bubble
+is compile time, growing with (V M + S - 1) x L/(S V). The measured bubble
 (benchmarks/parallel_throughput.py) is 1 - T_seq / (S T_pipe), T_pipe the pipelined step's time and
-T_seq the whole stack's on one device, to compare with bubble_fraction(S, M).
+T_seq the whole stack's on one device, to compare with bubble_fraction(S, M, V).
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -93,10 +108,11 @@ def gpipe_schedule(n_stages: int, n_microbatches: int) -> Schedule:
     ]
 
 
-def bubble_fraction(n_stages: int, n_microbatches: int) -> float:
-    """GPipe's idle fraction (S - 1) / (M + S - 1): each stage works M of the M + S - 1 ticks."""
-    _check_positive(n_stages=n_stages, n_microbatches=n_microbatches)
-    return (n_stages - 1) / (n_microbatches + n_stages - 1)
+def bubble_fraction(n_stages: int, n_microbatches: int, virtual_stages: int = 1) -> float:
+    """The idle fraction (S - 1) / (V M + S - 1): each stage works V M of the V M + S - 1 ticks
+    (GPipe: V = 1)."""
+    _check_positive(n_stages=n_stages, n_microbatches=n_microbatches, virtual_stages=virtual_stages)
+    return (n_stages - 1) / (virtual_stages * n_microbatches + n_stages - 1)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -115,6 +131,7 @@ def pipeline_apply(
     *,
     mesh: Mesh,
     n_microbatches: int,
+    virtual_stages: int = 1,
     axis: str = "pipeline",
     batch_axes: Sequence[str] | None = None,
     remat: bool = False,
@@ -122,20 +139,22 @@ def pipeline_apply(
     check_vma: bool = True,
     wire: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None,
 ) -> Any:
-    """Run L stacked layers as an S-stage GPipe pipeline over mesh axis `axis`.
+    """Run L stacked layers as an S-stage pipeline over mesh axis `axis`: GPipe, or with
+    `virtual_stages` V > 1 the circular schedule (see the module docstring).
 
     layer_fn(layer_params, x) -> x: one layer; layer_params are stacked_params' leaves without
         their leading axis, x a pytree of arrays (B, ...) that keeps its shapes (e.g. (x, h)).
     stacked_params: a pytree whose leaves all have a leading layer axis L divisible by
-        S = mesh.shape[axis]; stage s holds layers s L/S .. (s + 1) L/S - 1 and runs them in
-        order (`remat`: recompute them in the backward, GPipe's re-materialisation).
+        S V (S = mesh.shape[axis]), in layer order, split over `axis` (L/S layers a stage).
+        Stage s runs the chunks v S + s (v = 0 .. V - 1) of L/(S V) layers, in order
+        (`remat`: recompute them in the backward, GPipe's re-materialisation).
     x: the batch, a pytree of arrays (B, ...). B is split over `batch_axes` (default: every
-        other mesh axis, e.g. `data`), then each shard into `n_microbatches` microbatches of
-        consecutive rows.
+        other mesh axis, e.g. `data`), then each shard into `n_microbatches` (M, at least S
+        when V > 1) microbatches of consecutive rows.
     rng: a PRNG key (e.g. for dropout), or None. When given, layer_fn(layer_params, x, key)
         gets key = fold_in(fold_in(rng, layer), microbatch), both global indices (shard d of
         the batch axes, row-major, has microbatches d M .. d M + M - 1): a key per layer and
-        microbatch, the same on any run with the same rng (bubble ticks use microbatch 0's).
+        microbatch, the same on any run with the same rng (bubble ticks reuse a microbatch's).
     check_vma: jax.shard_map's type check of what varies across devices; layers that call
         Pallas kernels need it off (a pallas_call declares no such types).
     wire: (pack, unpack), or None: every send carries pack(carry), the receiver goes on with
@@ -149,8 +168,9 @@ def pipeline_apply(
     stage scatters its results with S - 1 point-to-point sends each. Otherwise x is read
     replicated over the stages and the output comes back that way.
     """
-    checked = _check_inputs(stacked_params, x, mesh, n_microbatches, axis, batch_axes)
-    batch_axes, ways, n_layers, batch = checked
+    batch_axes, ways, n_layers, batch = _check_inputs(
+        stacked_params, x, mesh, n_microbatches, virtual_stages, axis, batch_axes
+    )
     n_stages = mesh.shape[axis]
 
     # Rows split over the stages too (where they divide): device (stage s, shard d) holds
@@ -165,23 +185,20 @@ def pipeline_apply(
     else:
         in_spec = P(batch_axes) if batch_axes else P()
         out_spec = P(axis, batch_axes) if batch_axes else P(axis)
-    per_stage = n_layers // n_stages
+    if virtual_stages > 1:  # device s gets its chunks s, S + s, .. (an all-to-all)
+        stacked_params = _by_stage(stacked_params, n_stages, virtual_stages)
     stage_fn = _stage_fn(layer_fn, remat, keyed=rng is not None)
-    last = n_stages - 1
     pack, unpack = wire or (lambda c: c, lambda c: c)
 
     def per_device(params: Any, x: Any, *key: jax.Array) -> Any:
-        # params: leaves (L/S, ...) of this stage; x: leaves (B', ...), B' = B / ways, or
-        # with `split` (B'/S, ...), this stage's chunk of them
+        # params: leaves (L/S, ...) of this stage (its V chunks); x: leaves (B', ...),
+        # B' = B / ways, or with `split` (B'/S, ...), this stage's chunk of them
         if split:
             x = unpack(jax.tree.map(lambda a: _gather_rows(a, axis, n_stages), pack(x)))
         stage = jax.lax.axis_index(axis)
         shard = 0  # this device's index over the batch axes, row-major
         for a in batch_axes:
             shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
-        # One pytree per layer, sliced once per step (not once per tick and layer).
-        stage_params = [jax.tree.map(lambda p, i=i: p[i], params) for i in range(per_stage)]
-        layers = [stage * per_stage + i for i in range(per_stage)]  # their global indices
         # (M, B'/M, ...): microbatch i is rows i B'/M .. (i + 1) B'/M - 1 of this shard
         mbs = jax.tree.map(lambda a: a.reshape(n_microbatches, -1, *a.shape[1:]), x)
         # What this stage received from the previous one; varying over `axis` like the sends.
@@ -189,11 +206,10 @@ def pipeline_apply(
         recv = jax.tree.map(lambda a: jnp.zeros_like(a[0]), mbs)
         if not split:
             recv = jax.tree.map(lambda a: jax.lax.pcast(a, axis, to="varying"), recv)
-        keyed = (key[0], layers, shard) if key else None
-        outs = _ticks(stage_fn, stage_params, mbs, recv, stage, axis, n_stages, (pack, unpack),
-                      keyed)  # fmt: skip
-        # On the last stage, tick S - 1 + i finished microbatch i.
-        done = jax.tree.map(lambda *o: jnp.concatenate(o), *outs[last:])  # (B', ...)
+        keyed = (key[0], shard) if key else None
+        outs = _ticks(stage_fn, params, virtual_stages, mbs, recv, stage, axis, n_stages,
+                      (pack, unpack), keyed)  # fmt: skip
+        done = jax.tree.map(lambda *o: jnp.concatenate(o), *outs)  # (B', ...)
         if split:
             done = jax.tree.map(lambda a: _scatter_rows(a, stage, axis, n_stages), pack(done))
             return unpack(done)
@@ -212,43 +228,68 @@ def pipeline_apply(
 
 def _ticks(
     stage_fn: Callable[..., Any],
-    stage_params: list[Any],
+    params: Any,
+    n_rep: int,
     mbs: Any,
     recv: Any,
     stage: jax.Array,
     axis: str,
     n_stages: int,
     wire: tuple[Callable[[Any], Any], Callable[[Any], Any]],
-    keyed: tuple[jax.Array, list[jax.Array], jax.Array] | None,
+    keyed: tuple[jax.Array, jax.Array] | None,
 ) -> list[Any]:
-    """GPipe's M + S - 1 forward ticks on one device (unrolled: see the module docstring):
-    every tick, stage 0 reads microbatch k of `mbs` (leaves (M, B'/M, ...); zeros in its
-    bubble), the others what they received (`recv`), run their layers and send the result to
-    the next stage. `keyed` (rng, this stage's global layer indices, this device's batch
-    shard): each layer of each microbatch gets its own key. Returns every tick's output."""
+    """The V M + S - 1 forward ticks on one device, V = n_rep (unrolled: see the module
+    docstring). `params`: this stage's leaves (L/S, ...), its V chunks in order. At tick k
+    this stage runs item j = k - stage, microbatch j % M in its chunk j // M (clipped to a
+    dummy item in its bubble), and sends the result to the next stage, with V > 1 the last
+    stage's to stage 0. Stage 0 reads microbatch k of `mbs` (leaves (M, B'/M, ...)) while
+    k < M, then what the last stage sent M - S + 1 ticks before (that microbatch's previous
+    chunk), then zeros; the others what they received (`recv`). `keyed` (rng, this device's
+    batch shard): each layer of each microbatch gets its own key. Returns the outputs of the
+    last M ticks: on the last stage, microbatches 0 .. M - 1 done."""
     pack, unpack = wire
+    per_chunk = jax.tree.leaves(params)[0].shape[0] // n_rep
+    # One pytree per layer of each chunk, sliced once per step (not once per tick and layer).
+    chunks = [
+        [jax.tree.map(lambda p, i=v * per_chunk + i: p[i], params) for i in range(per_chunk)]
+        for v in range(n_rep)
+    ]
     m = jax.tree.leaves(mbs)[0].shape[0]
-    shift = [(s, s + 1) for s in range(n_stages - 1)]  # stage s -> s + 1, none wraps round
-    outs = []
-    for k in range(m + n_stages - 1):
+    items, n_ticks = n_rep * m, n_rep * m + n_stages - 1
+    # stage s -> s + 1, and with V > 1 the last round to stage 0
+    shift = [(s, (s + 1) % n_stages) for s in range(n_stages - (n_rep == 1))]
+    received, outs = [], []  # what this stage received at the end of each tick; its outputs
+    for k in range(n_ticks):
         with jax.named_scope("pipeline_tick"):
             if k < m:
                 feed = jax.tree.map(lambda a, k=k: a[k], mbs)
+            elif k < items:
+                feed = received[k - m + n_stages - 1]
             else:
                 feed = jax.tree.map(jnp.zeros_like, recv)
             inp = jax.tree.map(lambda f, r: jnp.where(stage == 0, f, r), feed, recv)
-            # (B'/M, ...) this stage's microbatch k - stage (a dummy one in the bubble)
-            if keyed:
-                rng, layers, shard = keyed
-                out = stage_fn(
-                    stage_params, inp, rng, layers, shard * m + jnp.clip(k - stage, 0, m - 1)
-                )
+            # (B'/M, ...) this stage's microbatch (a dummy one in the bubble)
+            j = jnp.clip(k - stage, 0, items - 1)
+            # The chunk: the same on every stage at tick k, or one of two (M >= S).
+            lo, hi = (min(max(i, 0), items - 1) // m for i in (k - n_stages + 1, k))
+            if lo == hi:
+                rep, chunk = lo, chunks[lo]
             else:
-                out = stage_fn(stage_params, inp)
-            if n_stages > 1 and k < m + n_stages - 2:  # the last tick's output goes nowhere
+                rep = j // m
+                chunk = jax.tree.map(
+                    functools.partial(jnp.where, rep == lo), chunks[lo], chunks[hi]
+                )
+            if keyed:
+                rng, shard = keyed
+                layers = [(rep * n_stages + stage) * per_chunk + i for i in range(per_chunk)]
+                out = stage_fn(chunk, inp, rng, layers, shard * m + j % m)
+            else:
+                out = stage_fn(chunk, inp)
+            if shift and k < n_ticks - 1:  # the last tick's output goes nowhere
                 recv = unpack(jax.lax.ppermute(pack(out), axis, shift))
+                received.append(recv)
         outs.append(out)
-    return outs
+    return outs[-m:]
 
 
 def _check_inputs(
@@ -256,11 +297,12 @@ def _check_inputs(
     x: Any,
     mesh: Mesh,
     n_microbatches: int,
+    virtual_stages: int,
     axis: str,
     batch_axes: Sequence[str] | None,
 ) -> tuple[tuple[str, ...], int, int, int]:
     """pipeline_apply's arguments checked: (the batch axes, the number of batch shards, L, B)."""
-    _check_positive(n_microbatches=n_microbatches)
+    _check_positive(n_microbatches=n_microbatches, virtual_stages=virtual_stages)
     if axis not in mesh.shape:
         raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.shape)}")
     if batch_axes is None:
@@ -271,10 +313,18 @@ def _check_inputs(
             raise ValueError(f"batch axis {a!r} must be a mesh axis other than {axis!r}")
     n_stages = mesh.shape[axis]
     n_layers = _leading_size(stacked_params, "stacked_params", "layer")
-    if n_layers % n_stages:
+    chunks = n_stages * virtual_stages
+    if n_layers % chunks:
+        virtual = f" x {virtual_stages} virtual stages" if virtual_stages > 1 else ""
         raise ValueError(
-            f"the {n_layers} stacked layers must split evenly into {n_stages} pipeline stages "
-            f"(mesh axis {axis!r}): n_layers % n_stages = {n_layers % n_stages}"
+            f"the {n_layers} stacked layers must split evenly into {n_stages} pipeline stages"
+            f"{virtual} (mesh axis {axis!r}): n_layers % {chunks} = {n_layers % chunks}"
+        )
+    if virtual_stages > 1 and n_microbatches < n_stages:
+        raise ValueError(
+            f"virtual_stages={virtual_stages} needs n_microbatches >= the {n_stages} stages, "
+            f"got {n_microbatches}: stage 0 starts a microbatch's next chunk once the last "
+            "stage has sent it round; raise n_microbatches or set virtual_stages=1"
         )
     ways = 1
     for a in batch_axes:
@@ -287,6 +337,16 @@ def _check_inputs(
             f"{ways} x {n_microbatches} = {ways * n_microbatches}"
         )
     return batch_axes, ways, n_layers, batch
+
+
+def _by_stage(stacked: Any, n_stages: int, n_rep: int) -> Any:
+    """Leaves (L, ...) in layer order -> (L, ...) with stage s's chunks of L/(S V) layers, s,
+    S + s, .., (V - 1) S + s, at rows s L/S .. (s + 1) L/S - 1: (V, S, L/(S V), ...) ->
+    (S, V, L/(S V), ...)."""
+    return jax.tree.map(
+        lambda p: p.reshape(n_rep, n_stages, -1, *p.shape[1:]).swapaxes(0, 1).reshape(p.shape),
+        stacked,
+    )
 
 
 def _gather_rows(a: jax.Array, axis: str, n_stages: int) -> jax.Array:

@@ -121,6 +121,15 @@ def test_pipeline_needs_scanned_divisible_layers():
     with pytest.raises(ConfigError, match=r"model.n_layers \(4\) must be divisible by parallel."):
         parallel.check_pipeline(model, ex, 3)
     parallel.check_pipeline(model, dataclasses.replace(ex, dropout=0.1), 4)  # keys per layer
+    # Circular: 2 stages x 2 chunks of a layer, as many microbatches as stages at least.
+    parallel.check_pipeline(model, ex, 2, virtual_stages=2)  # M unset: one per stage
+    parallel.check_pipeline(model, ex, 2, virtual_stages=2, microbatches=3)
+    with pytest.raises(ConfigError, match=r"pipeline \(2\) x parallel.virtual_stages \(3\): "):
+        parallel.check_pipeline(model, ex, 2, virtual_stages=3)
+    with pytest.raises(ConfigError, match=r"virtual_stages=2 needs parallel.microbatches >= "):
+        parallel.check_pipeline(model, ex, 2, virtual_stages=2, microbatches=1)
+    with pytest.raises(ConfigError, match=r"virtual_stages=2 needs pipeline stages.*Set paral"):
+        parallel.check_pipeline(model, ex, 1, virtual_stages=2)
     assert parallel.n_microbatches(ParallelConfig(), 4) == 4  # default: one per stage
     assert parallel.n_microbatches(ParallelConfig(microbatches=8), 4) == 8
 
@@ -158,6 +167,8 @@ def test_parallel_config_validation():
         _cfg("--parallel.pipeline=0")
     with pytest.raises(ConfigError, match=r"parallel.microbatches must be >= 1, got 0"):
         _cfg("--parallel.microbatches=0")
+    with pytest.raises(ConfigError, match=r"parallel.virtual_stages must be >= 1, got 0"):
+        _cfg("--parallel.virtual_stages=0")
     with pytest.raises(
         ConfigError, match=r"at most one of parallel.data, parallel.fsdp, parallel.pipeline"
     ):
@@ -197,6 +208,8 @@ def test_one_device_mesh_and_refusals():
     )
     with pytest.raises(ConfigError, match=r"needs 2 devices, but there are 1"):
         parallel.make_mesh(_cfg("--parallel.data=2"), jax.devices()[:1])
+    with pytest.raises(ConfigError, match=r"parallel.virtual_stages=2 needs pipeline stages"):
+        parallel.make_mesh(_cfg("--parallel.virtual_stages=2"), jax.devices()[:1])
     pallas = _cfg("--execution.kernels=pallas")
     model = build_model(pallas.model, pallas.execution)
     assert parallel.kernel_model(model, mesh) is model  # one device: Pallas runs as before
@@ -370,13 +383,15 @@ def _check_pipeline_and_fsdp_layers() -> None:
         ("pipeline4", ["--parallel.pipeline=4"], 4),
         ("data2_pipeline4", ["--parallel.data=2", "--parallel.pipeline=4"], 8),
         ("data2_fsdp4", ["--parallel.fsdp=4"], 8),
+        ("pipeline2_virtual2", ["--parallel.pipeline=2", "--parallel.virtual_stages=2"], 2),
     ]:
         c = _cfg(*base, *overrides)
         mesh = parallel.make_mesh(c, jax.devices()[:n])
         state = jax.device_put(init, parallel.state_shardings(init, mesh))
         sharded = [parallel.shard_batch(b, mesh) for b in batches]
         rng = jax.random.PRNGKey(1)
-        step = parallel.jit_train_step(train_step, state, mesh, c.parallel.microbatches)
+        micro, virtual = c.parallel.microbatches, c.parallel.virtual_stages
+        step = parallel.jit_train_step(train_step, state, mesh, micro, virtual)
         step = step.lower(state, sharded[0], rng).compile()
         if name == "data2_fsdp4":
             out["all_gathers"] = _while_collectives(step.as_text(), "all-gather")
@@ -391,13 +406,13 @@ def _check_pipeline_and_fsdp_layers() -> None:
             losses.append(float(m["loss"]))
             grads += [np.asarray(g).tolist() for g in jax.tree.leaves(state.opt_state[0])]
         out[name] = {
-            "describe": parallel.describe(mesh, c.parallel.microbatches),
+            "describe": parallel.describe(mesh, micro, virtual_stages=virtual),
             # rows split over data x stages at batch 16; at batch 6 (divisible by the 2
             # microbatches, valid) not over the 4 stages: the replicated layout, said so
             "describe_rows": [
                 parallel.describe(mesh, m, batch_size=b) for m, b in ((4, 16), (2, 6))
             ],
-            "apply": repr(parallel.mesh_apply(state.apply_fn, mesh)),
+            "apply": repr(parallel.mesh_apply(state.apply_fn, mesh, micro, virtual)),
             "losses": losses,
             "grads": grads,
             "params": [np.asarray(p).tolist() for p in jax.tree.leaves(state.params)],
@@ -460,20 +475,33 @@ def test_pipeline_and_per_layer_fsdp_match_one_device():
     assert out["data2_pipeline4"]["qkv_spec"] == str(P("pipeline"))  # layers over stages
     assert out["data2_fsdp4"]["apply"] == "MeshApply(GPT2, fsdp 4, gathered per layer)"
     assert out["data2_fsdp4"]["qkv_spec"] == str(P(None, None, "fsdp"))
-    for name in ("pipeline4", "data2_pipeline4", "data2_fsdp4"):
+    assert out["pipeline2_virtual2"]["describe"] == (
+        "parallel: mesh data=1 fsdp=1 pipeline=2 (2 microbatches, circular, 2 virtual stages, "
+        "bubble 20%) over 2 cpu devices"
+    )
+    assert out["pipeline2_virtual2"]["apply"] == (
+        "MeshApply(GPT2, pipeline 2 stages x 2 microbatches, 2 virtual stages)"
+    )
+    for name in ("pipeline4", "data2_pipeline4", "data2_fsdp4", "pipeline2_virtual2"):
         r = out[name]
         np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-5, err_msg=name)
         _assert_trees_close(r["grads"], ref["grads"], 1e-5, name)  # both steps' gradients
         # Adam turns float noise in a gradient near 0 into a full-size step: looser.
         _assert_trees_close(r["params"], ref["params"], 1e-4, name)
     # Pipelines (16 rows, 9 tokens, d 32): no activation is summed or shuffled over devices;
-    # rows travel point to point, at most one stage's chunk (pipeline4: 4 rows) at a time.
-    for name in ("pipeline4", "data2_pipeline4"):
+    # rows travel point to point, at most one stage's chunk (pipeline4: 4 rows; 2 stages: 8)
+    # at a time. Circular: the block weights (and their gradients) move by all-to-all.
+    for name, most in (("pipeline4", 4), ("data2_pipeline4", 4), ("pipeline2_virtual2", 8)):
         c = out.pop(f"{name}_collectives")
-        assert not c["all-to-all"], (name, c["all-to-all"])
+        moved = c["all-to-all"]
+        if "virtual" in name:  # weights only
+            assert any(",32,96]" in r for r in moved), (name, moved)
+            assert not any(",9,32]" in r for r in moved), (name, moved)
+        else:
+            assert not moved, (name, moved)
         assert not any(",9,32]" in r for r in c["all-reduce"]), (name, c["all-reduce"])
         rows = [int(n) for r in c["collective-permute"] for n in re.findall(r"\[(\d+),9,32\]", r)]
-        assert rows and max(rows) <= 4, (name, c["collective-permute"])
+        assert rows and max(rows) <= most, (name, c["collective-permute"])
     # The block weights are gathered one layer at a time, inside the scanned loop: forward and
     # again in the backward (the qkv kernel: (32, 96) a layer, (4, 32, 96) stacked).
     looped, elsewhere = out["all_gathers"]

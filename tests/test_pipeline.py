@@ -157,6 +157,12 @@ def test_bubble_fraction_values():
     assert bubble_fraction(4, 1) == pytest.approx(3 / 4)
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert bubble_fraction(4, 29) == pytest.approx(0.09375)
+    # Circular: V chunks per stage, V M + S - 1 ticks of 1/V the work each.
+    assert bubble_fraction(4, 4, 1) == bubble_fraction(4, 4)
+    assert bubble_fraction(4, 4, 2) == pytest.approx(3 / 11)
+    assert bubble_fraction(4, 8, 3) == pytest.approx(3 / 27)
+    with pytest.raises(ValueError, match=r"virtual_stages must be an integer >= 1, got 0"):
+        bubble_fraction(4, 4, 0)
 
 
 @pytest.mark.parametrize("s, m", [(0, 4), (3, 0), (-1, 2), (2.0, 2), (True, 2)])
@@ -177,6 +183,9 @@ def one_stage_mesh() -> Mesh:
 def test_one_stage_pipeline_is_sequential():
     params, x = toy(n_layers=3, batch=8)
     errs = compare(mlp_layer, params, x, one_stage_mesh(), m=4)
+    assert errs["out"] < 1e-6 and errs["grads"] < 1e-5, errs
+    # Circular on one stage: 3 chunks of a layer, each microbatch round the (self-)ring 3 times.
+    errs = compare(mlp_layer, params, x, one_stage_mesh(), m=2, virtual_stages=3)
     assert errs["out"] < 1e-6 and errs["grads"] < 1e-5, errs
     # The ticks are visible to the profiler: HLO op names carry the scope.
     hlo = (
@@ -204,6 +213,10 @@ def test_pipeline_apply_refusals():
         )
     with pytest.raises(ValueError, match=r"one leading batch axis; got .* \[5, 6\]"):
         pipeline_apply(pair_layer, params, (x, x[:5]), mesh=mesh, n_microbatches=2)
+    with pytest.raises(ValueError, match=r"virtual_stages must be an integer >= 1, got 0"):
+        pipeline_apply(mlp_layer, params, x, mesh=mesh, n_microbatches=2, virtual_stages=0)
+    with pytest.raises(ValueError, match=r"2 stacked layers .* 1 pipeline stages x 3 virtual"):
+        pipeline_apply(mlp_layer, params, x, mesh=mesh, n_microbatches=2, virtual_stages=3)
 
 
 # ----------------------------------------------------------------------------- 8 devices
@@ -303,22 +316,25 @@ def _check_pipelines() -> None:
     print(json.dumps(out))
 
 
-@pytest.mark.slow  # an 8-device subprocess
-def test_pipelines_on_8_devices():
+def _on_8_devices(check: str) -> dict:
+    """Run `check` (a function of this file) in a subprocess with 8 fake CPU devices; its
+    printed JSON line."""
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false",
         "JAX_PLATFORMS": "cpu",
     }
-    code = (
-        f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_pipeline as t; "
-        "t._check_pipelines()"
-    )
+    code = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_pipeline as t; t.{check}()"
     run = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # an 8-device subprocess
+def test_pipelines_on_8_devices():
+    got = _on_8_devices("_check_pipelines")
     cases = ("pp4_m6", "pp4_m6_remat", "dp2_pp4_m3", "dp2_pp4_m3_split", "pp8_m2_pair")
     for case in (*cases, "pp8_m2_pair_split", "pp8_m2_pair_wire"):
         assert got[case]["out"] < 1e-6, (case, got[case])
@@ -334,3 +350,70 @@ def test_pipelines_on_8_devices():
         "batch size 10 must split over the batch axes ('data',) (2 ways)" in got["errors"]["batch"]
     )
     assert "divisible by 2 x 3 = 6" in got["errors"]["batch"]
+
+
+def _check_circular() -> None:
+    """Runs in the 8-device subprocess: the circular schedule (V chunks per stage) against the
+    layers one after another; prints {case: errors, ...} as JSON."""
+    devices = np.array(jax.devices())
+    out = {}
+    # (S, V, M, L, B): M = S; M > S, where stage 0 takes a microbatch back from the last stage
+    # ticks after it arrived (S = 2, M = 4: 3 ticks later); chunks of 2 layers.
+    for s, v, m, n_layers, batch in [(2, 2, 2, 4, 8), (4, 2, 4, 8, 16), (2, 3, 4, 6, 8),
+                                     (4, 2, 5, 16, 20)]:  # fmt: skip
+        params, x = toy(n_layers, batch, seed=s + v + m)
+        mesh = Mesh(devices[:s], ("pipeline",))
+        out[f"pp{s}_v{v}_m{m}"] = compare(mlp_layer, params, x, mesh, m, virtual_stages=v)
+
+    # data 2 x pipeline 4, V = 2, M = 6, rows split over the stages (24 = 2 x 4 x 3) or
+    # replicated (12 = 2 x 6 x 1), with a pytree carry sent as one array (`wire`) and remat.
+    dp_pp = Mesh(devices.reshape(2, 4), ("data", "pipeline"))
+    wire = (lambda c: c[0] + c[1], lambda y: (y, jnp.zeros_like(y)))
+    for batch in (24, 12):
+        params, x = toy(n_layers=8, batch=batch, seed=batch)
+        xh = (x, 0.5 * x)
+        kw = {"post": wire[0], "wire": wire, "remat": True, "virtual_stages": 2}
+        out[f"dp2_pp4_v2_m6_{batch}"] = compare(pair_layer, params, xh, dp_pp, m=6, **kw)
+
+    # Keyed layers: layer l (global, 0 .. L - 1) of global microbatch g gets
+    # fold_in(fold_in(rng, l), g), whichever stage and repeat runs it.
+    rng = jax.random.PRNGKey(7)
+    params, x = toy(n_layers=8, batch=32, seed=5)
+    run = jax.jit(
+        lambda p, x, k: pipeline_apply(
+            noisy_layer, p, x, mesh=dp_pp, n_microbatches=4, virtual_stages=2, rng=k
+        )
+    )
+    got = run(params, x, rng)
+    out["keyed"] = {
+        "err": max_rel_err(got, sequential_keyed(noisy_layer, params, x, rng, m=8)),
+        "noise": float(jnp.abs(got - sequential(mlp_layer, params, x)).min()),
+    }
+
+    # The ring: the last stage sends to stage 0 forward, stage 0 to the last backward.
+    text = str(jax.make_jaxpr(jax.grad(lambda p, x: sum_squares(pipeline_apply(
+        mlp_layer, p, x, mesh=dp_pp, n_microbatches=4, virtual_stages=2
+    ))))(params, x))  # fmt: skip
+    out["forward_ring"] = "perm=((0, 1), (1, 2), (2, 3), (3, 0))" in text
+    out["backward_ring"] = "perm=((1, 0), (2, 1), (3, 2), (0, 3))" in text
+    try:
+        pipeline_apply(mlp_layer, params, x, mesh=dp_pp, n_microbatches=2, virtual_stages=2)
+        out["few_microbatches"] = "no error"
+    except ValueError as e:
+        out["few_microbatches"] = str(e)
+    print(json.dumps(out))
+
+
+@pytest.mark.slow  # an 8-device subprocess
+def test_circular_pipelines_on_8_devices():
+    got = _on_8_devices("_check_circular")
+    cases = [k for k in got if k.startswith(("pp", "dp"))]
+    assert len(cases) == 6, cases
+    for case in cases:
+        assert got[case]["out"] < 1e-6, (case, got[case])
+        assert got[case]["grads"] < 1e-5, (case, got[case])
+    assert got["keyed"]["err"] < 1e-6 and got["keyed"]["noise"] > 0, got["keyed"]
+    assert got["forward_ring"] and got["backward_ring"]
+    assert (
+        "virtual_stages=2 needs n_microbatches >= the 4 stages, got 2" in (got["few_microbatches"])
+    )

@@ -255,8 +255,9 @@ class _Run:
             lambda: create_state(self.model, tx, init_rng, example), self.mesh
         )
         microbatches = cfg.parallel.microbatches  # pipeline stages only; None: one per stage
-        self.step_fn = parallel.jit_train_step(train_step, self.state, self.mesh, microbatches)
-        self.eval_fn = parallel.jit_eval_step(eval_step, self.state, self.mesh, microbatches)
+        pipe = (microbatches, cfg.parallel.virtual_stages)
+        self.step_fn = parallel.jit_train_step(train_step, self.state, self.mesh, *pipe)
+        self.eval_fn = parallel.jit_eval_step(eval_step, self.state, self.mesh, *pipe)
         self.eval_rows = parallel.eval_rows_multiple(self.mesh, microbatches)
         # This process's rows of every train batch (several processes: a disjoint share each).
         self.rows = distributed.process_rows(self.mesh, tc.batch_size) if self.multi else None
@@ -307,7 +308,9 @@ class _Run:
         # outside any pipeline, on the rows of the whole batch split over the mesh: plan.shard)
         rows = tc.batch_size * cfg.model.context_length
         chunks = self.plan.loss_chunks(cfg.model, cfg.execution, rows)
-        layout = parallel.describe(self.mesh, cfg.parallel.microbatches, tc.batch_size)
+        layout = parallel.describe(
+            self.mesh, cfg.parallel.microbatches, tc.batch_size, cfg.parallel.virtual_stages
+        )
         state_bytes = parallel.state_bytes_per_device(self.state)
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(self.state.params))
         record = {"event": "resume" if self.start_step else "start", "step": self.start_step}
