@@ -8,6 +8,7 @@
 #   table    GPT-2 124M at 32 rows a GPU: 1 GPU (unrolled, scanned), dp, fsdp (unrolled and
 #            scanned, per-layer gather) over N
 #   dp64     dp at 64 rows a GPU against 1 GPU at 64
+#   ppv      the pipeline at 32 rows, M = 8: GPipe and circular (V = 3)
 #   pp128    the pipeline at a global batch of 128: GPipe and circular (V = 3), M = 8, 16
 #   big      the largest GPT-2-shaped model of a ladder that trains with fsdp over N GPUs, then
 #            the same model on 1 GPU (out of memory)
@@ -67,6 +68,8 @@ for part in $PARTS; do
     table) step table 330 $BENCH --per-device-batch 32 \
              --variants single,single_scan,dp,fsdp,fsdp_scan ;;
     dp64) step dp64 150 $BENCH --per-device-batch 64 --variants single,dp ;;
+    ppv) step ppv 240 $BENCH --per-device-batch 32 --variants single,pp --microbatches 8 \
+           --virtual-stages 1,3 ;;
     pp128) step pp128 420 $BENCH --per-device-batch 128 --variants single,pp --microbatches 8,16 \
              --virtual-stages 1,3 ;;
     big) step big 330 bash -c big ;;
