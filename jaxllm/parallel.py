@@ -334,9 +334,24 @@ def _save_computed(prim: Any, *_: Any, **__: Any) -> bool:
     return prim.name not in _DATA_MOVEMENT
 
 
-def gathered_layers(mesh: Mesh) -> Callable[..., Any]:
+def _gathered(mesh: Mesh, w: jax.Array, dtype: Any) -> jax.Array:
+    """`w` whole on every device (a sharding constraint to replicated: XLA all-gathers its
+    shards), cast to `dtype` first where it is not None, so that the gather moves the cast
+    shards. The cast is pinned to w's own layout: else sharding propagation would carry the
+    gather back through it onto w as stored."""
+    whole = replicated(mesh)
+    if dtype is None or jnp.dtype(dtype) == w.dtype:
+        return jax.lax.with_sharding_constraint(w, whole)
+    shard = NamedSharding(mesh, param_spec(w.shape, mesh.shape["fsdp"]))
+    return jax.lax.with_sharding_constraint(
+        jax.lax.with_sharding_constraint(w.astype(dtype), shard), whole
+    )
+
+
+def gathered_layers(mesh: Mesh, read_dtypes: Callable[[Any], Any]) -> Callable[..., Any]:
     """A `BlockRunner.run` for `Decoder.loss` that all-gathers each layer's fsdp-sharded weights
-    just before the layer runs (a sharding constraint to replicated): a `lax.scan` over the
+    just before the layer runs (`_gathered`; those `read_dtypes(layer_params)` names already in
+    the dtype the layer reads them in, e.g. bfloat16 matmul kernels): a `lax.scan` over the
     stacked layers (execution.scan_layers), else a Python loop over the unrolled blocks, which
     leaves XLA free to fuse across layers and to start the next layer's gather during this one.
     Each layer's weight gradients are reduced into the shard layout as the backward reaches it
@@ -357,7 +372,7 @@ def gathered_layers(mesh: Mesh) -> Callable[..., Any]:
 
     def run(layer_fn: Callable, layers: Any, carry: Any, rng: jax.Array | None = None) -> Any:
         def layer(c: Any, p: Any, i: jax.Array | int) -> Any:
-            p = jax.lax.with_sharding_constraint(p, jax.tree.map(lambda _: replicated(mesh), p))
+            p = jax.tree.map(functools.partial(_gathered, mesh), p, read_dtypes(p))
             return layer_fn(p, c) if rng is None else layer_fn(p, c, jax.random.fold_in(rng, i))
 
         layer = jax.checkpoint(layer, policy=_save_computed)
@@ -470,7 +485,7 @@ def mesh_apply(
         split = NamedSharding(mesh, P(ROW_AXES))
         return MeshApply(model, BlockRunner(run, per_device=True), ways, what, split_rows=split)
     if isinstance(model, Decoder) and fsdp > 1:
-        runner = BlockRunner(gathered_layers(mesh))
+        runner = BlockRunner(gathered_layers(mesh, model.read_dtypes))
         return MeshApply(model, runner, 1, f"fsdp {fsdp}, gathered per layer")
     return apply_fn
 

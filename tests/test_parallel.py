@@ -549,6 +549,12 @@ def _check_fsdp_layout_and_refusals() -> None:
     out["moment_spec"] = str(moment.sharding.spec)
     batch = parallel.shard_batch(batches[0], mesh)
     out["batch_shards"] = sorted({tuple(s.data.shape) for s in batch["inputs"].addressable_shards})
+    # bfloat16 compute: the Linear kernels are cast before they are gathered (half the bytes)
+    bf16 = _cfg("--parallel.fsdp=2", "--execution.compute_dtype=bfloat16")
+    bf16_state = state.replace(apply_fn=build_model(bf16.model, bf16.execution).apply)
+    step = parallel.jit_train_step(train_step, bf16_state, mesh)
+    jaxpr = str(jax.make_jaxpr(step)(bf16_state, batch, jax.random.PRNGKey(0)))
+    out["gathered"] = sorted(set(re.findall(r"(\w+\[32,96\]) = sharding_constraint", jaxpr)))
     refused = {}
     for name, overrides in {
         "not_dividing": ["--parallel.data=2"],
@@ -581,6 +587,7 @@ def test_fsdp_shards_params_and_refuses_bad_meshes():
     assert out["qkv"]["shards"] == [[32, 48]] and out["qkv"]["n_shards"] == 8
     assert out["moment_spec"] == str(P(None, "fsdp"))
     assert out["batch_shards"] == [[2, 9]]  # 16 rows over 4 x 2 devices
+    assert out["gathered"] == ["bf16[32,96]"], out["gathered"]  # the qkv kernel, never f32
     r = out["refused"]
     assert "mesh data=2 x fsdp=1 x pipeline=1 needs 2 devices, but there are 8" in r["not_dividing"]
     assert "fixed sizes (3) must divide the device count (8)" in r["fill_not_dividing"]

@@ -203,6 +203,19 @@ class Decoder(nn.Module):
         rng = self.make_rng("dropout") if dropout else None
         return runner.run(layer_fn, layers, carry, rng=rng)
 
+    def read_dtypes(self, layer_params: Any) -> Any:
+        """The dtype each of one block's parameters is read in: execution.compute_dtype for a
+        Linear's kernel (jaxllm.layers.Linear casts it before its matmul; in a block every
+        "kernel" outside the conv is a Linear's), None (as stored) for the rest. jaxllm.parallel
+        gathers the compute-dtype ones already cast: half the bytes, the same values."""
+        dtype = jnp.dtype(self.execution.compute_dtype)
+
+        def read(path: Any, _: Any) -> Any:
+            keys = [getattr(k, "key", None) for k in path]
+            return dtype if keys[-1] == "kernel" and "conv" not in keys else None
+
+        return jax.tree_util.tree_map_with_path(read, layer_params)
+
     def head_matrix(self) -> jax.Array:
         """The LM head as (V, D): the token table when tied."""
         return self.token_embedding.table if self.cfg.tie_embeddings else self.lm_head.kernel.T
