@@ -270,6 +270,7 @@ def _scaling(args: argparse.Namespace, overrides: list[str]) -> None:
         print("\nmeasured vs predicted:")
         for c in checked:
             m_ = f" M={c['microbatches']}" if c["microbatches"] else ""
+            m_ += f" V={c['virtual']}" if c["virtual"] > 1 else ""
             eff = "-" if c["measured_eff"] is None else f"{c['measured_eff']:.0%}"
             print(f"  {c['variant']:>4} N={c['devices']}{m_}: {c['measured_ms']:.1f} ms vs "
                   f"{c['predicted_ms']:.1f} predicted; efficiency {eff} vs "

@@ -7,9 +7,10 @@ the link's achieved bandwidth, nothing hidden behind compute unless `overlap` sa
   FSDP  all-gather of the float32 parameters in the forward, again in the backward (the
         gathered weights are not saved: jaxllm.parallel.gathered_layers), reduce-scatter of the
         gradients: 3 (N-1)/N x 4 P bytes per GPU.
-  PP    S = N stages, M microbatches of the same global batch (GPipe): M + S - 1 ticks, each
-        a stage's share of a microbatch's compute, a fixed cost per layer (fitted) and the
-        sends of its activations forward and their gradients backward (B/M x T x d x 2 bytes).
+  PP    S = N stages, M microbatches of the same global batch, V virtual stages (GPipe: V = 1):
+        V M + S - 1 ticks, each a stage's share of a microbatch's compute over V, a fixed cost
+        per layer run (fitted) and the sends of its activations forward and their gradients
+        backward (B/M x T x d x 4 bytes: the float32 residual stream).
 One host holds GPUS_PER_HOST GPUs over NVLink (NVSwitch); more hosts talk over InfiniBand,
 one NIC per GPU. NCCL runs one ring per NIC, so a ring's traffic leaves a host through all of its
 NICs at once: across hosts a collective moves at min(NVLink, GPUS_PER_HOST x IB) per GPU, while a
@@ -40,7 +41,7 @@ ACHIEVED = 0.4
 ANCHOR_TFLOPS = 544_658 * 855_166_464 / 1e12
 # PP's fixed cost per microbatch per layer of a stage (ms): launches and the small-batch
 # inefficiency of a microbatch. Fitted (`fit_layer_tick_ms`) to S=2, M=4/8/16 on 2 H200s.
-LAYER_TICK_MS = 0.216
+LAYER_TICK_MS = 0.207
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Setup:
     step_ms: float  # one GPU, `batch` rows, layers unrolled
     overlap: float = 0.0  # fraction of collective time hidden behind compute
     param_bytes: int = 4  # float32 parameters and gradients on the wire
-    act_bytes: int = 2  # bfloat16 activations between stages
+    act_bytes: int = 4  # the float32 residual stream between stages
 
 
 def setup_for(m: ModelConfig, batch: int, step_ms: float | None = None,
@@ -96,19 +97,20 @@ def fsdp_ms(s: Setup, n: int) -> float:
 
 
 def pp_ms(s: Setup, n: int, microbatches: int, batch: int | None = None,
-          layer_tick_ms: float = LAYER_TICK_MS) -> float:  # fmt: skip
-    """GPipe step over n stages, global batch `batch` (default: s.batch) in M microbatches."""
+          layer_tick_ms: float = LAYER_TICK_MS, virtual: int = 1) -> float:  # fmt: skip
+    """Pipeline step over n stages, global batch `batch` (default: s.batch) in M microbatches,
+    `virtual` stages a device (1: GPipe)."""
     if n == 1:
         return s.step_ms * (batch or s.batch) / s.batch
     rows = (batch or s.batch) / microbatches
-    compute = s.step_ms * rows / s.batch / n  # a stage's share of one microbatch
+    compute = s.step_ms * rows / s.batch / (n * virtual)  # one chunk of one microbatch
     send = wire_ms(rows * s.context * s.d_model * s.act_bytes, send_gbps(n))
-    ticks = microbatches + n - 1  # = M / (1 - bubble_fraction(n, M))
-    return ticks * (compute + layer_tick_ms * s.n_layers / n + 2 * send)
+    ticks = virtual * microbatches + n - 1  # = V M / (1 - bubble_fraction(n, M, V))
+    return ticks * (compute + layer_tick_ms * s.n_layers / (n * virtual) + 2 * send)
 
 
 def fit_layer_tick_ms(s: Setup, rows: list[tuple[int, int, int, float]]) -> float:
-    """Least-squares LAYER_TICK_MS from measured PP rows (stages, microbatches, batch, ms)."""
+    """Least-squares LAYER_TICK_MS from measured GPipe rows (stages, microbatches, batch, ms)."""
     xs, rs = [], []
     for n, m, b, ms in rows:
         xs.append((m + n - 1) * s.n_layers / n)
@@ -117,11 +119,11 @@ def fit_layer_tick_ms(s: Setup, rows: list[tuple[int, int, int, float]]) -> floa
 
 
 def predict(s: Setup, strategy: str, n: int, microbatches: int | None = None,
-            batch: int | None = None) -> dict[str, float]:  # fmt: skip
+            batch: int | None = None, virtual: int = 1) -> dict[str, float]:  # fmt: skip
     """Step ms, tokens/s and efficiency (tokens/s over n x one GPU's, as parallel_throughput)."""
     if strategy == "pp":
         m = microbatches or min(4 * n, s.batch)
-        rows, ms = batch or s.batch, pp_ms(s, n, m, batch)
+        rows, ms = batch or s.batch, pp_ms(s, n, m, batch, virtual=virtual)
     else:
         m, rows = None, n * s.batch
         ms = dp_ms(s, n) if strategy == "dp" else fsdp_ms(s, n)
@@ -183,9 +185,9 @@ def compare(s: Setup, measured: list[dict]) -> list[dict]:
     for row in measured:
         if row.get("status") != "ok" or row.get("variant") not in ("dp", "fsdp", "pp"):
             continue
-        n, m = row["devices"], row.get("microbatches")
-        p = predict(s, row["variant"], n, m, row["global_batch"] if m else None)
-        out.append({"variant": row["variant"], "devices": n, "microbatches": m,
+        n, m, v = row["devices"], row.get("microbatches"), row.get("virtual_stages") or 1
+        p = predict(s, row["variant"], n, m, row["global_batch"] if m else None, v)
+        out.append({"variant": row["variant"], "devices": n, "microbatches": m, "virtual": v,
                     "measured_ms": row["step_ms"], "predicted_ms": p["step_ms"],
                     "measured_eff": row.get("scaling_efficiency"),
                     "predicted_eff": p["efficiency"]})  # fmt: skip
