@@ -199,7 +199,7 @@ class Decoder(nn.Module):
                 return body.apply({"params": layer_params}, carry, inputs, None, rngs=rngs)[0]
             return body.apply({"params": layer_params}, *carry, inputs, None, rngs=rngs)[:2]
 
-        dropout = not deterministic and self.execution.dropout > 0 and self.has_rng("dropout")
+        dropout = not deterministic and self.execution.dropout > 0  # no rng given: flax says so
         rng = self.make_rng("dropout") if dropout else None
         return runner.run(layer_fn, layers, carry, rng=rng)
 
