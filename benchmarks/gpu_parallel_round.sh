@@ -10,8 +10,8 @@
 #   dp64     dp at 64 rows a GPU against 1 GPU at 64
 #   ppv      the pipeline at 32 rows, M = 8: GPipe and circular (V = 3)
 #   pp128    the pipeline at a global batch of 128: GPipe and circular (V = 3), M = 8, 16
-#   big      the largest GPT-2-shaped model of a ladder that trains with fsdp over N GPUs, then
-#            the same model on 1 GPU (out of memory)
+#   big      the ladder's smallest GPT-2-shaped model on 1 GPU (out of memory), then the largest
+#            of the ladder that trains with fsdp over N GPUs
 # Usage: bash benchmarks/gpu_parallel_round.sh OUTDIR [PART ...]  (default: kernels mp dp pp)
 set -uo pipefail
 OUT=${1:?out dir}
@@ -72,7 +72,7 @@ for part in $PARTS; do
            --virtual-stages 1,3 ;;
     pp128) step pp128 420 $BENCH --per-device-batch 128 --variants single,pp --microbatches 8,16 \
              --virtual-stages 1,3 ;;
-    big) step big 330 bash -c big ;;
+    big) step big 560 bash -c big ;;
   esac
   tail -3 "$OUT/$part.log"
   grep -E "^\|" "$OUT/$part.log" | grep -v "^|---" | cut -c1-200 | tail -6 || true

@@ -41,7 +41,7 @@ not spent on the 1-device work (t = step time at the same global batch); next to
 bound (S - 1) / (V M + S - 1) (jaxllm.pipeline.bubble_fraction), which ignores the stages'
 transfers.
 A baseline this run does not measure is taken from an earlier row of --jsonl with the same
-setup (config, overrides, per-device batch, kernels, loss, device kind), else single_scan is added.
+setup (config, overrides, per-device batch, kernels, loss, device kind), else it is measured too.
 
 Peak memory is the allocator's `peak_bytes_in_use` (max over the variant's devices; None where
 the backend keeps no stats, e.g. CPU). It is a high-water mark since the process started: for
@@ -529,7 +529,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-baseline",
         action="store_true",
-        help="do not add single_scan/single when fsdp/pp/dp lack one",
+        help="do not add a variant's missing baseline (single / single_scan)",
     )
     p.add_argument("--big", action="store_true", help="train a large model with fsdp (see top)")
     p.add_argument("--big-steps", type=int, default=5, help="--big: steps to train")

@@ -372,7 +372,8 @@ class ParallelConfig(Section):
     (jaxllm/parallel.py builds it). The batch is split over data and fsdp; parameters and
     optimizer state are replicated over `data` and sharded over `fsdp` (ZeRO-3). `pipeline` > 1
     cuts the block stack into that many stages of consecutive layers (GPipe, jaxllm/pipeline.py;
-    needs execution.scan_layers), each data x fsdp shard of the batch into `microbatches`. The
+    needs execution.scan_layers; `virtual_stages` > 1: the circular schedule), each data x fsdp
+    shard of the batch into `microbatches`. The
     product of the three must equal the device count; -1 (at most one axis) fills it, so the
     defaults run unchanged on 1 or N devices as plain data parallelism. Like `execution`, the
     layout is how a run computes, free to change on a resume: the same function up to float

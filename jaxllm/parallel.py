@@ -15,10 +15,10 @@ the pipeline's (jaxllm/pipeline.py):
   all-gathers of sharded weights, the reduce(-scatter)s of the gradients and the reduction of
   the loss. With fsdp > 1 the block weights are gathered one layer at a time (unrolled blocks
   or the scanned loop), forward and again in the backward (ZeRO-3), instead of all at the
-  start of the step. With pipeline > 1 the loss runs embed -> GPipe over the stages
-  (`pipeline_apply`: shard_map + ppermute) -> final norm + loss. `mesh_apply` picks the path.
+  start of the step. With pipeline > 1 the loss runs embed -> the stages (GPipe or circular,
+  `pipeline_apply`: shard_map + ppermute) -> final norm + loss. `mesh_apply` picks the path.
   Under a pipeline, fsdp-sharded stage weights are gathered once per step, on entering the
-  stages: a per-layer gather there would run once per tick, M + S - 1 times a step instead of
+  stages: a per-layer gather there would run once per tick, V M + S - 1 times a step instead of
   once (DeepSpeed does not combine ZeRO-3 with pipeline stages either).
   Dropout works on both paths: each layer (and under the pipeline each microbatch) gets its
   own key folded from the step's dropout rng (`Decoder.run_blocks`); the masks differ from the
@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import Config, ConfigError, ExecutionConfig, ModelConfig, ParallelConfig
 from jaxllm.functional import IGNORE
-from jaxllm.models.decoder import BlockRunner, Decoder, is_layer_name
+from jaxllm.models.decoder import BlockRunner, Decoder, is_layer_name, read_dtypes
 from jaxllm.ops import KernelShard
 from jaxllm.pipeline import bubble_fraction, pipeline_apply, rows_split
 
@@ -109,6 +109,14 @@ def check_batch(batch_size: int, sizes: dict[str, int], microbatches: int = 1) -
         )
 
 
+def _check_virtual(n_stages: int, virtual_stages: int) -> None:
+    if virtual_stages > 1 and n_stages == 1:
+        raise ConfigError(
+            f"parallel.virtual_stages={virtual_stages} needs pipeline stages: it splits each "
+            "stage's layers into chunks. Set parallel.pipeline > 1 or parallel.virtual_stages=1"
+        )
+
+
 def check_pipeline(
     model: ModelConfig,
     ex: ExecutionConfig,
@@ -119,11 +127,7 @@ def check_pipeline(
     """What `pipeline` > 1 needs from the model: scanned layers that split evenly into the
     stages (and their `virtual_stages` chunks each, which need as many `microbatches` as
     stages at least)."""
-    if virtual_stages > 1 and n_stages == 1:
-        raise ConfigError(
-            f"parallel.virtual_stages={virtual_stages} needs pipeline stages: it splits each "
-            "stage's layers into chunks. Set parallel.pipeline > 1 or parallel.virtual_stages=1"
-        )
+    _check_virtual(n_stages, virtual_stages)
     if n_stages == 1:
         return
     if not ex.scan_layers:
@@ -348,7 +352,9 @@ def _gathered(mesh: Mesh, w: jax.Array, dtype: Any) -> jax.Array:
     )
 
 
-def gathered_layers(mesh: Mesh, read_dtypes: Callable[[Any], Any]) -> Callable[..., Any]:
+def gathered_layers(
+    mesh: Mesh, read_dtypes: Callable[[Any], Any], remat: bool = False
+) -> Callable[..., Any]:
     """A `BlockRunner.run` for `Decoder.loss` that all-gathers each layer's fsdp-sharded weights
     just before the layer runs (`_gathered`; those `read_dtypes(layer_params)` names already in
     the dtype the layer reads them in, e.g. bfloat16 matmul kernels): a `lax.scan` over the
@@ -361,11 +367,12 @@ def gathered_layers(mesh: Mesh, read_dtypes: Callable[[Any], Any]) -> Callable[.
     `jax.checkpoint` with `_save_computed`, which saves the outputs of the ops that compute
     (matmuls, kernels, elementwise math, reductions) and recomputes the ones that only move,
     cast or re-shape data, which is all the weights go through before a matmul. So the backward
-    gathers each layer again, re-casts and re-slices it, and recomputes nothing else; at most a
-    layer or two are ever whole on a device (ZeRO-3). Without a policy the backward would keep
-    every layer's gathered weights: all of them whole. (The `dots_saveable` policy keeps them
-    out too, but recomputes the norms, activations and attention in the backward.) With
-    execution.remat=block each layer saves only its inputs.
+    gathers each layer again, re-casts and re-slices it, and recomputes nothing else (ZeRO-3: in
+    the scanned loop at most a layer or two are whole on a device at a time; unrolled, XLA's
+    scheduler may start a gather earlier). Without a policy the backward would keep every
+    layer's gathered weights: all of them whole. (The `dots_saveable` policy keeps them out too,
+    but recomputes the norms, activations and attention in the backward.) `remat`
+    (execution.remat=block): `nothing_saveable` instead, each layer saves only its inputs.
 
     With `rng` (dropout), layer i runs as `layer_fn(params_i, carry, fold_in(rng, i))`; the
     recomputation in the backward draws the same masks from the same keys."""
@@ -375,7 +382,9 @@ def gathered_layers(mesh: Mesh, read_dtypes: Callable[[Any], Any]) -> Callable[.
             p = jax.tree.map(functools.partial(_gathered, mesh), p, read_dtypes(p))
             return layer_fn(p, c) if rng is None else layer_fn(p, c, jax.random.fold_in(rng, i))
 
-        layer = jax.checkpoint(layer, policy=_save_computed)
+        # prevent_cse only between unrolled blocks: a scan's body is one program anyway
+        policy = jax.checkpoint_policies.nothing_saveable if remat else _save_computed
+        layer = jax.checkpoint(layer, policy=policy, prevent_cse=isinstance(layers, list))
         if isinstance(layers, list):  # unrolled blocks
             for i, p in enumerate(layers):
                 with jax.named_scope(f"block_{i}"):
@@ -460,6 +469,7 @@ def mesh_apply(
             model, apply_fn = sharded, sharded.apply
     stages, fsdp = mesh.shape["pipeline"], mesh.shape["fsdp"]
     scanned = isinstance(model, Decoder) and model.execution.scan_layers
+    _check_virtual(stages, virtual_stages)
     if stages > 1:
         if not scanned:
             raise ConfigError(
@@ -485,7 +495,8 @@ def mesh_apply(
         split = NamedSharding(mesh, P(ROW_AXES))
         return MeshApply(model, BlockRunner(run, per_device=True), ways, what, split_rows=split)
     if isinstance(model, Decoder) and fsdp > 1:
-        runner = BlockRunner(gathered_layers(mesh, model.read_dtypes))
+        remat = model.execution.remat == "block"
+        runner = BlockRunner(gathered_layers(mesh, read_dtypes(model.execution), remat))
         return MeshApply(model, runner, 1, f"fsdp {fsdp}, gathered per layer")
     return apply_fn
 
@@ -497,8 +508,7 @@ def _gather_params(params: Any, mesh: Mesh, keep_layers: bool) -> Any:
     whole = replicated(mesh)
 
     def layer(path: Sequence[Any]) -> bool:
-        return any(getattr(k, "key", None) == "blocks" or is_layer_name(str(getattr(k, "key", "")))
-                   for k in path)  # fmt: skip
+        return in_blocks(path) or any(is_layer_name(str(getattr(k, "key", ""))) for k in path)
 
     return jax.tree_util.tree_map_with_path(
         lambda path, x: x if keep_layers and layer(path) else

@@ -8,9 +8,10 @@ adds in the epilogue (jaxllm.layers.Linear(splits=3)); XLA's dot merger otherwis
 at small batches and slices q, k, v out with separate bias-add kernels. GPT-2 124M train step,
 batch 16, H100: 35.72 -> 34.99 ms, Llama-style 124M-class 40.5 -> 40.2 ms (RESULTS.md).
 `--xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}=true`: let XLA start a
-loop's collectives an iteration early, overlapping them with compute. FSDP's per-layer
-gathers live in a scanned loop (jaxllm.parallel.gathered_scan): GPT-2 124M, fsdp=2 on 2 H200s,
-83.9 -> 82.0 ms a step (1.77x -> 1.82x one GPU); no effect on one device.
+loop's collectives an iteration early, overlapping them with compute. With
+execution.scan_layers FSDP's per-layer gathers live in a scanned loop
+(jaxllm.parallel.gathered_layers): GPT-2 124M, fsdp=2 on 2 H200s, 83.9 -> 82.0 ms a step
+(1.77x -> 1.82x one GPU); no effect on one device or on unrolled blocks.
 Flags the user already put in XLA_FLAGS win.
 """
 

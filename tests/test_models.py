@@ -389,3 +389,43 @@ def test_out_of_range_ids_give_nan_under_jit(bad):
     assert np.isnan(logits[0, 2]).all() and np.isfinite(logits[1]).all()
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 60\]"):
         model.apply(params, tokens)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "transformer_lm"])
+def test_read_dtypes_names_only_what_a_block_reads_cast(arch):
+    """FSDP gathers the leaves read_dtypes names already cast to the compute dtype: storing
+    them cast must leave the loss bit-identical (the conv kernel, read in float32, is not named:
+    casting it too would change the loss)."""
+    from conftest import tiny_model
+
+    from jaxllm.models.decoder import read_dtypes
+
+    model = tiny_model(arch, short_conv=True, compute_dtype="bfloat16")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 61, (2, 8)), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), tokens)["params"]
+    read = read_dtypes(model.execution)
+    blocks = [k for k in params if k.startswith("h")]
+    cast = dict(params)
+    for k in blocks:
+        cast[k] = jax.tree.map(
+            lambda x, d: x if d is None else x.astype(d), params[k], read(params[k])
+        )
+    named = {
+        jax.tree_util.keystr(path)
+        for path, d in jax.tree_util.tree_flatten_with_path(read(params["h0"]))[0]
+        if d is not None
+    }
+    linears = ["['attn']['qkv']", "['attn']['out']"] + {
+        "gpt2": ["['mlp']['fc']", "['mlp']['proj']"],
+        "transformer_lm": ["['mlp']['w1']", "['mlp']['w2']", "['mlp']['w3']"],
+    }[arch]
+    assert named == {f"{m}['kernel']" for m in linears}, named
+    loss = lambda p: model.apply({"params": p}, tokens, tokens, method="loss")[0]  # noqa: E731
+    assert loss(cast) == loss(params)
+    conv = dict(cast)
+    for k in blocks:
+        conv[k] = {
+            **cast[k],
+            "conv": jax.tree.map(lambda x: x.astype(jnp.bfloat16), cast[k]["conv"]),
+        }
+    assert loss(conv) != loss(params)

@@ -7,7 +7,9 @@ calls one `_check_*` function, which prints its results as one JSON line for the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import re
@@ -22,6 +24,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import ROOT, pallas_kernel_names, tiny_run
+from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey
@@ -555,6 +558,19 @@ def _check_fsdp_layout_and_refusals() -> None:
     step = parallel.jit_train_step(train_step, bf16_state, mesh)
     jaxpr = str(jax.make_jaxpr(step)(bf16_state, batch, jax.random.PRNGKey(0)))
     out["gathered"] = sorted(set(re.findall(r"(\w+\[32,96\]) = sharding_constraint", jaxpr)))
+    # What the backward keeps per layer on the per-layer gather path, without and with
+    # execution.remat=block (jax.ad_checkpoint's list, one line per saved array)
+    out["saved"] = {}
+    for remat in ("none", "block"):
+        c = _cfg("--parallel.fsdp=2", f"--execution.remat={remat}")
+        apply = parallel.mesh_apply(build_model(c.model, c.execution).apply, mesh)
+        listed = io.StringIO()
+        with contextlib.redirect_stdout(listed):
+            print_saved_residuals(
+                lambda p, a=apply: loss_and_sums(p, a, batch, None)[0], state.params
+            )
+        lines = listed.getvalue().splitlines()  # the parameters themselves aside
+        out["saved"][remat] = len([ln for ln in lines if "from the argument" not in ln])
     refused = {}
     for name, overrides in {
         "not_dividing": ["--parallel.data=2"],
@@ -588,6 +604,8 @@ def test_fsdp_shards_params_and_refuses_bad_meshes():
     assert out["moment_spec"] == str(P(None, "fsdp"))
     assert out["batch_shards"] == [[2, 9]]  # 16 rows over 4 x 2 devices
     assert out["gathered"] == ["bf16[32,96]"], out["gathered"]  # the qkv kernel, never f32
+    # remat=block: each of the 2 layers saves its inputs, not its activations
+    assert out["saved"]["block"] < out["saved"]["none"] / 3, out["saved"]
     r = out["refused"]
     assert "mesh data=2 x fsdp=1 x pipeline=1 needs 2 devices, but there are 8" in r["not_dividing"]
     assert "fixed sizes (3) must divide the device count (8)" in r["fill_not_dividing"]

@@ -150,32 +150,29 @@ class Decoder(nn.Module):
         blocks: BlockRunner | None = None,
     ) -> tuple[jax.Array, list[KVCache] | KVCache | None]:
         """tokens (B, T) -> final normed hidden states (B, T, D) in compute dtype, new caches.
-        `blocks`: run the scanned stack with it instead of the model's own scan (no cache)."""
+        `blocks`: run the block stack with it instead of the model's own loop or scan (no
+        cache)."""
         with jax.named_scope("embed"):
             x = self.stream(tokens, inputs.positions, inputs.deterministic)  # (B, T, D)
-        if self.execution.scan_layers:  # one scanned body; nothing pending before block 0
+        h = None  # the pending branch output: nothing before block 0
+        if self.execution.scan_layers:  # one scanned body: a carry of fixed type
             h = jnp.zeros(x.shape, jnp.dtype(self.execution.compute_dtype))  # x + 0 == x exactly
+        if blocks is not None:  # one layer's parameters at a time, as the runner says
             with jax.named_scope("blocks"):
-                if blocks is None:
-                    (x, h), cache = self.blocks((x, h), inputs, cache)
-                else:
-                    x, h = self.run_blocks(blocks, (x, h), inputs.deterministic)
-            with jax.named_scope("ln_f"):
-                _, x = add_and_norm(self.ln_f, x, h)
-            return x, cache
-        if blocks is not None:  # one layer's parameters (h{i}) at a time, as the runner says
-            x, h = self.run_blocks(blocks, (x, None), inputs.deterministic)
-            with jax.named_scope("ln_f"):
-                _, x = add_and_norm(self.ln_f, x, h)
-            return x, cache
-        h, new_cache = None, []
-        for i, block in enumerate(self.blocks):
-            with jax.named_scope(f"block_{i}"):
-                x, h, layer_cache = block(x, h, inputs, None if cache is None else cache[i])
-            new_cache.append(layer_cache)
+                x, h = self.run_blocks(blocks, (x, h), inputs.deterministic)
+        elif self.execution.scan_layers:
+            with jax.named_scope("blocks"):
+                (x, h), cache = self.blocks((x, h), inputs, cache)
+        else:
+            new_cache = []
+            for i, block in enumerate(self.blocks):
+                with jax.named_scope(f"block_{i}"):
+                    x, h, layer_cache = block(x, h, inputs, None if cache is None else cache[i])
+                new_cache.append(layer_cache)
+            cache = None if cache is None else new_cache
         with jax.named_scope("ln_f"):
             _, x = add_and_norm(self.ln_f, x, h)  # the last pending residual add
-        return x, (None if cache is None else new_cache)
+        return x, cache
 
     def run_blocks(self, runner: BlockRunner, carry: Carry, deterministic: bool) -> Carry:
         """The block stack run by `runner`: the layer body of `self.blocks` applied to one
@@ -202,19 +199,6 @@ class Decoder(nn.Module):
         dropout = not deterministic and self.execution.dropout > 0  # no rng given: flax says so
         rng = self.make_rng("dropout") if dropout else None
         return runner.run(layer_fn, layers, carry, rng=rng)
-
-    def read_dtypes(self, layer_params: Any) -> Any:
-        """The dtype each of one block's parameters is read in: execution.compute_dtype for a
-        Linear's kernel (jaxllm.layers.Linear casts it before its matmul; in a block every
-        "kernel" outside the conv is a Linear's), None (as stored) for the rest. jaxllm.parallel
-        gathers the compute-dtype ones already cast: half the bytes, the same values."""
-        dtype = jnp.dtype(self.execution.compute_dtype)
-
-        def read(path: Any, _: Any) -> Any:
-            keys = [getattr(k, "key", None) for k in path]
-            return dtype if keys[-1] == "kernel" and "conv" not in keys else None
-
-        return jax.tree_util.tree_map_with_path(read, layer_params)
 
     def head_matrix(self) -> jax.Array:
         """The LM head as (V, D): the token table when tied."""
@@ -296,6 +280,20 @@ class _ScanLayer(nn.Module):
         block = self.block(self.cfg, self.execution, self.plan, name="block")
         x, h, cache = block(*carry, inputs, cache)
         return (x, h), cache
+
+
+def read_dtypes(ex: ExecutionConfig) -> Callable[[Any], Any]:
+    """For one block's parameters, the dtype each is read in: ex.compute_dtype for a Linear's
+    kernel (jaxllm.layers.Linear casts it before its matmul; in a block every "kernel" outside
+    the conv is a Linear's), None (as stored) for the rest. jaxllm.parallel gathers the
+    compute-dtype ones already cast: half the bytes, the same values."""
+    dtype = jnp.dtype(ex.compute_dtype)
+
+    def read(path: Any, _: Any) -> Any:
+        keys = [getattr(k, "key", None) for k in path]
+        return dtype if keys[-1] == "kernel" and "conv" not in keys else None
+
+    return lambda layer_params: jax.tree_util.tree_map_with_path(read, layer_params)
 
 
 def stack_blocks(params: dict, n_layers: int) -> dict:

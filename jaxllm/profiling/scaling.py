@@ -2,10 +2,12 @@
 GPU and the bytes each collective moves per step (`python profile.py scaling`).
 
 A step on N GPUs is the one-GPU step (same rows per GPU) plus the time its collectives take at
-the link's achieved bandwidth, nothing hidden behind compute unless `overlap` says so:
-  DP    ring all-reduce of the float32 gradients: 2 (N-1)/N x 4 P bytes per GPU.
-  FSDP  all-gather of the float32 parameters in the forward, again in the backward (the
-        gathered weights are not saved: jaxllm.parallel.gathered_layers), reduce-scatter of the
+the link's achieved bandwidth, nothing hidden behind compute unless `overlap` says so (bytes
+counted as float32; the matmul weights' gradients and FSDP's gathered kernels cross in
+bfloat16, so the fitted bandwidth is an effective one):
+  DP    ring all-reduce of the gradients: 2 (N-1)/N x 4 P bytes per GPU.
+  FSDP  all-gather of the parameters in the forward, again in the backward (the gathered
+        weights are not saved: jaxllm.parallel.gathered_layers), reduce-scatter of the
         gradients: 3 (N-1)/N x 4 P bytes per GPU.
   PP    S = N stages, M microbatches of the same global batch, V virtual stages (GPipe: V = 1):
         V M + S - 1 ticks, each a stage's share of a microbatch's compute over V, a fixed cost
