@@ -32,7 +32,7 @@ from jax.tree_util import DictKey
 from jaxllm import distributed, parallel
 from jaxllm.config import ConfigError, ParallelConfig, config_changes
 from jaxllm.data.sources import make_source
-from jaxllm.models import build_model
+from jaxllm.models import build_model, unstack_blocks
 from jaxllm.runs import load_run
 from jaxllm.train.checkpoint import Checkpointer
 from jaxllm.train.optim import make_optimizer
@@ -436,10 +436,15 @@ def _check_pipeline_and_fsdp_layers() -> None:
     for name, overrides, n in [
         ("pipeline4", ["--parallel.pipeline=4"], 4),
         ("data2_fsdp4", ["--parallel.fsdp=4"], 8),
+        ("data2_fsdp4_unrolled", ["--parallel.fsdp=4", "--execution.scan_layers=false"], 8),
     ]:
         c = _cfg(*drop, *overrides)
         mesh = parallel.make_mesh(c, jax.devices()[:n])
-        state = jax.device_put(eval_init, parallel.state_shardings(eval_init, mesh))
+        state = eval_init
+        if not c.execution.scan_layers:  # the same weights as unrolled blocks
+            unrolled = build_model(c.model, c.execution).apply
+            state = state.replace(params=unstack_blocks(state.params), apply_fn=unrolled)
+        state = jax.device_put(state, parallel.state_shardings(state, mesh))
         batch = parallel.shard_batch(batches[0], mesh)
         run = parallel.jit_eval_step(train_loss_and_eval, state, mesh, c.parallel.microbatches)
         runs = [run(state, batch, jax.random.PRNGKey(seed)) for seed in (1, 1, 2)]
@@ -515,9 +520,9 @@ def test_pipeline_and_per_layer_fsdp_match_one_device():
     assert 7.9 < out["fsdp1_bytes"] / out["fsdp8_bytes"] <= 8
     # Dropout 0.1: keys per layer (and microbatch) from the step's rng, on the per-layer paths.
     eval_ref = out.pop("dropout_eval_single")
-    for name in ("pipeline4", "data2_fsdp4"):
+    for name in ("pipeline4", "data2_fsdp4", "data2_fsdp4_unrolled"):
         r = out[f"dropout_{name}"]
-        assert r["apply"] == out[name]["apply"], r["apply"]
+        assert r["apply"] == out[name.removesuffix("_unrolled")]["apply"], r["apply"]
         same, again, other = r["losses"]
         assert same == again, (name, r["losses"])  # deterministic for one seed
         assert other != same, (name, r["losses"])  # the seed matters
