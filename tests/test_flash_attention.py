@@ -1,0 +1,106 @@
+"""The flash attention forward (pallas_kernels/flash_attention*.py) on CPU.
+
+A CPU cannot compile the Mosaic GPU kernel. The tests (1) run it in jax's Mosaic GPU interpreter
+(with tests/mgpu_interpret.py's patches for the wgmma forms the interpreter lacks) against the
+float64 reference, output and logsumexp, on tile configurations that exercise the unmasked,
+diagonal and skipped key blocks of the causal loop; and (2) cross-lower the public function for
+CUDA at GPT-2's shape, which runs Mosaic GPU's layout and wgmma shape checks. Timing, async
+wgmma ordering and register pressure are checked on the GPU only
+(benchmarks/flash_attention_bench.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mgpu_interpret
+from pallas_kernels import flash_attention_mgpu as fa_mgpu
+from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.reference import flash_attention_ref
+
+try:  # jax's Mosaic GPU interpreter: private, so its absence skips rather than fails
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+except ImportError:
+    InterpretGPUParams = None
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    if InterpretGPUParams is None or not mgpu_interpret.patched(monkeypatch):
+        pytest.skip("no Mosaic GPU interpreter to patch in this jax")
+    return InterpretGPUParams()
+
+
+@pytest.fixture
+def pretend_gpu(monkeypatch):
+    """Make check_backend see a GPU, so the public function takes the Mosaic GPU path on CPU."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+
+def _qkv(shape, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return tuple(jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+
+
+def _lse_ref(q, k, causal):
+    """logsumexp over the keys of the scaled scores, (B, H, T)."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    return jax.nn.logsumexp(s, axis=-1)
+
+
+CASES = {  # name -> (D, causal, config); T = 256: two query tiles of 2 x 64
+    "causal_d64": (64, True, fa_mgpu.Config(64, 128, 2)),
+    "causal_d128": (128, True, fa_mgpu.Config(64, 128, 2)),
+    # 64-key blocks: warpgroup 0 skips the block only warpgroup 1 needs; 3 slots > the first
+    # tile's 2 blocks
+    "causal_d64_kv64_3stages": (64, True, fa_mgpu.Config(64, 64, 3)),
+    "full_d64": (64, False, fa_mgpu.Config(64, 128, 2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forward_in_interpreter(interpreter, float64_ref, name):
+    d, causal, cfg = CASES[name]
+    q, k, v = _qkv((1, 256, 2, d))
+    o, lse = fa_mgpu.forward(q, k, v, cfg, d**-0.5, causal, interpret=interpreter)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (1, 2, 256)
+    ref = float64_ref(lambda q, k, v: flash_attention_ref(q, k, v, causal=causal), q, k, v)
+    np.testing.assert_allclose(np.asarray(o, np.float64), ref, atol=2e-2)  # bf16 output and P
+    np.testing.assert_allclose(lse, float64_ref(_lse_ref, q, k, causal=causal), atol=1e-4)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_lowers_for_cuda(pretend_gpu, d):
+    """GPT-2's shape (B 64, T 1024, 12 heads); the gradient's lowering keeps the forward kernel
+    (value_and_grad) and the placeholder backward."""
+    q = jax.ShapeDtypeStruct((64, 1024, 12, d), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return jnp.sum(flash_attention(q, k, v).astype(jnp.float32))
+
+    for fn in (flash_attention, jax.value_and_grad(loss, (0, 1, 2))):
+        text = jax.jit(fn).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+        assert "flash_attention_fwd_mgpu" in text
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, match",
+    [
+        ((1, 256, 2, 96), jnp.bfloat16, "head dim"),
+        ((1, 192, 2, 64), jnp.bfloat16, "multiple of 128"),
+        ((1, 256, 2, 64), jnp.float32, "bfloat16 or float16"),
+    ],
+)
+def test_refusals(pretend_gpu, shape, dtype, match):
+    x = jnp.zeros(shape, dtype)
+    with pytest.raises(ValueError, match=match):
+        flash_attention(x, x, x)
+
+
+def test_refused_off_gpu():
+    x = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="CUDA GPU only"):
+        flash_attention(x, x, x)
