@@ -216,7 +216,10 @@ def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = N
     def kernel(q_g, k_g, v_g, o_g, lse_g, **sm):
         _kernel(q_g, k_g, v_g, o_g, lse_g, sm, cfg=cfg, scale=scale, causal=causal)
 
-    out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((bsz, n_heads, t), jnp.float32))
+    out_type = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((bsz, n_heads, t), jnp.float32),
+    )
     grid = {"h": n_heads, "q": t // (COMPUTE_WGS * cfg.block_q), "b": bsz}
     return rows.launch(kernel, "flash_attention_fwd_mgpu", out_type, scratch, grid, 0, interpret,
                        (q, k, v), approx_math=True, threads=COMPUTE_WGS + 1)  # fmt: skip

@@ -9,12 +9,16 @@ wgmma ordering and register pressure are checked on the GPU only
 (benchmarks/flash_attention_bench.py).
 """
 
+import argparse
+import importlib.util
+
 import jax
 import jax.numpy as jnp
+import mgpu_interpret
 import numpy as np
 import pytest
+from conftest import ROOT
 
-import mgpu_interpret
 from pallas_kernels import flash_attention_mgpu as fa_mgpu
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.reference import flash_attention_ref
@@ -72,16 +76,23 @@ def test_forward_in_interpreter(interpreter, float64_ref, name):
     np.testing.assert_allclose(lse, float64_ref(_lse_ref, q, k, causal=causal), atol=1e-4)
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_forward_lowers_for_cuda(pretend_gpu, d):
+@pytest.mark.parametrize(
+    "d, cfg",
+    [(64, None), (128, None), (64, fa_mgpu.Config(64, 64, 3))],
+    ids=["d64", "d128", "kv64"],
+)
+def test_forward_lowers_for_cuda(pretend_gpu, d, cfg):
     """GPT-2's shape (B 64, T 1024, 12 heads); the gradient's lowering keeps the forward kernel
     (value_and_grad) and the placeholder backward."""
     q = jax.ShapeDtypeStruct((64, 1024, 12, d), jnp.bfloat16)
 
-    def loss(q, k, v):
-        return jnp.sum(flash_attention(q, k, v).astype(jnp.float32))
+    def attention(q, k, v):
+        return flash_attention(q, k, v, config=cfg)
 
-    for fn in (flash_attention, jax.value_and_grad(loss, (0, 1, 2))):
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v).astype(jnp.float32))
+
+    for fn in (attention, jax.value_and_grad(loss, (0, 1, 2))):
         text = jax.jit(fn).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
         assert "flash_attention_fwd_mgpu" in text
 
@@ -104,3 +115,32 @@ def test_refused_off_gpu():
     x = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="CUDA GPU only"):
         flash_attention(x, x, x)
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location(
+        "fa_bench", ROOT / "benchmarks/flash_attention_bench.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_refuses_off_gpu_and_times_xla_on_cpu():
+    """The benchmark parses its arguments and refuses without a Hopper GPU; its timing of one
+    cell runs (jax.nn.dot_product_attention's XLA path, the one implementation a CPU has)."""
+    bench = _bench()
+    with pytest.raises(SystemExit, match="Hopper-class"):
+        bench.main(["--quick", "--configs", "64,64,2", "--shapes", "1,128,2,64"])
+    args = argparse.Namespace(calls=2, launches=1, repeats=1)
+    xla = bench.implementations([None])["xla"]
+    fwd, fwd_bwd = (
+        bench.measure(xla, direction, (1, 128, 2, 64), args, bench_ref, trials=2)
+        for direction in ("fwd", "fwd+bwd")
+    )
+    assert fwd["ms"] > 0 and fwd_bwd["ms"] > 0 and fwd["spread"] >= 0
+    assert fwd["max_err"] < 2e-2 and "max_err" not in fwd_bwd  # bf16 output
+
+
+def bench_ref(q, k, v):
+    return flash_attention_ref(*(x.astype(jnp.float32) for x in (q, k, v)))
