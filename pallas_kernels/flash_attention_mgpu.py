@@ -61,135 +61,151 @@ def check(cfg: Config, t: int, d: int) -> None:
                          f"and of {cfg.block_kv}, got T = {t}")  # fmt: skip
 
 
+def _take_turn(sched) -> None:
+    """The compute warpgroups alternate on the tensor cores (a two-arrival barrier)."""
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(sched)
+
+
 def _kernel(q_g, k_g, v_g, o_g, lse_g, sm, *, cfg: Config, scale: float, causal: bool):
-    bq, bkv, stages = cfg.block_q, cfg.block_kv, cfg.stages
-    t, d = q_g.shape[1], q_g.shape[3]
-    dtype = q_g.dtype
-    n_q = t // (COMPUTE_WGS * bq)
-    h, b = jax.lax.axis_index("h"), jax.lax.axis_index("b")
+    t = q_g.shape[1]
+    n_q = t // (COMPUTE_WGS * cfg.block_q)
+    b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
     qi = n_q - 1 - jax.lax.axis_index("q")  # longest causal tiles first
     wg = jax.lax.axis_index("wg")
     # key blocks this CUDA block loads (both compute warpgroups step through all of them)
-    n_kv = pl.cdiv((qi + 1) * (COMPUTE_WGS * bq), bkv) if causal else t // bkv
-    k_bar, v_bar, k_free, v_free, sched = (sm[n] for n in ("k_bar", "v_bar", "k_free", "v_free",
-                                                           "sched"))  # fmt: skip
-
-    def kv_view(ref, step):
-        return ref.at[b, pl.ds(step * bkv, bkv), h]
-
-    def take_turn():  # the compute warpgroups alternate on the tensor cores
-        plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(sched)
+    n_kv = (
+        pl.cdiv((qi + 1) * (COMPUTE_WGS * cfg.block_q), cfg.block_kv)
+        if causal
+        else t // cfg.block_kv
+    )
 
     @pl.when(wg < COMPUTE_WGS)
-    def _compute():
+    def _():
         plgpu.set_max_registers(232, action="increase")
-        q_s, lse_s = sm["qo"].at[wg], sm["lse"].at[wg]
-        q0 = qi * (COMPUTE_WGS * bq) + wg * bq
-        own = pl.cdiv(q0 + bq, bkv) if causal else n_kv  # key blocks with keys <= last query
-        plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(q0, bq), h], q_s, sm["q_bar"].at[wg])
-        plgpu.barrier_wait(sm["q_bar"].at[wg])
-        row = plgpu.Layout.WGMMA.reduce(1)
-        m = rows.cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)  # running max, log2 units
-        l = rows.cast(jnp.zeros((bq,), jnp.float32), row)  # running sum of exp2
-        acc = rows.cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
-        c = scale * math.log2(math.e)  # exp(scale * s) = exp2(c * s)
-        plgpu.barrier_wait(k_bar.at[0])
-        pl.when(wg == 1)(take_turn)
-
-        def step(kv, carry, masked: bool):
-            acc, m, l = carry
-            slot = jax.lax.rem(kv, stages)
-
-            def qk(ref):
-                plgpu.wgmma(ref, q_s, plgpu.transpose_ref(sm["k"].at[slot], (1, 0)))
-                take_turn()
-                return ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))  # (bq, bkv)
-            plgpu.barrier_arrive(k_free.at[slot])
-            if masked:
-                qid = rows.iota((bq, bkv), 0, plgpu.Layout.WGMMA) + q0
-                kid = rows.iota((bq, bkv), 1, plgpu.Layout.WGMMA) + kv * bkv
-                s = jnp.where(kid <= qid, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1) * c)  # finite: each row has a key <= its query
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s * c - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))  # one FMA
-            l = l * alpha + p.sum(axis=1)
-            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p = p.astype(dtype)
-            acc, l, m_new, p = jax.lax.optimization_barrier((acc, l, m_new, p))
-            plgpu.barrier_arrive(sched)  # softmax done
-            plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_wait(sched)  # tensor cores free
-
-            def pv(ref):
-                plgpu.wgmma(ref, p, sm["v"].at[slot])
-
-                @pl.when(kv + 1 < own)
-                def _():
-                    plgpu.barrier_wait(k_bar.at[jax.lax.rem(kv + 1, stages)])
-
-            acc = rows.acc_mma(acc, pv)
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l
-
-        def skip(kv, carry):  # a block only the other warpgroup needs
-            slot = jax.lax.rem(kv, stages)
-            plgpu.barrier_wait(k_bar.at[slot])
-            plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-            take_turn()
-            take_turn()
-            return carry
-
-        carry = (acc, m, l)
-        if causal:
-            below = q0 // bkv  # blocks with every key <= the warpgroup's first query
-            carry = jax.lax.fori_loop(0, below, lambda i, c: step(i, c, False), carry)
-            carry = jax.lax.fori_loop(below, own, lambda i, c: step(i, c, True), carry)
-            jax.lax.fori_loop(own, n_kv, skip, None)
-        else:
-            carry = jax.lax.fori_loop(0, n_kv, lambda i, c: step(i, c, False), carry)
-        acc, m, l = carry
-        pl.when(wg == 0)(take_turn)
-
-        acc = acc * jax.lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
-        q_s[...] = acc.astype(dtype)  # O reuses Q's buffer
-        lse_s[...] = (m + jnp.log2(l)) * math.log(2.0)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_s, o_g.at[b, pl.ds(q0, bq), h])
-        plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, pl.ds(q0, bq)])
-        plgpu.wait_smem_to_gmem(0)
+        q0 = qi * (COMPUTE_WGS * cfg.block_q) + wg * cfg.block_q
+        _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, cfg=cfg, scale=scale, causal=causal)
 
     @pl.when(wg == COMPUTE_WGS)
-    def _copy():
+    def _():
         plgpu.set_max_registers(40, action="decrease")
+        _copy_wg(k_g, v_g, sm, b, h, n_kv, cfg)
 
-        def load(step, slot):
-            plgpu.copy_gmem_to_smem(kv_view(k_g, step), sm["k"].at[slot], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(kv_view(v_g, step), sm["v"].at[slot], v_bar.at[slot])
 
-        for i in range(stages):
-            pl.when(jnp.int32(i) < n_kv)(lambda i=i: load(jnp.int32(i), jnp.int32(i)))
+def _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, *, cfg: Config, scale: float,
+                causal: bool):  # fmt: skip
+    """Queries q0 .. q0 + block_q - 1 of (b, h): o and lse."""
+    bq, bkv, stages = cfg.block_q, cfg.block_kv, cfg.stages
+    dtype, d = q_g.dtype, q_g.shape[3]
+    k_bar, v_bar, sched = sm["k_bar"], sm["v_bar"], sm["sched"]
+    q_s, lse_s = sm["qo"].at[wg], sm["lse"].at[wg]
+    own = pl.cdiv(q0 + bq, bkv) if causal else n_kv  # key blocks with keys <= the last query
+    plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(q0, bq), h], q_s, sm["q_bar"].at[wg])
+    plgpu.barrier_wait(sm["q_bar"].at[wg])
+    row = plgpu.Layout.WGMMA.reduce(1)
+    m = rows.cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)  # running max, log2 units
+    l = rows.cast(jnp.zeros((bq,), jnp.float32), row)  # running sum of exp2
+    acc = rows.cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+    c = scale * math.log2(math.e)  # exp(scale * s) = exp2(c * s)
+    plgpu.barrier_wait(k_bar.at[0])
+    pl.when(wg == 1)(lambda: _take_turn(sched))
 
-        def refill(kv, carry):  # block kv + stages into block kv's slot, once both used it
-            slot = jax.lax.rem(kv, stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            load(kv + stages, slot)
-            return carry
+    def step(kv, carry, masked: bool):
+        acc, m, l = carry
+        slot = jax.lax.rem(kv, stages)
 
-        jax.lax.fori_loop(0, jnp.maximum(n_kv - stages, 0), refill, None)
+        def qk(ref):
+            plgpu.wgmma(ref, q_s, plgpu.transpose_ref(sm["k"].at[slot], (1, 0)))
+            _take_turn(sched)
+            return ref[...]
 
-        def drain(kv, carry):  # wait for the last blocks' release: every phase observed
-            slot = jax.lax.rem(kv, stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            return carry
+        s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))  # (bq, bkv)
+        plgpu.barrier_arrive(sm["k_free"].at[slot])
+        if masked:
+            qid = rows.iota((bq, bkv), 0, plgpu.Layout.WGMMA) + q0
+            kid = rows.iota((bq, bkv), 1, plgpu.Layout.WGMMA) + kv * bkv
+            s = jnp.where(kid <= qid, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1) * c)  # finite: each row has a key <= its query
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s * c - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))  # one FMA
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p = p.astype(dtype)
+        acc, l, m_new, p = jax.lax.optimization_barrier((acc, l, m_new, p))
+        plgpu.barrier_arrive(sched)  # softmax done
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_wait(sched)  # tensor cores free
 
-        jax.lax.fori_loop(jnp.maximum(n_kv - stages, 0), n_kv, drain, None)
+        def pv(ref):
+            plgpu.wgmma(ref, p, sm["v"].at[slot])
+
+            @pl.when(kv + 1 < own)
+            def _():
+                plgpu.barrier_wait(k_bar.at[jax.lax.rem(kv + 1, stages)])
+
+        acc = rows.acc_mma(acc, pv)
+        plgpu.barrier_arrive(sm["v_free"].at[slot])
+        return acc, m_new, l
+
+    def skip(kv, carry):  # a block only the other warpgroup needs: barriers only
+        slot = jax.lax.rem(kv, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_arrive(sm["k_free"].at[slot])
+        plgpu.barrier_arrive(sm["v_free"].at[slot])
+        _take_turn(sched)
+        _take_turn(sched)
+        return carry
+
+    carry = (acc, m, l)
+    if causal:
+        below = q0 // bkv  # blocks with every key <= the warpgroup's first query
+        carry = jax.lax.fori_loop(0, below, lambda i, c: step(i, c, False), carry)
+        carry = jax.lax.fori_loop(below, own, lambda i, c: step(i, c, True), carry)
+        jax.lax.fori_loop(own, n_kv, skip, None)
+    else:
+        carry = jax.lax.fori_loop(0, n_kv, lambda i, c: step(i, c, False), carry)
+    acc, m, l = carry
+    pl.when(wg == 0)(lambda: _take_turn(sched))
+
+    acc = acc * jax.lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+    q_s[...] = acc.astype(dtype)  # O reuses Q's buffer
+    lse_s[...] = (m + jnp.log2(l)) * math.log(2.0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_s, o_g.at[b, pl.ds(q0, bq), h])
+    plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, pl.ds(q0, bq)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _copy_wg(k_g, v_g, sm, b, h, n_kv, cfg: Config):
+    """K/V blocks 0 .. n_kv - 1 of (b, h) through the ring of `stages` slots."""
+    bkv, stages = cfg.block_kv, cfg.stages
+
+    def load(step, slot):
+        for name, ref in (("k", k_g), ("v", v_g)):
+            view = ref.at[b, pl.ds(step * bkv, bkv), h]
+            plgpu.copy_gmem_to_smem(view, sm[name].at[slot], sm[f"{name}_bar"].at[slot])
+
+    def wait_free(kv):  # both compute warpgroups are done with block kv's slot
+        slot = jax.lax.rem(kv, stages)
+        plgpu.barrier_wait(sm["k_free"].at[slot])
+        plgpu.barrier_wait(sm["v_free"].at[slot])
+        return slot
+
+    for i in range(stages):
+        pl.when(jnp.int32(i) < n_kv)(lambda i=i: load(jnp.int32(i), jnp.int32(i)))
+
+    def refill(kv, carry):  # block kv + stages into block kv's slot
+        load(kv + stages, wait_free(kv))
+        return carry
+
+    def drain(kv, carry):  # the last blocks' releases: every barrier phase is observed
+        wait_free(kv)
+        return carry
+
+    refills = jnp.maximum(n_kv - stages, 0)
+    jax.lax.fori_loop(0, refills, refill, None)
+    jax.lax.fori_loop(refills, n_kv, drain, None)
 
 
 def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = None):
