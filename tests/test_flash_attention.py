@@ -10,6 +10,7 @@ wgmma ordering and register pressure are checked on the GPU only
 """
 
 import argparse
+import functools
 import importlib.util
 
 import jax
@@ -74,6 +75,27 @@ def test_forward_in_interpreter(interpreter, float64_ref, name):
     ref = float64_ref(lambda q, k, v: flash_attention_ref(q, k, v, causal=causal), q, k, v)
     np.testing.assert_allclose(np.asarray(o, np.float64), ref, atol=2e-2)  # bf16 output and P
     np.testing.assert_allclose(lse, float64_ref(_lse_ref, q, k, causal=causal), atol=1e-4)
+
+
+def test_public_function_and_placeholder_backward_in_interpreter(
+    interpreter, pretend_gpu, monkeypatch, float64_ref
+):
+    """flash_attention's custom VJP end to end (the kernel interpreted): the output and the
+    gradients of q, k, v (the placeholder backward) against the float64 reference's."""
+    monkeypatch.setattr(
+        fa_mgpu, "forward", functools.partial(fa_mgpu.forward, interpret=interpreter)
+    )
+    q, k, v = _qkv((1, 128, 1, 64), seed=1)
+    w = jax.random.normal(jax.random.PRNGKey(2), q.shape, jnp.float32)
+
+    def loss(attention):
+        return lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * w)
+
+    got = jax.value_and_grad(loss(flash_attention), (0, 1, 2))(q, k, v)
+    ref = float64_ref(jax.value_and_grad(loss(flash_attention_ref), (0, 1, 2)), q, k, v)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-2)
+    for g, r in zip(got[1], ref[1], strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float64), r, atol=2e-2 * np.abs(r).max())
 
 
 @pytest.mark.parametrize(
