@@ -1,12 +1,13 @@
-"""The flash attention forward (pallas_kernels/flash_attention*.py) on CPU.
+"""The flash attention forward (pallas_kernels/flash_attention*.py).
 
 A CPU cannot compile the Mosaic GPU kernel. The tests (1) run it in jax's Mosaic GPU interpreter
 (with tests/mgpu_interpret.py's patches for the wgmma forms the interpreter lacks) against the
 float64 reference, output and logsumexp, on tile configurations that exercise the unmasked,
-diagonal and skipped key blocks of the causal loop; and (2) cross-lower the public function for
-CUDA at GPT-2's shape, which runs Mosaic GPU's layout and wgmma shape checks. Timing, async
-wgmma ordering and register pressure are checked on the GPU only
-(benchmarks/flash_attention_bench.py).
+diagonal and skipped key blocks of the causal loop; (2) cross-lower the public function for CUDA
+at GPT-2's shape, which runs Mosaic GPU's layout and wgmma shape checks; (3) on a Hopper GPU
+(JAX_PLATFORMS=cuda,cpu) compile it and compare with the reference. The interpreter ignores the
+shared-memory tiling and swizzle and runs wgmma synchronously: those, timing and register
+pressure are the GPU's to check (also benchmarks/flash_attention_bench.py).
 """
 
 import argparse
@@ -133,10 +134,19 @@ def test_refusals(pretend_gpu, shape, dtype, match):
         flash_attention(x, x, x)
 
 
-def test_refused_off_gpu():
-    x = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
-    with pytest.raises(ValueError, match="CUDA GPU only"):
-        flash_attention(x, x, x)
+@pytest.mark.parametrize("d", [64, 128])
+def test_compiled_on_a_gpu_and_refused_elsewhere(float64_ref, d):
+    """On a GPU (JAX_PLATFORMS=cuda,cpu) the kernel compiles and matches the reference over
+    several query tiles, causal and not; elsewhere the call is refused."""
+    q, k, v = _qkv((2, 512, 3, d), seed=3)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="CUDA GPU only"):
+            flash_attention(q, k, v)
+        return
+    for causal in (True, False):
+        o = jax.jit(functools.partial(flash_attention, causal=causal))(q, k, v)
+        ref = float64_ref(flash_attention_ref, q, k, v, causal=causal)
+        np.testing.assert_allclose(np.asarray(o, np.float64), ref, atol=2e-2)
 
 
 def _bench():
