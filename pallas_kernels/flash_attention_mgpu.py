@@ -50,12 +50,23 @@ class Config(NamedTuple):
 CONFIGS = {64: Config(64, 128, 2), 128: Config(64, 128, 2)}
 
 
+def smem_bytes(cfg: Config, d: int, itemsize: int = 2) -> int:
+    """Shared memory of one CUDA block: Q/O tiles, the K and V rings, lse rows."""
+    return (COMPUTE_WGS * cfg.block_q + 2 * cfg.stages * cfg.block_kv) * d * itemsize + (
+        COMPUTE_WGS * cfg.block_q * 4
+    )
+
+
 def check(cfg: Config, t: int, d: int) -> None:
+    """Stages >= 2: a warpgroup waits for the next K block before it releases this V block."""
     if d not in HEAD_DIMS:
         raise ValueError(f"flash attention needs head dim D in {HEAD_DIMS}, got D = {d}")
     if cfg.block_q != 64 or cfg.block_kv not in (64, 128) or cfg.stages < 2:
         raise ValueError(f"invalid flash attention config {cfg}: block_q 64, block_kv 64 or 128, "
                          "stages >= 2")  # fmt: skip
+    if smem_bytes(cfg, d) > rows.SMEM_BYTES:
+        raise ValueError(f"flash attention config {cfg} needs {smem_bytes(cfg, d)} bytes of shared "
+                         f"memory at D = {d}; at most {rows.SMEM_BYTES}")  # fmt: skip
     if t % (COMPUTE_WGS * cfg.block_q) or t % cfg.block_kv:
         raise ValueError(f"flash attention needs T to be a multiple of {COMPUTE_WGS * cfg.block_q} "
                          f"and of {cfg.block_kv}, got T = {t}")  # fmt: skip

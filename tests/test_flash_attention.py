@@ -126,12 +126,16 @@ def test_forward_lowers_for_cuda(pretend_gpu, d, cfg):
         ((1, 256, 2, 96), jnp.bfloat16, "head dim"),
         ((1, 192, 2, 64), jnp.bfloat16, "multiple of 128"),
         ((1, 256, 2, 64), jnp.float32, "bfloat16 or float16"),
+        ((1, 256, 2, 128), fa_mgpu.Config(64, 128, 4), "shared memory"),
+        ((1, 256, 2, 64), fa_mgpu.Config(64, 128, 1), "stages >= 2"),
     ],
 )
 def test_refusals(pretend_gpu, shape, dtype, match):
-    x = jnp.zeros(shape, dtype)
+    """Bad shapes, dtypes and configs (a Config in the dtype column: bfloat16 with that config)."""
+    cfg = dtype if isinstance(dtype, fa_mgpu.Config) else None
+    x = jnp.zeros(shape, jnp.bfloat16 if cfg else dtype)
     with pytest.raises(ValueError, match=match):
-        flash_attention(x, x, x)
+        flash_attention(x, x, x, config=cfg)
 
 
 @pytest.mark.parametrize("d", [64, 128])
