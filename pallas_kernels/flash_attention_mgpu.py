@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import rows_mgpu as rows
+from .common import i32
 
 COMPUTE_WGS = 2
 HEAD_DIMS = (64, 128)
@@ -84,11 +85,10 @@ def _kernel(q_g, k_g, v_g, o_g, lse_g, sm, *, cfg: Config, scale: float, causal:
     b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
     qi = n_q - 1 - jax.lax.axis_index("q")  # longest causal tiles first
     wg = jax.lax.axis_index("wg")
-    # key blocks this CUDA block loads (both compute warpgroups step through all of them)
-    n_kv = (
-        pl.cdiv((qi + 1) * (COMPUTE_WGS * cfg.block_q), cfg.block_kv)
-        if causal
-        else t // cfg.block_kv
+    # key blocks this CUDA block loads (both compute warpgroups step through all of them);
+    # block_kv divides 2 * block_q. int32 also under jax_enable_x64, as the axis indices.
+    n_kv = i32(
+        (qi + 1) * (COMPUTE_WGS * cfg.block_q) // cfg.block_kv if causal else t // cfg.block_kv
     )
 
     @pl.when(wg < COMPUTE_WGS)
@@ -110,7 +110,7 @@ def _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, *, cfg: Config, scale: 
     dtype, d = q_g.dtype, q_g.shape[3]
     k_bar, v_bar, sched = sm["k_bar"], sm["v_bar"], sm["sched"]
     q_s, lse_s = sm["qo"].at[wg], sm["lse"].at[wg]
-    own = pl.cdiv(q0 + bq, bkv) if causal else n_kv  # key blocks with keys <= the last query
+    own = (q0 + bq + bkv - 1) // bkv if causal else n_kv  # key blocks with keys <= the last query
     plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(q0, bq), h], q_s, sm["q_bar"].at[wg])
     plgpu.barrier_wait(sm["q_bar"].at[wg])
     row = plgpu.Layout.WGMMA.reduce(1)
@@ -123,7 +123,7 @@ def _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, *, cfg: Config, scale: 
 
     def step(kv, carry, masked: bool):
         acc, m, l = carry
-        slot = jax.lax.rem(kv, stages)
+        slot = jax.lax.rem(kv, jnp.int32(stages))
 
         def qk(ref):
             plgpu.wgmma(ref, q_s, plgpu.transpose_ref(sm["k"].at[slot], (1, 0)))
@@ -152,14 +152,14 @@ def _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, *, cfg: Config, scale: 
 
             @pl.when(kv + 1 < own)
             def _():
-                plgpu.barrier_wait(k_bar.at[jax.lax.rem(kv + 1, stages)])
+                plgpu.barrier_wait(k_bar.at[jax.lax.rem(kv + 1, jnp.int32(stages))])
 
         acc = rows.acc_mma(acc, pv)
         plgpu.barrier_arrive(sm["v_free"].at[slot])
         return acc, m_new, l
 
     def skip(kv, carry):  # a block only the other warpgroup needs: barriers only
-        slot = jax.lax.rem(kv, stages)
+        slot = jax.lax.rem(kv, jnp.int32(stages))
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
         plgpu.barrier_arrive(sm["k_free"].at[slot])
@@ -171,11 +171,11 @@ def _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, *, cfg: Config, scale: 
     carry = (acc, m, l)
     if causal:
         below = q0 // bkv  # blocks with every key <= the warpgroup's first query
-        carry = jax.lax.fori_loop(0, below, lambda i, c: step(i, c, False), carry)
+        carry = jax.lax.fori_loop(jnp.int32(0), below, lambda i, c: step(i, c, False), carry)
         carry = jax.lax.fori_loop(below, own, lambda i, c: step(i, c, True), carry)
         jax.lax.fori_loop(own, n_kv, skip, None)
     else:
-        carry = jax.lax.fori_loop(0, n_kv, lambda i, c: step(i, c, False), carry)
+        carry = jax.lax.fori_loop(jnp.int32(0), n_kv, lambda i, c: step(i, c, False), carry)
     acc, m, l = carry
     pl.when(wg == 0)(lambda: _take_turn(sched))
 
@@ -198,7 +198,7 @@ def _copy_wg(k_g, v_g, sm, b, h, n_kv, cfg: Config):
             plgpu.copy_gmem_to_smem(view, sm[name].at[slot], sm[f"{name}_bar"].at[slot])
 
     def wait_free(kv):  # both compute warpgroups are done with block kv's slot
-        slot = jax.lax.rem(kv, stages)
+        slot = jax.lax.rem(kv, jnp.int32(stages))
         plgpu.barrier_wait(sm["k_free"].at[slot])
         plgpu.barrier_wait(sm["v_free"].at[slot])
         return slot
@@ -215,7 +215,7 @@ def _copy_wg(k_g, v_g, sm, b, h, n_kv, cfg: Config):
         return carry
 
     refills = jnp.maximum(n_kv - stages, 0)
-    jax.lax.fori_loop(0, refills, refill, None)
+    jax.lax.fori_loop(jnp.int32(0), refills, refill, None)
     jax.lax.fori_loop(refills, n_kv, drain, None)
 
 

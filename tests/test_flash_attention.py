@@ -100,13 +100,19 @@ def test_public_function_and_placeholder_backward_in_interpreter(
 
 
 @pytest.mark.parametrize(
-    "d, cfg",
-    [(64, None), (128, None), (64, fa_mgpu.Config(64, 64, 3))],
-    ids=["d64", "d128", "kv64"],
+    "d, cfg, x64",
+    [
+        (64, None, False),
+        (128, None, False),
+        (64, fa_mgpu.Config(64, 64, 3), False),
+        (64, None, True),
+    ],
+    ids=["d64", "d128", "kv64", "d64_x64"],
 )
-def test_forward_lowers_for_cuda(pretend_gpu, d, cfg):
+def test_forward_lowers_for_cuda(pretend_gpu, d, cfg, x64):
     """GPT-2's shape (B 64, T 1024, 12 heads); the gradient's lowering keeps the forward kernel
-    (value_and_grad) and the placeholder backward."""
+    (value_and_grad) and the placeholder backward. x64: with jax_enable_x64 on, the index
+    arithmetic stays int32 (jax's interpreter cannot run the kernel under x64)."""
     q = jax.ShapeDtypeStruct((64, 1024, 12, d), jnp.bfloat16)
 
     def attention(q, k, v):
@@ -115,9 +121,10 @@ def test_forward_lowers_for_cuda(pretend_gpu, d, cfg):
     def loss(q, k, v):
         return jnp.sum(attention(q, k, v).astype(jnp.float32))
 
-    for fn in (attention, jax.value_and_grad(loss, (0, 1, 2))):
-        text = jax.jit(fn).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
-        assert "flash_attention_fwd_mgpu" in text
+    with jax.enable_x64(x64):
+        for fn in (attention, jax.value_and_grad(loss, (0, 1, 2))):
+            text = jax.jit(fn).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+            assert "flash_attention_fwd_mgpu" in text
 
 
 @pytest.mark.parametrize(
