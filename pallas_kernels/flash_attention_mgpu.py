@@ -190,33 +190,41 @@ def _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, *, cfg: Config, scale: 
 
 def _copy_wg(k_g, v_g, sm, b, h, n_kv, cfg: Config):
     """K/V blocks 0 .. n_kv - 1 of (b, h) through the ring of `stages` slots."""
-    bkv, stages = cfg.block_kv, cfg.stages
+    views = {name: (lambda i, ref=ref: ref.at[b, pl.ds(i * cfg.block_kv, cfg.block_kv), h])
+             for name, ref in (("k", k_g), ("v", v_g))}  # fmt: skip
+    _ring_copy(sm, views, ("k_free", "v_free"), n_kv, cfg.stages)
 
-    def load(step, slot):
-        for name, ref in (("k", k_g), ("v", v_g)):
-            view = ref.at[b, pl.ds(step * bkv, bkv), h]
-            plgpu.copy_gmem_to_smem(view, sm[name].at[slot], sm[f"{name}_bar"].at[slot])
 
-    def wait_free(kv):  # both compute warpgroups are done with block kv's slot
-        slot = jax.lax.rem(kv, jnp.int32(stages))
-        plgpu.barrier_wait(sm["k_free"].at[slot])
-        plgpu.barrier_wait(sm["v_free"].at[slot])
+def _ring_copy(sm, views: dict, frees: tuple[str, ...], n, stages: int):
+    """Copy warpgroup: step i = 0 .. n - 1 loads views[name](i) into slot i % stages of ring
+    sm[name] (arriving on sm[name + "_bar"]) once the consumers released the slot's previous
+    step on every barrier in `frees`; then waits for the last releases, so that every barrier
+    phase is observed."""
+
+    def load(i, slot):
+        for name, view in views.items():
+            plgpu.copy_gmem_to_smem(view(i), sm[name].at[slot], sm[f"{name}_bar"].at[slot])
+
+    def wait_free(i):
+        slot = jax.lax.rem(i, jnp.int32(stages))
+        for name in frees:
+            plgpu.barrier_wait(sm[name].at[slot])
         return slot
 
     for i in range(stages):
-        pl.when(jnp.int32(i) < n_kv)(lambda i=i: load(jnp.int32(i), jnp.int32(i)))
+        pl.when(jnp.int32(i) < n)(lambda i=i: load(jnp.int32(i), jnp.int32(i)))
 
-    def refill(kv, carry):  # block kv + stages into block kv's slot
-        load(kv + stages, wait_free(kv))
+    def refill(i, carry):  # step i + stages into step i's slot
+        load(i + stages, wait_free(i))
         return carry
 
-    def drain(kv, carry):  # the last blocks' releases: every barrier phase is observed
-        wait_free(kv)
+    def drain(i, carry):
+        wait_free(i)
         return carry
 
-    refills = jnp.maximum(n_kv - stages, 0)
+    refills = jnp.maximum(n - stages, 0)
     jax.lax.fori_loop(jnp.int32(0), refills, refill, None)
-    jax.lax.fori_loop(refills, n_kv, drain, None)
+    jax.lax.fori_loop(refills, n, drain, None)
 
 
 def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = None):
