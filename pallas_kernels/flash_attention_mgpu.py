@@ -258,3 +258,221 @@ def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = N
     grid = {"h": n_heads, "q": t // (COMPUTE_WGS * cfg.block_q), "b": bsz}
     return rows.launch(kernel, "flash_attention_fwd_mgpu", out_type, scratch, grid, 0, interpret,
                        (q, k, v), approx_math=True, threads=COMPUTE_WGS + 1)  # fmt: skip
+
+
+# ---------------------------------------------------------------- backward
+
+
+class BwdConfig(NamedTuple):
+    block_q: int = 64  # queries per step (dk/dv kernel) or per CUDA block (dq kernel)
+    block_kv: int = 64  # keys per CUDA block (dk/dv kernel) or per step (dq kernel)
+    stages: int = 2  # streamed blocks in flight (shared-memory ring slots)
+
+
+BWD_CONFIGS = {64: BwdConfig(64, 64, 2), 128: BwdConfig(64, 64, 2)}
+
+
+def check_bwd(cfg: BwdConfig, t: int, d: int) -> None:
+    if d not in HEAD_DIMS:
+        raise ValueError(f"flash attention needs head dim D in {HEAD_DIMS}, got D = {d}")
+    if cfg.block_q not in (64, 128) or cfg.block_kv not in (64, 128) or cfg.stages < 1:
+        raise ValueError(f"invalid flash attention backward config {cfg}: block_q and block_kv "
+                         "64 or 128, stages >= 1")  # fmt: skip
+    if t % cfg.block_q or t % cfg.block_kv:
+        raise ValueError(f"flash attention backward needs T to be a multiple of {cfg.block_q} "
+                         f"and of {cfg.block_kv}, got T = {t}")  # fmt: skip
+
+
+def _masked(s, q0, k0, transposed: bool):
+    """Scores s (queries, keys) or, transposed, (keys, queries) with keys > query at -inf."""
+    qd, kd = (1, 0) if transposed else (0, 1)
+    qid = rows.iota(s.shape, qd, plgpu.Layout.WGMMA) + q0
+    kid = rows.iota(s.shape, kd, plgpu.Layout.WGMMA) + k0
+    return jnp.where(kid <= qid, s, -jnp.inf)
+
+
+def _mm(a, b, shape):
+    """a @ b (wgmma, float32 (M, N) = shape), a and b shared-memory refs."""
+
+    def run(ref):
+        plgpu.wgmma(ref, a, b)
+        return ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _load_own(sm, views: dict) -> None:
+    """The compute warpgroup's own tiles (one TMA each), waited for."""
+    for i, (name, view) in enumerate(views.items()):
+        plgpu.copy_gmem_to_smem(view, sm[name], sm["own_bar"].at[i])
+    for i in range(len(views)):
+        plgpu.barrier_wait(sm["own_bar"].at[i])
+
+
+def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig, scale: float,
+               causal: bool):  # fmt: skip
+    """dq of queries q0 .. q0 + block_q - 1 of (b, h): a loop over key blocks 0 .. (diagonal)."""
+    bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, q_g.shape[1]
+    b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
+    q0 = (t // bq - 1 - jax.lax.axis_index("q")) * bq  # longest causal tiles first
+    n_kv = i32((q0 + bq + bkv - 1) // bkv if causal else t // bkv)
+
+    @pl.when(jax.lax.axis_index("wg") == 1)
+    def _():
+        views = {name: (lambda i, ref=ref: ref.at[b, pl.ds(i * bkv, bkv), h])
+                 for name, ref in (("k", k_g), ("v", v_g))}  # fmt: skip
+        _ring_copy(sm, views, ("free",), n_kv, stages)
+
+    @pl.when(jax.lax.axis_index("wg") == 0)
+    def _():
+        rows_ = pl.ds(q0, bq)
+        _load_own(sm, {"q": q_g.at[b, rows_, h], "do": do_g.at[b, rows_, h],
+                       "lse": lse_g.at[b, h, rows_], "delta": delta_g.at[b, h, rows_]})  # fmt: skip
+        row = plgpu.Layout.WGMMA.reduce(1)
+        lse = rows.load(sm["lse"], row) * math.log2(math.e)  # (bq,), log2 units
+        delta = rows.load(sm["delta"], row)  # (bq,)
+        c = scale * math.log2(math.e)
+
+        def step(kv, dq, masked: bool):
+            slot = jax.lax.rem(kv, jnp.int32(stages))
+            k_s, v_s = sm["k"].at[slot], sm["v"].at[slot]
+            plgpu.barrier_wait(sm["k_bar"].at[slot])
+            plgpu.barrier_wait(sm["v_bar"].at[slot])
+            s = _mm(sm["q"], plgpu.transpose_ref(k_s, (1, 0)), (bq, bkv))  # (bq, bkv)
+            dp = _mm(sm["do"], plgpu.transpose_ref(v_s, (1, 0)), (bq, bkv))
+            if masked:
+                s = _masked(s, q0, kv * bkv, transposed=False)
+            p = jnp.exp2(s * c - jax.lax.broadcast_in_dim(lse, s.shape, [0]))
+            ds = p * (dp - jax.lax.broadcast_in_dim(delta, s.shape, [0]))
+            dq = rows.acc_mma(dq, lambda ref: plgpu.wgmma(ref, ds.astype(k_s.dtype), k_s))
+            plgpu.barrier_arrive(sm["free"].at[slot])
+            return dq
+
+        dq = rows.cast(jnp.zeros((bq, q_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
+        below = q0 // bkv if causal else n_kv  # key blocks with every key <= the first query
+        dq = jax.lax.fori_loop(jnp.int32(0), below, lambda i, x: step(i, x, False), dq)
+        dq = jax.lax.fori_loop(below, n_kv, lambda i, x: step(i, x, True), dq)
+        sm["q"][...] = (dq * scale).astype(dq_g.dtype)  # dq reuses q's buffer
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(sm["q"], dq_g.at[b, rows_, h])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: BwdConfig,
+                scale: float, causal: bool):  # fmt: skip
+    """dk, dv of keys k0 .. k0 + block_kv - 1 of (b, h): a loop over query blocks (diagonal) ..
+    T / block_q - 1, computed transposed (keys along the rows) so that no register transposes."""
+    bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, q_g.shape[1]
+    b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
+    k0 = jax.lax.axis_index("k") * bkv
+    first = i32(k0 // bq if causal else 0)  # the first query block with a query >= k0
+    n = i32(t // bq) - first
+
+    @pl.when(jax.lax.axis_index("wg") == 1)
+    def _():
+        def view(ref):
+            return lambda i: ref.at[b, pl.ds((first + i) * bq, bq), h]
+
+        def row_view(ref):
+            return lambda i: ref.at[b, h, pl.ds((first + i) * bq, bq)]
+
+        views = {"q": view(q_g), "do": view(do_g), "lse": row_view(lse_g),
+                 "delta": row_view(delta_g)}  # fmt: skip
+        _ring_copy(sm, views, ("free",), n, stages)
+
+    @pl.when(jax.lax.axis_index("wg") == 0)
+    def _():
+        cols = pl.ds(k0, bkv)
+        _load_own(sm, {"k": k_g.at[b, cols, h], "v": v_g.at[b, cols, h]})
+        col = plgpu.Layout.WGMMA.reduce(0)
+        c = scale * math.log2(math.e)
+
+        def step(i, carry, masked: bool):
+            dk, dv = carry
+            slot = jax.lax.rem(i, jnp.int32(stages))
+            q_s, do_s = sm["q"].at[slot], sm["do"].at[slot]
+            for name in ("q", "do", "lse", "delta"):
+                plgpu.barrier_wait(sm[f"{name}_bar"].at[slot])
+            st = _mm(sm["k"], plgpu.transpose_ref(q_s, (1, 0)), (bkv, bq))  # S^T (bkv, bq)
+            dpt = _mm(sm["v"], plgpu.transpose_ref(do_s, (1, 0)), (bkv, bq))  # dP^T
+            if masked:
+                st = _masked(st, (first + i) * bq, k0, transposed=True)
+            lse = rows.load(sm["lse"].at[slot], col) * math.log2(math.e)
+            delta = rows.load(sm["delta"].at[slot], col)
+            pt = jnp.exp2(st * c - jax.lax.broadcast_in_dim(lse, st.shape, [1]))
+            dst = pt * (dpt - jax.lax.broadcast_in_dim(delta, st.shape, [1]))
+            dv = rows.acc_mma(dv, lambda ref: plgpu.wgmma(ref, pt.astype(q_s.dtype), do_s))
+            dk = rows.acc_mma(dk, lambda ref: plgpu.wgmma(ref, dst.astype(q_s.dtype), q_s))
+            plgpu.barrier_arrive(sm["free"].at[slot])
+            return dk, dv
+
+        zeros = rows.cast(jnp.zeros((bkv, q_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
+        # query blocks holding a query < the block's last key need the mask
+        n_masked = i32((k0 + bkv - 1) // bq + 1) - first if causal else 0
+        carry = jax.lax.fori_loop(jnp.int32(0), n_masked, lambda i, x: step(i, x, True),
+                                  (zeros, zeros))  # fmt: skip
+        dk, dv = jax.lax.fori_loop(n_masked, n, lambda i, x: step(i, x, False), carry)
+        sm["k"][...] = (dk * scale).astype(dk_g.dtype)  # dk, dv reuse k's and v's buffers
+        sm["v"][...] = dv.astype(dv_g.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(sm["k"], dk_g.at[b, cols, h])
+        plgpu.copy_smem_to_gmem(sm["v"], dv_g.at[b, cols, h])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
+             interpret: Any = None):  # fmt: skip
+    """(dq, dk, dv) (B, T, H, D) in q's dtype of the attention whose forward gave o and lse.
+
+    delta = rowsum(o * do) (B, H, T) is one XLA fusion (a read of o and do at memory speed, the
+    cost a kernel would have too); then two kernels, neither needing atomics: dq (grid: query
+    blocks, one warpgroup computing, one streaming K/V blocks 0 .. diagonal) and dk/dv (grid: key
+    blocks, one computing, one streaming Q, dO, lse, delta blocks diagonal .. end). Both
+    recompute P = exp(scale * q k^T - lse) and dS = P * (dO V^T - delta); dq = scale * dS K,
+    dv = P^T dO, dk = scale * dS^T Q; f32 accumulation, only the diagonal blocks masked.
+
+    Memory traffic (causal, s bytes per element, N = B*T*H*D, n = T / block): delta reads o and
+    do (2 N s) and writes 4 B*H*T bytes; dq reads q, do, lse, delta once, K and V about
+    (n + 1) / 2 times (N s each pass) and writes dq; dk/dv reads k, v once, q and do about
+    (n + 1) / 2 times (plus lse, delta) and writes dk, dv. Compute: S and dP are recomputed in
+    both kernels (7 matmuls of B*H*T^2*D / 2 causal, against a fused backward's 5)."""
+    bsz, t, n_heads, d = q.shape
+    check_bwd(cfg, t, d)
+    delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
+    sw = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    bq, bkv, st, dt = cfg.block_q, cfg.block_kv, cfg.stages, q.dtype
+    kw = dict(cfg=cfg, scale=scale, causal=causal)
+    args = (q, k, v, do, lse, delta)
+
+    def ring(name, shape, dtype, **kw_):  # a ring of `stages` blocks, its arrival barriers
+        return {name: plgpu.SMEM((st, *shape), dtype, **kw_),
+                f"{name}_bar": plgpu.Barrier(num_barriers=st)}  # fmt: skip
+
+    dq_scratch = dict(
+        q=plgpu.SMEM((bq, d), dt, **sw), do=plgpu.SMEM((bq, d), dt, **sw),
+        lse=plgpu.SMEM((bq,), jnp.float32), delta=plgpu.SMEM((bq,), jnp.float32),
+        own_bar=plgpu.Barrier(num_barriers=4), free=plgpu.Barrier(num_barriers=st),
+        **ring("k", (bkv, d), dt, **sw), **ring("v", (bkv, d), dt, **sw),
+    )  # fmt: skip
+
+    def dq_body(*refs, **sm):
+        _dq_kernel(*refs, sm, **kw)
+
+    dq = rows.launch(dq_body, "flash_attention_dq_mgpu", jax.ShapeDtypeStruct(q.shape, dt),
+                     dq_scratch, {"q": t // bq, "h": n_heads, "b": bsz}, 0, interpret, args,
+                     approx_math=True, threads=2)  # fmt: skip
+    dkv_scratch = dict(
+        k=plgpu.SMEM((bkv, d), dt, **sw), v=plgpu.SMEM((bkv, d), dt, **sw),
+        own_bar=plgpu.Barrier(num_barriers=2), free=plgpu.Barrier(num_barriers=st),
+        **ring("q", (bq, d), dt, **sw), **ring("do", (bq, d), dt, **sw),
+        **ring("lse", (bq,), jnp.float32), **ring("delta", (bq,), jnp.float32),
+    )  # fmt: skip
+
+    def dkv_body(*refs, **sm):
+        _dkv_kernel(*refs, sm, **kw)
+
+    grads = jax.ShapeDtypeStruct(q.shape, dt)
+    dk, dv = rows.launch(dkv_body, "flash_attention_dkv_mgpu", (grads, grads), dkv_scratch,
+                         {"k": t // bkv, "h": n_heads, "b": bsz}, 0, interpret, args,
+                         approx_math=True, threads=2)  # fmt: skip
+    return dq, dk, dv
