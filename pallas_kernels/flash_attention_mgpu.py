@@ -269,7 +269,14 @@ class BwdConfig(NamedTuple):
     stages: int = 2  # streamed blocks in flight (shared-memory ring slots)
 
 
-BWD_CONFIGS = {64: BwdConfig(64, 64, 2), 128: BwdConfig(64, 64, 2)}
+
+def bwd_smem_bytes(cfg: BwdConfig, d: int, itemsize: int = 2) -> int:
+    """Shared memory of the larger backward kernel's CUDA block: two own tiles and two rings of
+    `stages` streamed tiles (+ float32 lse and delta rows)."""
+    bq, bkv, st = cfg.block_q, cfg.block_kv, cfg.stages
+    dq = (2 * bq + 2 * st * bkv) * d * itemsize + 8 * bq
+    dkv = (2 * bkv + 2 * st * bq) * d * itemsize + 8 * st * bq
+    return max(dq, dkv)
 
 
 def check_bwd(cfg: BwdConfig, t: int, d: int) -> None:
@@ -278,6 +285,9 @@ def check_bwd(cfg: BwdConfig, t: int, d: int) -> None:
     if cfg.block_q not in (64, 128) or cfg.block_kv not in (64, 128) or cfg.stages < 1:
         raise ValueError(f"invalid flash attention backward config {cfg}: block_q and block_kv "
                          "64 or 128, stages >= 1")  # fmt: skip
+    if bwd_smem_bytes(cfg, d) > rows.SMEM_BYTES:
+        raise ValueError(f"flash attention backward config {cfg} needs {bwd_smem_bytes(cfg, d)} "
+                         f"bytes of shared memory at D = {d}; at most {rows.SMEM_BYTES}")  # fmt: skip
     if t % cfg.block_q or t % cfg.block_kv:
         raise ValueError(f"flash attention backward needs T to be a multiple of {cfg.block_q} "
                          f"and of {cfg.block_kv}, got T = {t}")  # fmt: skip
