@@ -1,11 +1,12 @@
-"""The flash attention forward (pallas_kernels/flash_attention*.py).
+"""Flash attention, forward and backward (pallas_kernels/flash_attention*.py).
 
-A CPU cannot compile the Mosaic GPU kernel. The tests (1) run it in jax's Mosaic GPU interpreter
-(with tests/mgpu_interpret.py's patches for the wgmma forms the interpreter lacks) against the
-float64 reference, output and logsumexp, on tile configurations that exercise the unmasked,
-diagonal and skipped key blocks of the causal loop; (2) cross-lower the public function for CUDA
-at GPT-2's shape, which runs Mosaic GPU's layout and wgmma shape checks; (3) on a Hopper GPU
-(JAX_PLATFORMS=cuda,cpu) compile it and compare with the reference. The interpreter ignores the
+A CPU cannot compile the Mosaic GPU kernels. The tests (1) run them in jax's Mosaic GPU
+interpreter (with tests/mgpu_interpret.py's patches for the wgmma forms the interpreter lacks)
+against the float64 reference: output and logsumexp, and dq, dk, dv against the reference's VJP,
+on tile configurations that exercise the unmasked, diagonal and skipped blocks of the causal
+loops; (2) cross-lower the public function and its gradient for CUDA at GPT-2's shape, which runs
+Mosaic GPU's layout and wgmma shape checks; (3) on a Hopper GPU (JAX_PLATFORMS=cuda,cpu) compile
+them and compare with the reference. The interpreter ignores the
 shared-memory tiling and swizzle and runs wgmma synchronously: those, timing and register
 pressure are the GPU's to check (also benchmarks/flash_attention_bench.py).
 """
@@ -78,14 +79,49 @@ def test_forward_in_interpreter(interpreter, float64_ref, name):
     np.testing.assert_allclose(lse, float64_ref(_lse_ref, q, k, causal=causal), atol=1e-4)
 
 
-def test_public_function_and_placeholder_backward_in_interpreter(
+BWD_CASES = {  # name -> (D, causal, config); T = 256
+    "causal_d64": (64, True, fa_mgpu.BwdConfig(64, 64, 2)),
+    # 128-query blocks: the dq kernel masks two key blocks, the dk/dv kernel one query block
+    "causal_d128_q128": (128, True, fa_mgpu.BwdConfig(128, 64, 2)),
+    # 128-key blocks: the dq kernel masks one key block, the dk/dv kernel two query blocks
+    "causal_d64_kv128_3stages": (64, True, fa_mgpu.BwdConfig(64, 128, 3)),
+    "full_d64_1stage": (64, False, fa_mgpu.BwdConfig(128, 128, 1)),
+    "full_d128": (128, False, fa_mgpu.BwdConfig(64, 64, 2)),
+}
+
+
+def _grad_close(got, ref):
+    """bf16 gradients against float64 ones: within 1% of the largest (measured about 0.4%)."""
+    for g, r in zip(got, ref, strict=True):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(g, np.float64), r, atol=1e-2 * np.abs(r).max())
+
+
+@pytest.mark.parametrize("name", sorted(BWD_CASES))
+def test_backward_in_interpreter(interpreter, float64_ref, name):
+    """dq, dk, dv of the backward kernels, given the exact o and lse (rounded as the forward
+    stores them), against the float64 reference's VJP."""
+    d, causal, cfg = BWD_CASES[name]
+    q, k, v = _qkv((1, 256, 2, d))
+    do = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.bfloat16)
+    o = float64_ref(flash_attention_ref, q, k, v, causal=causal).astype(jnp.bfloat16)
+    lse = float64_ref(_lse_ref, q, k, causal=causal).astype(np.float32)
+    got = fa_mgpu.backward(q, k, v, o, lse, do, cfg, d**-0.5, causal, interpret=interpreter)
+
+    def ref_grads(q, k, v, do):
+        return jax.vjp(lambda *x: flash_attention_ref(*x, causal=causal), q, k, v)[1](do)
+
+    _grad_close(got, float64_ref(ref_grads, q, k, v, do))
+
+
+def test_public_function_and_gradients_in_interpreter(
     interpreter, pretend_gpu, monkeypatch, float64_ref
 ):
-    """flash_attention's custom VJP end to end (the kernel interpreted): the output and the
-    gradients of q, k, v (the placeholder backward) against the float64 reference's."""
-    monkeypatch.setattr(
-        fa_mgpu, "forward", functools.partial(fa_mgpu.forward, interpret=interpreter)
-    )
+    """flash_attention's custom VJP end to end (both kernels interpreted): the output and the
+    gradients of q, k, v against the float64 reference's."""
+    for name in ("forward", "backward"):
+        fn = getattr(fa_mgpu, name)
+        monkeypatch.setattr(fa_mgpu, name, functools.partial(fn, interpret=interpreter))
     q, k, v = _qkv((1, 128, 1, 64), seed=1)
     w = jax.random.normal(jax.random.PRNGKey(2), q.shape, jnp.float32)
 
@@ -95,28 +131,28 @@ def test_public_function_and_placeholder_backward_in_interpreter(
     got = jax.value_and_grad(loss(flash_attention), (0, 1, 2))(q, k, v)
     ref = float64_ref(jax.value_and_grad(loss(flash_attention_ref), (0, 1, 2)), q, k, v)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-2)
-    for g, r in zip(got[1], ref[1], strict=True):
-        np.testing.assert_allclose(np.asarray(g, np.float64), r, atol=2e-2 * np.abs(r).max())
+    _grad_close(got[1], ref[1])
 
 
 @pytest.mark.parametrize(
-    "d, cfg, x64",
+    "d, cfg, bwd_cfg, causal, x64",
     [
-        (64, None, False),
-        (128, None, False),
-        (64, fa_mgpu.Config(64, 64, 3), False),
-        (64, None, True),
+        (64, None, None, True, False),
+        (128, None, None, True, False),
+        (64, fa_mgpu.Config(64, 64, 3), fa_mgpu.BwdConfig(128, 64, 3), True, False),
+        (128, None, fa_mgpu.BwdConfig(64, 128, 2), False, False),
+        (64, None, None, True, True),
     ],
-    ids=["d64", "d128", "kv64", "d64_x64"],
+    ids=["d64", "d128", "kv64_q128", "d128_full_kv128", "d64_x64"],
 )
-def test_forward_lowers_for_cuda(pretend_gpu, d, cfg, x64):
-    """GPT-2's shape (B 64, T 1024, 12 heads); the gradient's lowering keeps the forward kernel
-    (value_and_grad) and the placeholder backward. x64: with jax_enable_x64 on, the index
-    arithmetic stays int32 (jax's interpreter cannot run the kernel under x64)."""
+def test_lowers_for_cuda(pretend_gpu, d, cfg, bwd_cfg, causal, x64):
+    """GPT-2's shape (B 64, T 1024, 12 heads), the forward and value_and_grad (forward, dq and
+    dk/dv kernels). x64: with jax_enable_x64 on, the index arithmetic stays int32 (jax's
+    interpreter cannot run the kernels under x64)."""
     q = jax.ShapeDtypeStruct((64, 1024, 12, d), jnp.bfloat16)
 
     def attention(q, k, v):
-        return flash_attention(q, k, v, config=cfg)
+        return flash_attention(q, k, v, causal=causal, config=cfg, bwd_config=bwd_cfg)
 
     def loss(q, k, v):
         return jnp.sum(attention(q, k, v).astype(jnp.float32))
@@ -125,6 +161,7 @@ def test_forward_lowers_for_cuda(pretend_gpu, d, cfg, x64):
         for fn in (attention, jax.value_and_grad(loss, (0, 1, 2))):
             text = jax.jit(fn).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
             assert "flash_attention_fwd_mgpu" in text
+        assert "flash_attention_dq_mgpu" in text and "flash_attention_dkv_mgpu" in text
 
 
 @pytest.mark.parametrize(
@@ -135,29 +172,39 @@ def test_forward_lowers_for_cuda(pretend_gpu, d, cfg, x64):
         ((1, 256, 2, 64), jnp.float32, "bfloat16 or float16"),
         ((1, 256, 2, 128), fa_mgpu.Config(64, 128, 4), "shared memory"),
         ((1, 256, 2, 64), fa_mgpu.Config(64, 128, 1), "stages >= 2"),
+        ((1, 256, 2, 128), fa_mgpu.BwdConfig(128, 128, 4), "backward config .* shared memory"),
+        ((1, 256, 2, 64), fa_mgpu.BwdConfig(32, 64, 2), "block_q and block_kv"),
     ],
 )
 def test_refusals(pretend_gpu, shape, dtype, match):
-    """Bad shapes, dtypes and configs (a Config in the dtype column: bfloat16 with that config)."""
-    cfg = dtype if isinstance(dtype, fa_mgpu.Config) else None
+    """Bad shapes, dtypes and configs (a config in the dtype column: bfloat16 with that config)."""
+    cfg = dtype if isinstance(dtype, fa_mgpu.Config | fa_mgpu.BwdConfig) else None
     x = jnp.zeros(shape, jnp.bfloat16 if cfg else dtype)
+    key = "bwd_config" if isinstance(cfg, fa_mgpu.BwdConfig) else "config"
     with pytest.raises(ValueError, match=match):
-        flash_attention(x, x, x, config=cfg)
+        flash_attention(x, x, x, **{key: cfg})
 
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_compiled_on_a_gpu_and_refused_elsewhere(float64_ref, d):
-    """On a GPU (JAX_PLATFORMS=cuda,cpu) the kernel compiles and matches the reference over
-    several query tiles, causal and not; elsewhere the call is refused."""
+    """On a GPU (JAX_PLATFORMS=cuda,cpu) the kernels compile and the output and gradients match
+    the reference over several query tiles, causal and not; elsewhere the call is refused."""
     q, k, v = _qkv((2, 512, 3, d), seed=3)
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="CUDA GPU only"):
             flash_attention(q, k, v)
         return
+    do = jax.random.normal(jax.random.PRNGKey(4), q.shape, jnp.bfloat16)
     for causal in (True, False):
-        o = jax.jit(functools.partial(flash_attention, causal=causal))(q, k, v)
-        ref = float64_ref(flash_attention_ref, q, k, v, causal=causal)
+
+        def grads(attention, q, k, v, do, causal=causal):
+            o, vjp = jax.vjp(functools.partial(attention, causal=causal), q, k, v)
+            return o, vjp(do)
+
+        o, got = jax.jit(functools.partial(grads, flash_attention))(q, k, v, do)
+        ref, ref_grads = float64_ref(functools.partial(grads, flash_attention_ref), q, k, v, do)
         np.testing.assert_allclose(np.asarray(o, np.float64), ref, atol=2e-2)
+        _grad_close(got, ref_grads)
 
 
 def _bench():
