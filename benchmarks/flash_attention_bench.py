@@ -1,22 +1,24 @@
-"""Causal flash attention: our Mosaic GPU forward vs cuDNN vs XLA, device time (Hopper GPU only).
+"""Causal flash attention: our Mosaic GPU kernels vs cuDNN vs XLA, device time (Hopper GPU only).
 
     PYTHONPATH=$PWD python3 benchmarks/flash_attention_bench.py --jsonl $OUT/fa.jsonl
     ... --quick                                   # GPT-2's shape only, fewer repetitions
-    ... --shapes 64,1024,12,64 --configs 64,128,2 64,64,2   # our kernel at several tilings
+    ... --shapes 64,1024,12,64 --configs 64,128,2 64,64,2   # our forward at several tilings
+    ... --grad --bwd-configs 64,64,2 128,64,2      # + fwd+bwd, our backward at several tilings
 
 For every shape (B, T, H, D) bfloat16, direction (fwd; fwd+bwd with --grad) and implementation:
-ours (pallas_kernels.flash_attention at each --configs, default its CONFIGS entry),
+ours (pallas_kernels.flash_attention at each --configs, default its CONFIGS entry; fwd+bwd rows
+also at each --bwd-configs, default BwdConfig()),
 jax.nn.dot_product_attention(implementation="cudnn", is_causal=True) and the same with "xla":
   * max |error| of the output against the float32 jnp reference (reference.flash_attention_ref)
-    on the same random inputs (forward rows);
+    on the same random inputs (forward rows); fwd+bwd rows: grad_err, the largest over dq, dk,
+    dv of max |error| / max |reference| against the reference's VJP;
   * median device ms per call (jaxllm/profiling/timing.chained_median_seconds: one executable,
     each call's output feeding the next call's q, states rotated to miss L2), measured in
     --trials separate runs: the median of those and their spread ((max - min) / median);
   * TFLOP/s over the causal flops: forward 2 * B*H*T^2*D (two matmuls, half the score matrix),
     fwd+bwd 3.5 times that; and the ratio of cuDNN's time to this row's (> 1: faster than cuDNN);
   * compile seconds of one call.
-Our fwd+bwd uses the placeholder backward (the jnp reference's VJP), so its fwd+bwd rows time that,
-not a flash backward. A failure of one cell is recorded (its exception) and the script goes on.
+A failure of one cell is recorded (its exception) and the script goes on.
 One JSON line per row to --jsonl as it finishes; a Markdown table on stdout at the end.
 """
 
@@ -55,11 +57,16 @@ def causal_flops(b: int, t: int, h: int, d: int) -> float:
     return 2.0 * b * h * t * t * d
 
 
-def implementations(configs: list[fa_mgpu.Config | None]) -> dict[str, Callable]:
+def implementations(configs: list, bwd_configs: list = (None,)) -> dict[str, Callable]:
+    """name -> attention fn: ours at each (forward, backward) config pair, cuDNN, XLA."""
     impls = {}
     for cfg in configs:
-        name = "ours" if cfg is None else "ours" + "-".join(map(str, cfg))
-        impls[name] = lambda q, k, v, cfg=cfg: flash_attention(q, k, v, config=cfg)
+        for bwd in bwd_configs:
+            tags = [f"{tag}{'-'.join(map(str, c))}" for tag, c in (("-", cfg), ("-bwd", bwd)) if c]
+            name = "ours" + "".join(tags)
+            impls[name] = lambda q, k, v, cfg=cfg, bwd=bwd: flash_attention(
+                q, k, v, config=cfg, bwd_config=bwd
+            )
     for impl in ("cudnn", "xla"):
         impls[impl] = lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation=impl
@@ -92,6 +99,13 @@ def measure(fn, direction, shape, args, ref, trials) -> dict:
     if direction == "fwd":
         out = jax.jit(fn)(q, k, v).astype(jnp.float32)
         row["max_err"] = float(jnp.max(jnp.abs(out - ref(q, k, v))))
+    else:
+        got = jax.jit(step_of(fn, direction))((q, k, v))
+        want = jax.jit(step_of(ref, direction))(tuple(x.astype(jnp.float32) for x in (q, k, v)))
+        errs = [
+            jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w)) for g, w in zip(got, want, strict=True)
+        ]
+        row["grad_err"] = float(max(errs))
     n = rotation_count(3 * q.size * q.dtype.itemsize)
     states = [tuple(x + i for x in (q, k, v)) for i in range(n)]
     kw = dict(calls=args.calls, launches=args.launches, repeats=args.repeats)
@@ -107,11 +121,22 @@ def parse_config(text: str) -> fa_mgpu.Config:
     return fa_mgpu.Config(*(int(x) for x in text.split(",")))
 
 
+def parse_bwd_config(text: str) -> fa_mgpu.BwdConfig:
+    return fa_mgpu.BwdConfig(*(int(x) for x in text.split(",")))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="*", help="B,T,H,D each (default GPT-2 + CS336 sizes)")
     parser.add_argument("--configs", nargs="*", type=parse_config, default=[None],
                         help="ours at block_q,block_kv,stages (default: CONFIGS)")  # fmt: skip
+    parser.add_argument(
+        "--bwd-configs",
+        nargs="*",
+        type=parse_bwd_config,
+        default=[None],
+        help="our backward's block_q,block_kv,stages (default: BwdConfig())",
+    )
     parser.add_argument("--grad", action="store_true", help="also time fwd+bwd")
     parser.add_argument("--quick", action="store_true", help="GPT-2's shape, fewer repetitions")
     parser.add_argument("--trials", type=int, default=3, help="separate timing runs per cell")
@@ -139,7 +164,8 @@ def main(argv=None) -> None:
     for shape in shapes:
         for direction in ("fwd", "fwd+bwd") if args.grad else ("fwd",):
             cudnn_ms = None
-            impls = implementations(args.configs)
+            bwd = args.bwd_configs if direction == "fwd+bwd" else [None]
+            impls = implementations(args.configs, bwd)
             for name in ["cudnn", *[n for n in impls if n != "cudnn"]]:  # cuDNN first: the ratio
                 row = dict(shape=list(shape), direction=direction, impl=name)
                 try:
@@ -157,7 +183,7 @@ def main(argv=None) -> None:
                         f.write(json.dumps(row) + "\n")
 
     cols = ["shape", "direction", "impl", "ms", "spread", "tflops", "vs_cudnn", "max_err",
-            "compile_s"]  # fmt: skip
+            "grad_err", "compile_s"]  # fmt: skip
     print("\n| " + " | ".join(cols) + " | error |\n|" + "---|" * (len(cols) + 1))
     for row in rows:
         cells = [str(row.get(c, "")) for c in cols] + [row.get("error", "")]

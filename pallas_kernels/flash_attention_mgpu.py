@@ -269,7 +269,6 @@ class BwdConfig(NamedTuple):
     stages: int = 2  # streamed blocks in flight (shared-memory ring slots)
 
 
-
 def bwd_smem_bytes(cfg: BwdConfig, d: int, itemsize: int = 2) -> int:
     """Shared memory of the larger backward kernel's CUDA block: two own tiles and two rings of
     `stages` streamed tiles (+ float32 lse and delta rows)."""
@@ -286,8 +285,8 @@ def check_bwd(cfg: BwdConfig, t: int, d: int) -> None:
         raise ValueError(f"invalid flash attention backward config {cfg}: block_q and block_kv "
                          "64 or 128, stages >= 1")  # fmt: skip
     if bwd_smem_bytes(cfg, d) > rows.SMEM_BYTES:
-        raise ValueError(f"flash attention backward config {cfg} needs {bwd_smem_bytes(cfg, d)} "
-                         f"bytes of shared memory at D = {d}; at most {rows.SMEM_BYTES}")  # fmt: skip
+        raise ValueError(f"flash attention backward config {cfg} needs {bwd_smem_bytes(cfg, d)}"
+                         f" bytes of shared memory at D = {d}, over {rows.SMEM_BYTES}")  # fmt: skip
     if t % cfg.block_q or t % cfg.block_kv:
         raise ValueError(f"flash attention backward needs T to be a multiple of {cfg.block_q} "
                          f"and of {cfg.block_kv}, got T = {t}")  # fmt: skip
