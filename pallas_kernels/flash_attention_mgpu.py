@@ -1,4 +1,5 @@
-"""Flash attention forward on Pallas' Mosaic GPU lowering (Hopper, FlashAttention-3 structure).
+"""Flash attention on Pallas' Mosaic GPU lowering (Hopper): forward (FlashAttention-3 structure)
+and backward (`backward`: dq and dk/dv kernels, see its docstring).
 
 q, k, v (B, T, H, D) bfloat16/float16, D in {64, 128}. One CUDA block owns 2 * block_q queries of
 one (batch, head) and runs three warpgroups: warpgroups 0 and 1 each compute block_q queries,
@@ -103,6 +104,14 @@ def _kernel(q_g, k_g, v_g, o_g, lse_g, sm, *, cfg: Config, scale: float, causal:
         _copy_wg(k_g, v_g, sm, b, h, n_kv, cfg)
 
 
+def _masked(s, q0, k0, transposed: bool):
+    """Scores s (queries, keys) or, transposed, (keys, queries) with keys > query at -inf."""
+    qd, kd = (1, 0) if transposed else (0, 1)
+    qid = rows.iota(s.shape, qd, plgpu.Layout.WGMMA) + q0
+    kid = rows.iota(s.shape, kd, plgpu.Layout.WGMMA) + k0
+    return jnp.where(kid <= qid, s, -jnp.inf)
+
+
 def _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, *, cfg: Config, scale: float,
                 causal: bool):  # fmt: skip
     """Queries q0 .. q0 + block_q - 1 of (b, h): o and lse."""
@@ -133,9 +142,7 @@ def _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, *, cfg: Config, scale: 
         s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))  # (bq, bkv)
         plgpu.barrier_arrive(sm["k_free"].at[slot])
         if masked:
-            qid = rows.iota((bq, bkv), 0, plgpu.Layout.WGMMA) + q0
-            kid = rows.iota((bq, bkv), 1, plgpu.Layout.WGMMA) + kv * bkv
-            s = jnp.where(kid <= qid, s, -jnp.inf)
+            s = _masked(s, q0, kv * bkv, transposed=False)
         m_new = jnp.maximum(m, s.max(axis=1) * c)  # finite: each row has a key <= its query
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s * c - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))  # one FMA
@@ -292,14 +299,6 @@ def check_bwd(cfg: BwdConfig, t: int, d: int) -> None:
                          f"and of {cfg.block_kv}, got T = {t}")  # fmt: skip
 
 
-def _masked(s, q0, k0, transposed: bool):
-    """Scores s (queries, keys) or, transposed, (keys, queries) with keys > query at -inf."""
-    qd, kd = (1, 0) if transposed else (0, 1)
-    qid = rows.iota(s.shape, qd, plgpu.Layout.WGMMA) + q0
-    kid = rows.iota(s.shape, kd, plgpu.Layout.WGMMA) + k0
-    return jnp.where(kid <= qid, s, -jnp.inf)
-
-
 def _mm(a, b, shape):
     """a @ b (wgmma, float32 (M, N) = shape), a and b shared-memory refs."""
 
@@ -334,9 +333,9 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig,
 
     @pl.when(jax.lax.axis_index("wg") == 0)
     def _():
-        rows_ = pl.ds(q0, bq)
-        _load_own(sm, {"q": q_g.at[b, rows_, h], "do": do_g.at[b, rows_, h],
-                       "lse": lse_g.at[b, h, rows_], "delta": delta_g.at[b, h, rows_]})  # fmt: skip
+        qs = pl.ds(q0, bq)
+        _load_own(sm, {"q": q_g.at[b, qs, h], "do": do_g.at[b, qs, h],
+                       "lse": lse_g.at[b, h, qs], "delta": delta_g.at[b, h, qs]})  # fmt: skip
         row = plgpu.Layout.WGMMA.reduce(1)
         lse = rows.load(sm["lse"], row) * math.log2(math.e)  # (bq,), log2 units
         delta = rows.load(sm["delta"], row)  # (bq,)
@@ -363,7 +362,7 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig,
         dq = jax.lax.fori_loop(below, n_kv, lambda i, x: step(i, x, True), dq)
         sm["q"][...] = (dq * scale).astype(dq_g.dtype)  # dq reuses q's buffer
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(sm["q"], dq_g.at[b, rows_, h])
+        plgpu.copy_smem_to_gmem(sm["q"], dq_g.at[b, qs, h])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -391,8 +390,8 @@ def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: Bwd
 
     @pl.when(jax.lax.axis_index("wg") == 0)
     def _():
-        cols = pl.ds(k0, bkv)
-        _load_own(sm, {"k": k_g.at[b, cols, h], "v": v_g.at[b, cols, h]})
+        ks = pl.ds(k0, bkv)
+        _load_own(sm, {"k": k_g.at[b, ks, h], "v": v_g.at[b, ks, h]})
         col = plgpu.Layout.WGMMA.reduce(0)
         c = scale * math.log2(math.e)
 
@@ -424,8 +423,8 @@ def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: Bwd
         sm["k"][...] = (dk * scale).astype(dk_g.dtype)  # dk, dv reuse k's and v's buffers
         sm["v"][...] = dv.astype(dv_g.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(sm["k"], dk_g.at[b, cols, h])
-        plgpu.copy_smem_to_gmem(sm["v"], dv_g.at[b, cols, h])
+        plgpu.copy_smem_to_gmem(sm["k"], dk_g.at[b, ks, h])
+        plgpu.copy_smem_to_gmem(sm["v"], dv_g.at[b, ks, h])
         plgpu.wait_smem_to_gmem(0)
 
 
