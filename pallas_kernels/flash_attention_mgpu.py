@@ -299,14 +299,16 @@ def check_bwd(cfg: BwdConfig, t: int, d: int) -> None:
                          f"and of {cfg.block_kv}, got T = {t}")  # fmt: skip
 
 
-def _mm(a, b, shape):
-    """a @ b (wgmma, float32 (M, N) = shape), a and b shared-memory refs."""
+def _mms(shape, *operands):
+    """[a @ b for a, b in operands], float32 `shape` each, a and b shared-memory refs: the
+    wgmmas issued together and waited for once."""
 
-    def run(ref):
-        plgpu.wgmma(ref, a, b)
-        return ref[...]
+    def run(*refs):
+        for ref, (a, b) in zip(refs, operands, strict=True):
+            plgpu.wgmma(ref, a, b)
+        return [ref[...] for ref in refs]
 
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+    return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32)] * len(operands))
 
 
 def _load_own(sm, views: dict) -> None:
@@ -346,8 +348,8 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig,
             k_s, v_s = sm["k"].at[slot], sm["v"].at[slot]
             plgpu.barrier_wait(sm["k_bar"].at[slot])
             plgpu.barrier_wait(sm["v_bar"].at[slot])
-            s = _mm(sm["q"], plgpu.transpose_ref(k_s, (1, 0)), (bq, bkv))  # (bq, bkv)
-            dp = _mm(sm["do"], plgpu.transpose_ref(v_s, (1, 0)), (bq, bkv))
+            kt, vt = plgpu.transpose_ref(k_s, (1, 0)), plgpu.transpose_ref(v_s, (1, 0))
+            s, dp = _mms((bq, bkv), (sm["q"], kt), (sm["do"], vt))  # S, dP (bq, bkv)
             if masked:
                 s = _masked(s, q0, kv * bkv, transposed=False)
             p = jnp.exp2(s * c - jax.lax.broadcast_in_dim(lse, s.shape, [0]))
@@ -401,16 +403,20 @@ def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: Bwd
             q_s, do_s = sm["q"].at[slot], sm["do"].at[slot]
             for name in ("q", "do", "lse", "delta"):
                 plgpu.barrier_wait(sm[f"{name}_bar"].at[slot])
-            st = _mm(sm["k"], plgpu.transpose_ref(q_s, (1, 0)), (bkv, bq))  # S^T (bkv, bq)
-            dpt = _mm(sm["v"], plgpu.transpose_ref(do_s, (1, 0)), (bkv, bq))  # dP^T
+            qt, dot = plgpu.transpose_ref(q_s, (1, 0)), plgpu.transpose_ref(do_s, (1, 0))
+            st, dpt = _mms((bkv, bq), (sm["k"], qt), (sm["v"], dot))  # S^T, dP^T (bkv, bq)
             if masked:
                 st = _masked(st, (first + i) * bq, k0, transposed=True)
             lse = rows.load(sm["lse"].at[slot], col) * math.log2(math.e)
             delta = rows.load(sm["delta"].at[slot], col)
             pt = jnp.exp2(st * c - jax.lax.broadcast_in_dim(lse, st.shape, [1]))
             dst = pt * (dpt - jax.lax.broadcast_in_dim(delta, st.shape, [1]))
-            dv = rows.acc_mma(dv, lambda ref: plgpu.wgmma(ref, pt.astype(q_s.dtype), do_s))
-            dk = rows.acc_mma(dk, lambda ref: plgpu.wgmma(ref, dst.astype(q_s.dtype), q_s))
+
+            def grads(refs):
+                plgpu.wgmma(refs[0], dst.astype(q_s.dtype), q_s)
+                plgpu.wgmma(refs[1], pt.astype(q_s.dtype), do_s)
+
+            dk, dv = rows.acc_mma((dk, dv), grads)
             plgpu.barrier_arrive(sm["free"].at[slot])
             return dk, dv
 

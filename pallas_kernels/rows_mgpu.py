@@ -298,18 +298,21 @@ def my_blocks(steps: int, n_blocks: int) -> tuple[jax.Array, jax.Array]:
     return first, jnp.minimum(jnp.int32(steps), jnp.int32(n_blocks) - first)
 
 
-def acc_mma(acc: jax.Array, mma: Callable[[Any], None]) -> jax.Array:
-    """acc + the wgmma products `mma(acc_ref)` issues into a (zeroed) accumulator ref. Compiled,
-    the accumulator is acc itself (plgpu.ACC.init); jax's interpreter has no rule for run_state,
-    so there the products go to a fresh accumulator that is added to acc."""
+def acc_mma(acc: Any, mma: Callable[[Any], None]) -> Any:
+    """acc + the wgmma products `mma(acc_refs)` issues into (zeroed) accumulator refs; acc an
+    array or a tuple of arrays (their wgmmas then run concurrently, waited for once). Compiled,
+    the accumulators are acc itself (plgpu.ACC.init); jax's interpreter has no rule for
+    run_state, so there the products go to fresh accumulators that are added to acc."""
     if _LAYOUTS.get():
-        return pl.run_state(mma)(plgpu.ACC.init(acc))
+        return pl.run_state(mma)(jax.tree.map(plgpu.ACC.init, acc))
+    leaves, tree = jax.tree.flatten(acc)
 
-    def fresh(ref):
-        mma(ref)
-        return ref[...]
+    def fresh(*refs):
+        mma(jax.tree.unflatten(tree, refs))
+        return [ref[...] for ref in refs]
 
-    return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, acc.dtype))
+    outs = pl.run_scoped(fresh, *[plgpu.ACC(x.shape, x.dtype) for x in leaves])
+    return jax.tree.unflatten(tree, [x + y for x, y in zip(leaves, outs, strict=True)])
 
 
 def load(ref, layout) -> jax.Array:
