@@ -1,5 +1,5 @@
 """Pallas GPU kernels (fused attention softmax, layer norm and RMSNorm, depthwise conv1d,
-LM-head cross-entropy) with custom VJPs.
+LM-head cross-entropy, causal flash attention on Mosaic GPU) with custom VJPs.
 
 Each op is `<op>.py` (the public function: argument checks, the custom VJP, the choice of
 lowering) above `<op>_triton.py` and `<op>_mgpu.py` (the Triton and Mosaic GPU kernels), which
@@ -11,12 +11,14 @@ share `common.py`, `rows_mgpu.py` (Mosaic GPU row-kernel blocks) and any `<op>_c
 from .attention_softmax import attention_softmax
 from .cross_entropy import head_chunk_rows, linear_cross_entropy, mosaic_loss_refusal
 from .depthwise_conv1d import depthwise_conv1d
+from .flash_attention import flash_attention
 from .layer_norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .reference import (
     add_layer_norm_ref,
     add_rms_norm_ref,
     attention_softmax_ref,
     depthwise_conv1d_ref,
+    flash_attention_ref,
     layer_norm_ref,
     linear_cross_entropy_ref,
     rms_norm_ref,
@@ -31,6 +33,8 @@ __all__ = [
     "attention_softmax_ref",
     "depthwise_conv1d",
     "depthwise_conv1d_ref",
+    "flash_attention",
+    "flash_attention_ref",
     "head_chunk_rows",
     "layer_norm",
     "layer_norm_ref",

@@ -44,6 +44,21 @@ def attention_softmax_ref(
     return (e / jnp.where(s > 0, s, 1.0)).astype(scores.dtype)
 
 
+def flash_attention_ref(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, scale=None
+) -> jax.Array:
+    """softmax(scale * q k^T, causal) v per head; q, k, v (B, T, H, D), scale 1/sqrt(D) by default.
+    Math in float32 (float64 for float64 input); returns q's dtype."""
+    ct = _compute_dtype(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(ct), k.astype(ct)) * scale
+    if causal:
+        t = q.shape[1]
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(ct)).astype(q.dtype)
+
+
 def layer_norm_ref(x: jax.Array, gamma: jax.Array, beta: jax.Array, eps: float = 1e-5) -> jax.Array:
     """(x - mean) / sqrt(var + eps) * gamma + beta over the last axis; x (..., D), gamma, beta
     (D,). Statistics in float32 (float64 for float64 input); returns x's dtype."""

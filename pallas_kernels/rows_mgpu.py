@@ -171,8 +171,9 @@ class Tiles(NamedTuple):
 
 
 def launch(body, name: str, out_type, scratch: dict, grid: dict[str, int], scratch_bytes: int,
-           interpret: Any, args: tuple, approx_math: bool = False):  # fmt: skip
-    """Run `body` as a Mosaic GPU kernel named `name` over `grid` (axis name -> size).
+           interpret: Any, args: tuple, approx_math: bool = False, threads: int = 1):  # fmt: skip
+    """Run `body` as a Mosaic GPU kernel named `name` over `grid` (axis name -> size), with
+    `threads` warpgroups per CUDA block (axis "wg" when more than one).
 
     `scratch_bytes`: shared memory for cross-warp row reductions (more lets one reduction exchange
     more rows at once). `approx_math`: the GPU's approximate exp/log/divide instructions. Lane
@@ -192,6 +193,7 @@ def launch(body, name: str, out_type, scratch: dict, grid: dict[str, int], scrat
         grid_names=tuple(grid),
         compiler_params=params,
         interpret=interpret,
+        **(dict(num_threads=threads, thread_name="wg") if threads > 1 else {}),
     )
     token = _LAYOUTS.set(interpret is None)  # trace for the compiler, or for jax's interpreter
     try:
@@ -294,6 +296,23 @@ def my_blocks(steps: int, n_blocks: int) -> tuple[jax.Array, jax.Array]:
     """(first block, block count) of this program (grid axis "p")."""
     first = jax.lax.axis_index("p").astype(jnp.int32) * steps
     return first, jnp.minimum(jnp.int32(steps), jnp.int32(n_blocks) - first)
+
+
+def acc_mma(acc: Any, mma: Callable[[Any], None]) -> Any:
+    """acc + the wgmma products `mma(acc_refs)` issues into (zeroed) accumulator refs; acc an
+    array or a tuple of arrays (their wgmmas then run concurrently, waited for once). Compiled,
+    the accumulators are acc itself (plgpu.ACC.init); jax's interpreter has no rule for
+    run_state, so there the products go to fresh accumulators that are added to acc."""
+    if _LAYOUTS.get():
+        return pl.run_state(mma)(jax.tree.map(plgpu.ACC.init, acc))
+    leaves, tree = jax.tree.flatten(acc)
+
+    def fresh(*refs):
+        mma(jax.tree.unflatten(tree, refs))
+        return [ref[...] for ref in refs]
+
+    outs = pl.run_scoped(fresh, *[plgpu.ACC(x.shape, x.dtype) for x in leaves])
+    return jax.tree.unflatten(tree, [x + y for x, y in zip(leaves, outs, strict=True)])
 
 
 def load(ref, layout) -> jax.Array:

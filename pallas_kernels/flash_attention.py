@@ -1,0 +1,73 @@
+"""Causal flash attention: softmax(q k^T / sqrt(D)) v without materialising the (T, T) scores.
+
+q, k, v (B, T, H, D) bfloat16 or float16 (the layout of jax.nn.dot_product_attention), D 64 or
+128, T a multiple of the kernel's query tile (128). Forward and backward are
+flash_attention_mgpu.py's Mosaic GPU kernels (Hopper+): the forward also returns the logsumexp of
+each query's scores, which the backward (delta = rowsum(o * do), then a dq and a dk/dv kernel)
+reads with o to recompute the probabilities block by block. This module checks the arguments and
+owns the custom VJP. Memory traffic: see flash_attention_mgpu.forward and .backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import flash_attention_mgpu as mgpu
+from .common import check_backend, check_config, first_order_rules
+
+DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attention(q, k, v, cfg, bwd_cfg, scale, causal):
+    return mgpu.forward(q, k, v, cfg, scale, causal)[0]
+
+
+def _attention_fwd(q, k, v, cfg, bwd_cfg, scale, causal):
+    o, lse = mgpu.forward(q, k, v, cfg, scale, causal)
+    return o, (q, k, v, o, lse)
+
+
+def _attention_bwd(cfg, bwd_cfg, scale, causal, res, do):
+    return mgpu.backward(*res, do, bwd_cfg, scale, causal)
+
+
+_attention.defvjp(*first_order_rules("flash_attention", 3, _attention_fwd, _attention_bwd))
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    config: mgpu.Config | None = None,
+    bwd_config: mgpu.BwdConfig | None = None,
+) -> jax.Array:
+    """softmax(scale * q k^T) v per head, (B, T, H, D) -> (B, T, H, D); scale 1/sqrt(D) by
+    default; causal: query i sees keys j <= i. Needs a Hopper-class GPU (no interpret mode:
+    tests run the kernels in jax's Mosaic GPU interpreter). `config` overrides
+    the per-head-dim default (flash_attention_mgpu.CONFIGS), `bwd_config` the backward's
+    (flash_attention_mgpu.BwdConfig())."""
+    if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must share one (B, T, H, D) shape, got {q.shape}, {k.shape}, "
+                         f"{v.shape}")  # fmt: skip
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must all be bfloat16 or float16, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")  # fmt: skip
+    if scale is not None and not isinstance(scale, int | float):
+        raise ValueError(f"scale must be a Python number or None, got {type(scale).__name__}")
+    check_backend("mosaic_gpu", None)
+    check_config(config, "mosaic_gpu", mgpu.Config)
+    t, d = q.shape[1], q.shape[3]
+    cfg = config or mgpu.CONFIGS.get(d, mgpu.Config())
+    mgpu.check(cfg, t, d)
+    check_config(bwd_config, "mosaic_gpu", mgpu.BwdConfig)
+    bwd_cfg = bwd_config or mgpu.BwdConfig()
+    mgpu.check_bwd(bwd_cfg, t, d)
+    scale = d**-0.5 if scale is None else float(scale)
+    return _attention(q, k, v, cfg, bwd_cfg, scale, bool(causal))

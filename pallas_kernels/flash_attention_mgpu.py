@@ -1,0 +1,492 @@
+"""Flash attention on Pallas' Mosaic GPU lowering (Hopper): forward (FlashAttention-3 structure)
+and backward (`backward`: dq and dk/dv kernels, see its docstring).
+
+q, k, v (B, T, H, D) bfloat16/float16, D in {64, 128}. One CUDA block owns 2 * block_q queries of
+one (batch, head) and runs three warpgroups: warpgroups 0 and 1 each compute block_q queries,
+warpgroup 2 only issues TMA copies of the K and V blocks into a ring of `stages` shared-memory
+slots. Per key block a compute warpgroup does
+
+  S = Q K^T (wgmma, f32)  ->  online softmax in f32 (base 2, the 1/sqrt(D) scale folded into the
+  exp2 constant)  ->  O += P V (wgmma, P from registers)
+
+and releases the slot with "consumed" barriers the copy warpgroup waits on before refilling it.
+A schedule barrier alternates the two compute warpgroups, so that one's softmax overlaps the
+other's matmuls. Causal: key blocks past a warpgroup's last query are skipped, blocks wholly
+below its diagonal run unmasked and only the diagonal block(s) are masked; the copy warpgroup
+loads the blocks the later of the two warpgroups needs, and the earlier one steps through the
+rest without computing (waits and arrivals only, which keep every barrier's phases in step).
+Q tiles run longest first (reverse order) so that short causal tiles fill the tail of the grid.
+
+Memory traffic (causal, n = T / (2 * block_q) query tiles, s bytes per element): read q and write
+o once (2 * B*T*H*D * s), read K and V once per query tile up to its diagonal (about
+(n + 1) / 2 * 2 * B*T*H*D * s), write lse (4 * B*H*T bytes).
+Outputs: o (B, T, H, D) and lse (B, H, T) float32, the natural-log logsumexp of each query's
+scaled scores (what the backward needs to recompute P). Refused (ValueError): other head dims,
+T not a multiple of 2 * block_q and of block_kv.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from . import rows_mgpu as rows
+from .common import i32
+
+COMPUTE_WGS = 2
+HEAD_DIMS = (64, 128)
+
+
+class Config(NamedTuple):
+    block_q: int = 64  # queries per compute warpgroup (a CUDA block holds 2 * block_q)
+    block_kv: int = 128  # keys per K/V block
+    stages: int = 2  # K/V blocks in flight (shared-memory ring slots)
+
+
+# head dim -> forward config (to be replaced by measured tables in tuning/ once timed)
+CONFIGS = {64: Config(64, 128, 2), 128: Config(64, 128, 2)}
+
+
+def smem_bytes(cfg: Config, d: int, itemsize: int = 2) -> int:
+    """Shared memory of one CUDA block: Q/O tiles, the K and V rings, lse rows."""
+    return (COMPUTE_WGS * cfg.block_q + 2 * cfg.stages * cfg.block_kv) * d * itemsize + (
+        COMPUTE_WGS * cfg.block_q * 4
+    )
+
+
+def check(cfg: Config, t: int, d: int) -> None:
+    """Stages >= 2: a warpgroup waits for the next K block before it releases this V block."""
+    if d not in HEAD_DIMS:
+        raise ValueError(f"flash attention needs head dim D in {HEAD_DIMS}, got D = {d}")
+    if cfg.block_q != 64 or cfg.block_kv not in (64, 128) or cfg.stages < 2:
+        raise ValueError(f"invalid flash attention config {cfg}: block_q 64, block_kv 64 or 128, "
+                         "stages >= 2")  # fmt: skip
+    if smem_bytes(cfg, d) > rows.SMEM_BYTES:
+        raise ValueError(f"flash attention config {cfg} needs {smem_bytes(cfg, d)} bytes of shared "
+                         f"memory at D = {d}; at most {rows.SMEM_BYTES}")  # fmt: skip
+    if t % (COMPUTE_WGS * cfg.block_q) or t % cfg.block_kv:
+        raise ValueError(f"flash attention needs T to be a multiple of {COMPUTE_WGS * cfg.block_q} "
+                         f"and of {cfg.block_kv}, got T = {t}")  # fmt: skip
+
+
+def _take_turn(sched) -> None:
+    """The compute warpgroups alternate on the tensor cores (a two-arrival barrier)."""
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(sched)
+
+
+def _kernel(q_g, k_g, v_g, o_g, lse_g, sm, *, cfg: Config, scale: float, causal: bool):
+    t = q_g.shape[1]
+    n_q = t // (COMPUTE_WGS * cfg.block_q)
+    b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
+    qi = n_q - 1 - jax.lax.axis_index("q")  # longest causal tiles first
+    wg = jax.lax.axis_index("wg")
+    # key blocks this CUDA block loads (both compute warpgroups step through all of them);
+    # block_kv divides 2 * block_q. int32 also under jax_enable_x64, as the axis indices.
+    n_kv = i32(
+        (qi + 1) * (COMPUTE_WGS * cfg.block_q) // cfg.block_kv if causal else t // cfg.block_kv
+    )
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _():
+        plgpu.set_max_registers(232, action="increase")
+        q0 = qi * (COMPUTE_WGS * cfg.block_q) + wg * cfg.block_q
+        _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, cfg=cfg, scale=scale, causal=causal)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _():
+        plgpu.set_max_registers(40, action="decrease")
+        _copy_wg(k_g, v_g, sm, b, h, n_kv, cfg)
+
+
+def _masked(s, q0, k0, transposed: bool):
+    """Scores s (queries, keys) or, transposed, (keys, queries) with keys > query at -inf."""
+    qd, kd = (1, 0) if transposed else (0, 1)
+    qid = rows.iota(s.shape, qd, plgpu.Layout.WGMMA) + q0
+    kid = rows.iota(s.shape, kd, plgpu.Layout.WGMMA) + k0
+    return jnp.where(kid <= qid, s, -jnp.inf)
+
+
+def _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, *, cfg: Config, scale: float,
+                causal: bool):  # fmt: skip
+    """Queries q0 .. q0 + block_q - 1 of (b, h): o and lse."""
+    bq, bkv, stages = cfg.block_q, cfg.block_kv, cfg.stages
+    dtype, d = q_g.dtype, q_g.shape[3]
+    k_bar, v_bar, sched = sm["k_bar"], sm["v_bar"], sm["sched"]
+    q_s, lse_s = sm["qo"].at[wg], sm["lse"].at[wg]
+    own = (q0 + bq + bkv - 1) // bkv if causal else n_kv  # key blocks with keys <= the last query
+    plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(q0, bq), h], q_s, sm["q_bar"].at[wg])
+    plgpu.barrier_wait(sm["q_bar"].at[wg])
+    row = plgpu.Layout.WGMMA.reduce(1)
+    m = rows.cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)  # running max, log2 units
+    l = rows.cast(jnp.zeros((bq,), jnp.float32), row)  # running sum of exp2
+    acc = rows.cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+    c = scale * math.log2(math.e)  # exp(scale * s) = exp2(c * s)
+    plgpu.barrier_wait(k_bar.at[0])
+    pl.when(wg == 1)(lambda: _take_turn(sched))
+
+    def step(kv, carry, masked: bool):
+        acc, m, l = carry
+        slot = jax.lax.rem(kv, jnp.int32(stages))
+
+        def qk(ref):
+            plgpu.wgmma(ref, q_s, plgpu.transpose_ref(sm["k"].at[slot], (1, 0)))
+            _take_turn(sched)
+            return ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))  # (bq, bkv)
+        plgpu.barrier_arrive(sm["k_free"].at[slot])
+        if masked:
+            s = _masked(s, q0, kv * bkv, transposed=False)
+        m_new = jnp.maximum(m, s.max(axis=1) * c)  # finite: each row has a key <= its query
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s * c - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))  # one FMA
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p = p.astype(dtype)
+        acc, l, m_new, p = jax.lax.optimization_barrier((acc, l, m_new, p))
+        plgpu.barrier_arrive(sched)  # softmax done
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_wait(sched)  # tensor cores free
+
+        def pv(ref):
+            plgpu.wgmma(ref, p, sm["v"].at[slot])
+
+            @pl.when(kv + 1 < own)
+            def _():
+                plgpu.barrier_wait(k_bar.at[jax.lax.rem(kv + 1, jnp.int32(stages))])
+
+        acc = rows.acc_mma(acc, pv)
+        plgpu.barrier_arrive(sm["v_free"].at[slot])
+        return acc, m_new, l
+
+    def skip(kv, carry):  # a block only the other warpgroup needs: barriers only
+        slot = jax.lax.rem(kv, jnp.int32(stages))
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_arrive(sm["k_free"].at[slot])
+        plgpu.barrier_arrive(sm["v_free"].at[slot])
+        _take_turn(sched)
+        _take_turn(sched)
+        return carry
+
+    carry = (acc, m, l)
+    if causal:
+        below = q0 // bkv  # blocks with every key <= the warpgroup's first query
+        carry = jax.lax.fori_loop(jnp.int32(0), below, lambda i, c: step(i, c, False), carry)
+        carry = jax.lax.fori_loop(below, own, lambda i, c: step(i, c, True), carry)
+        jax.lax.fori_loop(own, n_kv, skip, None)
+    else:
+        carry = jax.lax.fori_loop(jnp.int32(0), n_kv, lambda i, c: step(i, c, False), carry)
+    acc, m, l = carry
+    pl.when(wg == 0)(lambda: _take_turn(sched))
+
+    acc = acc * jax.lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+    q_s[...] = acc.astype(dtype)  # O reuses Q's buffer
+    lse_s[...] = (m + jnp.log2(l)) * math.log(2.0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_s, o_g.at[b, pl.ds(q0, bq), h])
+    plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, pl.ds(q0, bq)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _copy_wg(k_g, v_g, sm, b, h, n_kv, cfg: Config):
+    """K/V blocks 0 .. n_kv - 1 of (b, h) through the ring of `stages` slots."""
+    views = {name: (lambda i, ref=ref: ref.at[b, pl.ds(i * cfg.block_kv, cfg.block_kv), h])
+             for name, ref in (("k", k_g), ("v", v_g))}  # fmt: skip
+    _ring_copy(sm, views, ("k_free", "v_free"), n_kv, cfg.stages)
+
+
+def _ring_copy(sm, views: dict, frees: tuple[str, ...], n, stages: int):
+    """Copy warpgroup: step i = 0 .. n - 1 loads views[name](i) into slot i % stages of ring
+    sm[name] (arriving on sm[name + "_bar"]) once the consumers released the slot's previous
+    step on every barrier in `frees`; then waits for the last releases, so that every barrier
+    phase is observed."""
+
+    def load(i, slot):
+        for name, view in views.items():
+            plgpu.copy_gmem_to_smem(view(i), sm[name].at[slot], sm[f"{name}_bar"].at[slot])
+
+    def wait_free(i):
+        slot = jax.lax.rem(i, jnp.int32(stages))
+        for name in frees:
+            plgpu.barrier_wait(sm[name].at[slot])
+        return slot
+
+    for i in range(stages):
+        pl.when(jnp.int32(i) < n)(lambda i=i: load(jnp.int32(i), jnp.int32(i)))
+
+    def refill(i, carry):  # step i + stages into step i's slot
+        load(i + stages, wait_free(i))
+        return carry
+
+    def drain(i, carry):
+        wait_free(i)
+        return carry
+
+    refills = jnp.maximum(n - stages, 0)
+    jax.lax.fori_loop(jnp.int32(0), refills, refill, None)
+    jax.lax.fori_loop(refills, n, drain, None)
+
+
+def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = None):
+    """(o (B, T, H, D), lse (B, H, T) float32) of q, k, v (B, T, H, D).
+
+    `interpret`: jax's Mosaic GPU interpreter parameters, for CPU tests of the kernel itself."""
+    bsz, t, n_heads, d = q.shape
+    check(cfg, t, d)
+    swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    kv_ring = (cfg.stages, cfg.block_kv, d)
+    scratch = dict(
+        qo=plgpu.SMEM((COMPUTE_WGS, cfg.block_q, d), q.dtype, **swizzled),
+        k=plgpu.SMEM(kv_ring, q.dtype, **swizzled),
+        v=plgpu.SMEM(kv_ring, q.dtype, **swizzled),
+        lse=plgpu.SMEM((COMPUTE_WGS, cfg.block_q), jnp.float32),
+        q_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS),
+        k_bar=plgpu.Barrier(num_barriers=cfg.stages),
+        v_bar=plgpu.Barrier(num_barriers=cfg.stages),
+        k_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=cfg.stages),
+        v_free=plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=cfg.stages),
+        sched=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+    )
+
+    def kernel(q_g, k_g, v_g, o_g, lse_g, **sm):
+        _kernel(q_g, k_g, v_g, o_g, lse_g, sm, cfg=cfg, scale=scale, causal=causal)
+
+    out_type = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((bsz, n_heads, t), jnp.float32),
+    )
+    grid = {"h": n_heads, "q": t // (COMPUTE_WGS * cfg.block_q), "b": bsz}
+    return rows.launch(kernel, "flash_attention_fwd_mgpu", out_type, scratch, grid, 0, interpret,
+                       (q, k, v), approx_math=True, threads=COMPUTE_WGS + 1)  # fmt: skip
+
+
+# ---------------------------------------------------------------- backward
+
+
+class BwdConfig(NamedTuple):
+    block_q: int = 64  # queries per step (dk/dv kernel) or per CUDA block (dq kernel)
+    block_kv: int = 64  # keys per CUDA block (dk/dv kernel) or per step (dq kernel)
+    stages: int = 2  # streamed blocks in flight (shared-memory ring slots)
+
+
+def bwd_smem_bytes(cfg: BwdConfig, d: int, itemsize: int = 2) -> int:
+    """Shared memory of the larger backward kernel's CUDA block: two own tiles and two rings of
+    `stages` streamed tiles (+ float32 lse and delta rows)."""
+    bq, bkv, st = cfg.block_q, cfg.block_kv, cfg.stages
+    dq = (2 * bq + 2 * st * bkv) * d * itemsize + 8 * bq
+    dkv = (2 * bkv + 2 * st * bq) * d * itemsize + 8 * st * bq
+    return max(dq, dkv)
+
+
+def check_bwd(cfg: BwdConfig, t: int, d: int) -> None:
+    if d not in HEAD_DIMS:
+        raise ValueError(f"flash attention needs head dim D in {HEAD_DIMS}, got D = {d}")
+    if cfg.block_q not in (64, 128) or cfg.block_kv not in (64, 128) or cfg.stages < 1:
+        raise ValueError(f"invalid flash attention backward config {cfg}: block_q and block_kv "
+                         "64 or 128, stages >= 1")  # fmt: skip
+    if bwd_smem_bytes(cfg, d) > rows.SMEM_BYTES:
+        raise ValueError(f"flash attention backward config {cfg} needs {bwd_smem_bytes(cfg, d)}"
+                         f" bytes of shared memory at D = {d}, over {rows.SMEM_BYTES}")  # fmt: skip
+    if t % cfg.block_q or t % cfg.block_kv:
+        raise ValueError(f"flash attention backward needs T to be a multiple of {cfg.block_q} "
+                         f"and of {cfg.block_kv}, got T = {t}")  # fmt: skip
+
+
+def _mms(shape, *operands):
+    """[a @ b for a, b in operands], float32 `shape` each, a and b shared-memory refs: the
+    wgmmas issued together and waited for once."""
+
+    def run(*refs):
+        for ref, (a, b) in zip(refs, operands, strict=True):
+            plgpu.wgmma(ref, a, b)
+        return [ref[...] for ref in refs]
+
+    return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32)] * len(operands))
+
+
+def _load_own(sm, views: dict) -> None:
+    """The compute warpgroup's own tiles (one TMA each), waited for."""
+    for i, (name, view) in enumerate(views.items()):
+        plgpu.copy_gmem_to_smem(view, sm[name], sm["own_bar"].at[i])
+    for i in range(len(views)):
+        plgpu.barrier_wait(sm["own_bar"].at[i])
+
+
+def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig, scale: float,
+               causal: bool):  # fmt: skip
+    """dq of queries q0 .. q0 + block_q - 1 of (b, h): a loop over key blocks 0 .. (diagonal)."""
+    bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, q_g.shape[1]
+    b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
+    q0 = (t // bq - 1 - jax.lax.axis_index("q")) * bq  # longest causal tiles first
+    n_kv = i32((q0 + bq + bkv - 1) // bkv if causal else t // bkv)
+
+    @pl.when(jax.lax.axis_index("wg") == 1)
+    def _():
+        views = {name: (lambda i, ref=ref: ref.at[b, pl.ds(i * bkv, bkv), h])
+                 for name, ref in (("k", k_g), ("v", v_g))}  # fmt: skip
+        _ring_copy(sm, views, ("free",), n_kv, stages)
+
+    @pl.when(jax.lax.axis_index("wg") == 0)
+    def _():
+        qs = pl.ds(q0, bq)
+        _load_own(sm, {"q": q_g.at[b, qs, h], "do": do_g.at[b, qs, h],
+                       "lse": lse_g.at[b, h, qs], "delta": delta_g.at[b, h, qs]})  # fmt: skip
+        row = plgpu.Layout.WGMMA.reduce(1)
+        lse = rows.load(sm["lse"], row) * math.log2(math.e)  # (bq,), log2 units
+        delta = rows.load(sm["delta"], row)  # (bq,)
+        c = scale * math.log2(math.e)
+
+        def step(kv, dq, masked: bool):
+            slot = jax.lax.rem(kv, jnp.int32(stages))
+            k_s, v_s = sm["k"].at[slot], sm["v"].at[slot]
+            plgpu.barrier_wait(sm["k_bar"].at[slot])
+            plgpu.barrier_wait(sm["v_bar"].at[slot])
+            kt, vt = plgpu.transpose_ref(k_s, (1, 0)), plgpu.transpose_ref(v_s, (1, 0))
+            s, dp = _mms((bq, bkv), (sm["q"], kt), (sm["do"], vt))  # S, dP (bq, bkv)
+            if masked:
+                s = _masked(s, q0, kv * bkv, transposed=False)
+            p = jnp.exp2(s * c - jax.lax.broadcast_in_dim(lse, s.shape, [0]))
+            ds = p * (dp - jax.lax.broadcast_in_dim(delta, s.shape, [0]))
+            dq = rows.acc_mma(dq, lambda ref: plgpu.wgmma(ref, ds.astype(k_s.dtype), k_s))
+            plgpu.barrier_arrive(sm["free"].at[slot])
+            return dq
+
+        dq = rows.cast(jnp.zeros((bq, q_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
+        below = q0 // bkv if causal else n_kv  # key blocks with every key <= the first query
+        dq = jax.lax.fori_loop(jnp.int32(0), below, lambda i, x: step(i, x, False), dq)
+        dq = jax.lax.fori_loop(below, n_kv, lambda i, x: step(i, x, True), dq)
+        sm["q"][...] = (dq * scale).astype(dq_g.dtype)  # dq reuses q's buffer
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(sm["q"], dq_g.at[b, qs, h])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: BwdConfig,
+                scale: float, causal: bool):  # fmt: skip
+    """dk, dv of keys k0 .. k0 + block_kv - 1 of (b, h): a loop over query blocks (diagonal) ..
+    T / block_q - 1, computed transposed (keys along the rows) so that no register transposes."""
+    bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, q_g.shape[1]
+    b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
+    k0 = jax.lax.axis_index("k") * bkv
+    first = i32(k0 // bq if causal else 0)  # the first query block with a query >= k0
+    n = i32(t // bq) - first
+
+    @pl.when(jax.lax.axis_index("wg") == 1)
+    def _():
+        def view(ref):
+            return lambda i: ref.at[b, pl.ds((first + i) * bq, bq), h]
+
+        def row_view(ref):
+            return lambda i: ref.at[b, h, pl.ds((first + i) * bq, bq)]
+
+        views = {"q": view(q_g), "do": view(do_g), "lse": row_view(lse_g),
+                 "delta": row_view(delta_g)}  # fmt: skip
+        _ring_copy(sm, views, ("free",), n, stages)
+
+    @pl.when(jax.lax.axis_index("wg") == 0)
+    def _():
+        ks = pl.ds(k0, bkv)
+        _load_own(sm, {"k": k_g.at[b, ks, h], "v": v_g.at[b, ks, h]})
+        col = plgpu.Layout.WGMMA.reduce(0)
+        c = scale * math.log2(math.e)
+
+        def step(i, carry, masked: bool):
+            dk, dv = carry
+            slot = jax.lax.rem(i, jnp.int32(stages))
+            q_s, do_s = sm["q"].at[slot], sm["do"].at[slot]
+            for name in ("q", "do", "lse", "delta"):
+                plgpu.barrier_wait(sm[f"{name}_bar"].at[slot])
+            qt, dot = plgpu.transpose_ref(q_s, (1, 0)), plgpu.transpose_ref(do_s, (1, 0))
+            st, dpt = _mms((bkv, bq), (sm["k"], qt), (sm["v"], dot))  # S^T, dP^T (bkv, bq)
+            if masked:
+                st = _masked(st, (first + i) * bq, k0, transposed=True)
+            lse = rows.load(sm["lse"].at[slot], col) * math.log2(math.e)
+            delta = rows.load(sm["delta"].at[slot], col)
+            pt = jnp.exp2(st * c - jax.lax.broadcast_in_dim(lse, st.shape, [1]))
+            dst = pt * (dpt - jax.lax.broadcast_in_dim(delta, st.shape, [1]))
+
+            def grads(refs):
+                plgpu.wgmma(refs[0], dst.astype(q_s.dtype), q_s)
+                plgpu.wgmma(refs[1], pt.astype(q_s.dtype), do_s)
+
+            dk, dv = rows.acc_mma((dk, dv), grads)
+            plgpu.barrier_arrive(sm["free"].at[slot])
+            return dk, dv
+
+        zeros = rows.cast(jnp.zeros((bkv, q_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
+        # query blocks holding a query < the block's last key need the mask
+        n_masked = i32((k0 + bkv - 1) // bq + 1) - first if causal else 0
+        carry = jax.lax.fori_loop(jnp.int32(0), n_masked, lambda i, x: step(i, x, True),
+                                  (zeros, zeros))  # fmt: skip
+        dk, dv = jax.lax.fori_loop(n_masked, n, lambda i, x: step(i, x, False), carry)
+        sm["k"][...] = (dk * scale).astype(dk_g.dtype)  # dk, dv reuse k's and v's buffers
+        sm["v"][...] = dv.astype(dv_g.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(sm["k"], dk_g.at[b, ks, h])
+        plgpu.copy_smem_to_gmem(sm["v"], dv_g.at[b, ks, h])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
+             interpret: Any = None):  # fmt: skip
+    """(dq, dk, dv) (B, T, H, D) in q's dtype of the attention whose forward gave o and lse.
+
+    delta = rowsum(o * do) (B, H, T) is one XLA fusion (a read of o and do at memory speed, the
+    cost a kernel would have too); then two kernels, neither needing atomics: dq (grid: query
+    blocks, one warpgroup computing, one streaming K/V blocks 0 .. diagonal) and dk/dv (grid: key
+    blocks, one computing, one streaming Q, dO, lse, delta blocks diagonal .. end). Both
+    recompute P = exp(scale * q k^T - lse) and dS = P * (dO V^T - delta); dq = scale * dS K,
+    dv = P^T dO, dk = scale * dS^T Q; f32 accumulation, only the diagonal blocks masked.
+
+    Memory traffic (causal, s bytes per element, N = B*T*H*D, n = T / block): delta reads o and
+    do (2 N s) and writes 4 B*H*T bytes; dq reads q, do, lse, delta once, K and V about
+    (n + 1) / 2 times (N s each pass) and writes dq; dk/dv reads k, v once, q and do about
+    (n + 1) / 2 times (plus lse, delta) and writes dk, dv. Compute: S and dP are recomputed in
+    both kernels (7 matmuls of B*H*T^2*D / 2 causal, against a fused backward's 5)."""
+    bsz, t, n_heads, d = q.shape
+    check_bwd(cfg, t, d)
+    delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
+    sw = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    bq, bkv, st, dt = cfg.block_q, cfg.block_kv, cfg.stages, q.dtype
+    kw = dict(cfg=cfg, scale=scale, causal=causal)
+    args = (q, k, v, do, lse, delta)
+
+    def ring(name, shape, dtype, **kw_):  # a ring of `stages` blocks, its arrival barriers
+        return {name: plgpu.SMEM((st, *shape), dtype, **kw_),
+                f"{name}_bar": plgpu.Barrier(num_barriers=st)}  # fmt: skip
+
+    dq_scratch = dict(
+        q=plgpu.SMEM((bq, d), dt, **sw), do=plgpu.SMEM((bq, d), dt, **sw),
+        lse=plgpu.SMEM((bq,), jnp.float32), delta=plgpu.SMEM((bq,), jnp.float32),
+        own_bar=plgpu.Barrier(num_barriers=4), free=plgpu.Barrier(num_barriers=st),
+        **ring("k", (bkv, d), dt, **sw), **ring("v", (bkv, d), dt, **sw),
+    )  # fmt: skip
+
+    def dq_body(*refs, **sm):
+        _dq_kernel(*refs, sm, **kw)
+
+    dq = rows.launch(dq_body, "flash_attention_dq_mgpu", jax.ShapeDtypeStruct(q.shape, dt),
+                     dq_scratch, {"q": t // bq, "h": n_heads, "b": bsz}, 0, interpret, args,
+                     approx_math=True, threads=2)  # fmt: skip
+    dkv_scratch = dict(
+        k=plgpu.SMEM((bkv, d), dt, **sw), v=plgpu.SMEM((bkv, d), dt, **sw),
+        own_bar=plgpu.Barrier(num_barriers=2), free=plgpu.Barrier(num_barriers=st),
+        **ring("q", (bq, d), dt, **sw), **ring("do", (bq, d), dt, **sw),
+        **ring("lse", (bq,), jnp.float32), **ring("delta", (bq,), jnp.float32),
+    )  # fmt: skip
+
+    def dkv_body(*refs, **sm):
+        _dkv_kernel(*refs, sm, **kw)
+
+    grads = jax.ShapeDtypeStruct(q.shape, dt)
+    dk, dv = rows.launch(dkv_body, "flash_attention_dkv_mgpu", (grads, grads), dkv_scratch,
+                         {"k": t // bkv, "h": n_heads, "b": bsz}, 0, interpret, args,
+                         approx_math=True, threads=2)  # fmt: skip
+    return dq, dk, dv

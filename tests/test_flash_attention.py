@@ -1,0 +1,238 @@
+"""Flash attention, forward and backward (pallas_kernels/flash_attention*.py).
+
+A CPU cannot compile the Mosaic GPU kernels. The tests (1) run them in jax's Mosaic GPU
+interpreter (with tests/mgpu_interpret.py's patches for the wgmma forms the interpreter lacks)
+against the float64 reference: output and logsumexp, and dq, dk, dv against the reference's VJP,
+on tile configurations that exercise the unmasked, diagonal and skipped blocks of the causal
+loops; (2) cross-lower the public function and its gradient for CUDA at GPT-2's shape, which runs
+Mosaic GPU's layout and wgmma shape checks; (3) on a Hopper GPU (JAX_PLATFORMS=cuda,cpu) compile
+them and compare with the reference. The interpreter ignores the
+shared-memory tiling and swizzle and runs wgmma synchronously: those, timing and register
+pressure are the GPU's to check (also benchmarks/flash_attention_bench.py).
+"""
+
+import argparse
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import mgpu_interpret
+import numpy as np
+import pytest
+from conftest import ROOT
+
+from pallas_kernels import flash_attention_mgpu as fa_mgpu
+from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.reference import flash_attention_ref
+
+try:  # jax's Mosaic GPU interpreter: private, so its absence skips rather than fails
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+except ImportError:
+    InterpretGPUParams = None
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    if InterpretGPUParams is None or not mgpu_interpret.patched(monkeypatch):
+        pytest.skip("no Mosaic GPU interpreter to patch in this jax")
+    return InterpretGPUParams()
+
+
+@pytest.fixture
+def pretend_gpu(monkeypatch):
+    """Make check_backend see a GPU, so the public function takes the Mosaic GPU path on CPU."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+
+def _qkv(shape, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return tuple(jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+
+
+def _lse_ref(q, k, causal):
+    """logsumexp over the keys of the scaled scores, (B, H, T)."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    return jax.nn.logsumexp(s, axis=-1)
+
+
+CASES = {  # name -> (D, causal, config); T = 256: two query tiles of 2 x 64
+    "causal_d64": (64, True, fa_mgpu.Config(64, 128, 2)),
+    "causal_d128": (128, True, fa_mgpu.Config(64, 128, 2)),
+    # 64-key blocks: warpgroup 0 skips the block only warpgroup 1 needs; 3 slots > the first
+    # tile's 2 blocks
+    "causal_d64_kv64_3stages": (64, True, fa_mgpu.Config(64, 64, 3)),
+    "full_d64": (64, False, fa_mgpu.Config(64, 128, 2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forward_in_interpreter(interpreter, float64_ref, name):
+    d, causal, cfg = CASES[name]
+    q, k, v = _qkv((1, 256, 2, d))
+    o, lse = fa_mgpu.forward(q, k, v, cfg, d**-0.5, causal, interpret=interpreter)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (1, 2, 256)
+    ref = float64_ref(lambda q, k, v: flash_attention_ref(q, k, v, causal=causal), q, k, v)
+    np.testing.assert_allclose(np.asarray(o, np.float64), ref, atol=2e-2)  # bf16 output and P
+    np.testing.assert_allclose(lse, float64_ref(_lse_ref, q, k, causal=causal), atol=1e-4)
+
+
+BWD_CASES = {  # name -> (D, causal, config); T = 256
+    "causal_d64": (64, True, fa_mgpu.BwdConfig(64, 64, 2)),
+    # 128-query blocks: the dq kernel masks two key blocks, the dk/dv kernel one query block
+    "causal_d128_q128": (128, True, fa_mgpu.BwdConfig(128, 64, 2)),
+    # 128-key blocks: the dq kernel masks one key block, the dk/dv kernel two query blocks
+    "causal_d64_kv128_3stages": (64, True, fa_mgpu.BwdConfig(64, 128, 3)),
+    "full_d64_1stage": (64, False, fa_mgpu.BwdConfig(128, 128, 1)),
+    "full_d128": (128, False, fa_mgpu.BwdConfig(64, 64, 2)),
+}
+
+
+def _grad_close(got, ref):
+    """bf16 gradients against float64 ones: within 1% of the largest (measured about 0.4%)."""
+    for g, r in zip(got, ref, strict=True):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(g, np.float64), r, atol=1e-2 * np.abs(r).max())
+
+
+@pytest.mark.parametrize("name", sorted(BWD_CASES))
+def test_backward_in_interpreter(interpreter, float64_ref, name):
+    """dq, dk, dv of the backward kernels, given the exact o and lse (rounded as the forward
+    stores them), against the float64 reference's VJP."""
+    d, causal, cfg = BWD_CASES[name]
+    q, k, v = _qkv((1, 256, 2, d))
+    do = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.bfloat16)
+    o = float64_ref(flash_attention_ref, q, k, v, causal=causal).astype(jnp.bfloat16)
+    lse = float64_ref(_lse_ref, q, k, causal=causal).astype(np.float32)
+    got = fa_mgpu.backward(q, k, v, o, lse, do, cfg, d**-0.5, causal, interpret=interpreter)
+
+    def ref_grads(q, k, v, do):
+        return jax.vjp(lambda *x: flash_attention_ref(*x, causal=causal), q, k, v)[1](do)
+
+    _grad_close(got, float64_ref(ref_grads, q, k, v, do))
+
+
+def test_public_function_and_gradients_in_interpreter(
+    interpreter, pretend_gpu, monkeypatch, float64_ref
+):
+    """flash_attention's custom VJP end to end (both kernels interpreted): the output and the
+    gradients of q, k, v against the float64 reference's."""
+    for name in ("forward", "backward"):
+        fn = getattr(fa_mgpu, name)
+        monkeypatch.setattr(fa_mgpu, name, functools.partial(fn, interpret=interpreter))
+    q, k, v = _qkv((1, 128, 1, 64), seed=1)
+    w = jax.random.normal(jax.random.PRNGKey(2), q.shape, jnp.float32)
+
+    def loss(attention):
+        return lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * w)
+
+    got = jax.value_and_grad(loss(flash_attention), (0, 1, 2))(q, k, v)
+    ref = float64_ref(jax.value_and_grad(loss(flash_attention_ref), (0, 1, 2)), q, k, v)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-2)
+    _grad_close(got[1], ref[1])
+
+
+@pytest.mark.parametrize(
+    "d, cfg, bwd_cfg, causal, x64",
+    [
+        (64, None, None, True, False),
+        (128, None, None, True, False),
+        (64, fa_mgpu.Config(64, 64, 3), fa_mgpu.BwdConfig(128, 64, 3), True, False),
+        (128, None, fa_mgpu.BwdConfig(64, 128, 2), False, False),
+        (64, None, None, True, True),
+    ],
+    ids=["d64", "d128", "kv64_q128", "d128_full_kv128", "d64_x64"],
+)
+def test_lowers_for_cuda(pretend_gpu, d, cfg, bwd_cfg, causal, x64):
+    """GPT-2's shape (B 64, T 1024, 12 heads), the forward and value_and_grad (forward, dq and
+    dk/dv kernels). x64: with jax_enable_x64 on, the index arithmetic stays int32 (jax's
+    interpreter cannot run the kernels under x64)."""
+    q = jax.ShapeDtypeStruct((64, 1024, 12, d), jnp.bfloat16)
+
+    def attention(q, k, v):
+        return flash_attention(q, k, v, causal=causal, config=cfg, bwd_config=bwd_cfg)
+
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v).astype(jnp.float32))
+
+    with jax.enable_x64(x64):
+        for fn in (attention, jax.value_and_grad(loss, (0, 1, 2))):
+            text = jax.jit(fn).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+            assert "flash_attention_fwd_mgpu" in text
+        assert "flash_attention_dq_mgpu" in text and "flash_attention_dkv_mgpu" in text
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, match",
+    [
+        ((1, 256, 2, 96), jnp.bfloat16, "head dim"),
+        ((1, 192, 2, 64), jnp.bfloat16, "multiple of 128"),
+        ((1, 256, 2, 64), jnp.float32, "bfloat16 or float16"),
+        ((1, 256, 2, 128), fa_mgpu.Config(64, 128, 4), "shared memory"),
+        ((1, 256, 2, 64), fa_mgpu.Config(64, 128, 1), "stages >= 2"),
+        ((1, 256, 2, 128), fa_mgpu.BwdConfig(128, 128, 4), "backward config .* shared memory"),
+        ((1, 256, 2, 64), fa_mgpu.BwdConfig(32, 64, 2), "block_q and block_kv"),
+    ],
+)
+def test_refusals(pretend_gpu, shape, dtype, match):
+    """Bad shapes, dtypes and configs (a config in the dtype column: bfloat16 with that config)."""
+    cfg = dtype if isinstance(dtype, fa_mgpu.Config | fa_mgpu.BwdConfig) else None
+    x = jnp.zeros(shape, jnp.bfloat16 if cfg else dtype)
+    key = "bwd_config" if isinstance(cfg, fa_mgpu.BwdConfig) else "config"
+    with pytest.raises(ValueError, match=match):
+        flash_attention(x, x, x, **{key: cfg})
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_compiled_on_a_gpu_and_refused_elsewhere(float64_ref, d):
+    """On a GPU (JAX_PLATFORMS=cuda,cpu) the kernels compile and the output and gradients match
+    the reference over several query tiles, causal and not; elsewhere the call is refused."""
+    q, k, v = _qkv((2, 512, 3, d), seed=3)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="CUDA GPU only"):
+            flash_attention(q, k, v)
+        return
+    do = jax.random.normal(jax.random.PRNGKey(4), q.shape, jnp.bfloat16)
+    for causal in (True, False):
+
+        def grads(attention, q, k, v, do, causal=causal):
+            o, vjp = jax.vjp(functools.partial(attention, causal=causal), q, k, v)
+            return o, vjp(do)
+
+        o, got = jax.jit(functools.partial(grads, flash_attention))(q, k, v, do)
+        ref, ref_grads = float64_ref(functools.partial(grads, flash_attention_ref), q, k, v, do)
+        np.testing.assert_allclose(np.asarray(o, np.float64), ref, atol=2e-2)
+        _grad_close(got, ref_grads)
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location(
+        "fa_bench", ROOT / "benchmarks/flash_attention_bench.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_refuses_off_gpu_and_times_xla_on_cpu():
+    """The benchmark parses its arguments and refuses without a Hopper GPU; its timing of one
+    cell runs (jax.nn.dot_product_attention's XLA path, the one implementation a CPU has)."""
+    bench = _bench()
+    with pytest.raises(SystemExit, match="Hopper-class"):
+        bench.main(["--quick", "--configs", "64,64,2", "--shapes", "1,128,2,64"])
+    args = argparse.Namespace(calls=2, launches=1, repeats=1)
+    impls = bench.implementations([None, fa_mgpu.Config()], [None, fa_mgpu.BwdConfig(128, 64, 2)])
+    assert "ours-64-128-2-bwd128-64-2" in impls and "ours" in impls
+    xla = impls["xla"]
+    fwd, fwd_bwd = (
+        bench.measure(xla, direction, (1, 128, 2, 64), args, bench_ref, trials=2)
+        for direction in ("fwd", "fwd+bwd")
+    )
+    assert fwd["ms"] > 0 and fwd_bwd["ms"] > 0 and fwd["spread"] >= 0
+    assert fwd["max_err"] < 2e-2 and fwd_bwd["grad_err"] < 2e-2  # bf16 output and gradients
+
+
+def bench_ref(q, k, v):
+    return flash_attention_ref(*(x.astype(jnp.float32) for x in (q, k, v)))
