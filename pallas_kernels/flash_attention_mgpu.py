@@ -135,7 +135,7 @@ def _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, *, cfg: Config, scale: 
         slot = jax.lax.rem(kv, jnp.int32(stages))
 
         def qk(ref):
-            plgpu.wgmma(ref, q_s, plgpu.transpose_ref(sm["k"].at[slot], (1, 0)))
+            plgpu.wgmma(ref, q_s, sm["k"].at[slot].T)
             _take_turn(sched)
             return ref[...]
 
@@ -271,17 +271,17 @@ def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = N
 
 
 class BwdConfig(NamedTuple):
-    block_q: int = 64  # queries per step (dk/dv kernel) or per CUDA block (dq kernel)
-    block_kv: int = 64  # keys per CUDA block (dk/dv kernel) or per step (dq kernel)
+    block_q: int = 64  # queries per compute warpgroup (dq kernel) or per streamed block (dk/dv)
+    block_kv: int = 64  # keys per compute warpgroup (dk/dv kernel) or per streamed block (dq)
     stages: int = 2  # streamed blocks in flight (shared-memory ring slots)
 
 
 def bwd_smem_bytes(cfg: BwdConfig, d: int, itemsize: int = 2) -> int:
-    """Shared memory of the larger backward kernel's CUDA block: two own tiles and two rings of
-    `stages` streamed tiles (+ float32 lse and delta rows)."""
-    bq, bkv, st = cfg.block_q, cfg.block_kv, cfg.stages
-    dq = (2 * bq + 2 * st * bkv) * d * itemsize + 8 * bq
-    dkv = (2 * bkv + 2 * st * bq) * d * itemsize + 8 * st * bq
+    """Shared memory of the larger backward kernel's CUDA block: two own tiles per compute
+    warpgroup and two rings of `stages` streamed tiles (+ float32 lse and delta rows)."""
+    bq, bkv, st, w = cfg.block_q, cfg.block_kv, cfg.stages, COMPUTE_WGS
+    dq = (2 * w * bq + 2 * st * bkv) * d * itemsize + 8 * w * bq
+    dkv = (2 * w * bkv + 2 * st * bq) * d * itemsize + 8 * st * bq
     return max(dq, dkv)
 
 
@@ -294,9 +294,10 @@ def check_bwd(cfg: BwdConfig, t: int, d: int) -> None:
     if bwd_smem_bytes(cfg, d) > rows.SMEM_BYTES:
         raise ValueError(f"flash attention backward config {cfg} needs {bwd_smem_bytes(cfg, d)}"
                          f" bytes of shared memory at D = {d}, over {rows.SMEM_BYTES}")  # fmt: skip
-    if t % cfg.block_q or t % cfg.block_kv:
-        raise ValueError(f"flash attention backward needs T to be a multiple of {cfg.block_q} "
-                         f"and of {cfg.block_kv}, got T = {t}")  # fmt: skip
+    tile = COMPUTE_WGS * max(cfg.block_q, cfg.block_kv)
+    if t % tile:
+        raise ValueError(f"flash attention backward config {cfg} needs T to be a multiple of "
+                         f"{tile}, got T = {t}")  # fmt: skip
 
 
 def _mms(shape, *operands):
@@ -311,36 +312,68 @@ def _mms(shape, *operands):
     return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32)] * len(operands))
 
 
-def _load_own(sm, views: dict) -> None:
-    """The compute warpgroup's own tiles (one TMA each), waited for."""
+def _load_own(sm, wg, views: dict) -> None:
+    """Compute warpgroup wg's own tiles into sm[name].at[wg] (one TMA each), waited for."""
+    n = len(views)
     for i, (name, view) in enumerate(views.items()):
-        plgpu.copy_gmem_to_smem(view, sm[name], sm["own_bar"].at[i])
-    for i in range(len(views)):
-        plgpu.barrier_wait(sm["own_bar"].at[i])
+        plgpu.copy_gmem_to_smem(view, sm[name].at[wg], sm["own_bar"].at[wg * n + i])
+    for i in range(n):
+        plgpu.barrier_wait(sm["own_bar"].at[wg * n + i])
+
+
+def _skip(sm, names: tuple[str, ...], stages: int):
+    """A streamed block only the other compute warpgroup needs: its arrivals waited for and its
+    slot released, so that every barrier phase is observed."""
+
+    def skip(i, carry):
+        slot = jax.lax.rem(i, jnp.int32(stages))
+        for name in names:
+            plgpu.barrier_wait(sm[f"{name}_bar"].at[slot])
+        plgpu.barrier_arrive(sm["free"].at[slot])
+        return carry
+
+    return skip
+
+
+def _roles(copy, compute) -> None:
+    """Warpgroup COMPUTE_WGS runs copy() on few registers, the others compute(wg)."""
+    wg = jax.lax.axis_index("wg")
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _():
+        plgpu.set_max_registers(40, action="decrease")
+        copy()
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _():
+        plgpu.set_max_registers(232, action="increase")
+        compute(wg)
 
 
 def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig, scale: float,
                causal: bool):  # fmt: skip
-    """dq of queries q0 .. q0 + block_q - 1 of (b, h): a loop over key blocks 0 .. (diagonal)."""
+    """dq of 2 * block_q queries of (b, h), block_q per compute warpgroup: a loop over the key
+    blocks up to the later warpgroup's diagonal; the earlier one skips the blocks past its own."""
     bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, q_g.shape[1]
     b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
-    q0 = (t // bq - 1 - jax.lax.axis_index("q")) * bq  # longest causal tiles first
-    n_kv = i32((q0 + bq + bkv - 1) // bkv if causal else t // bkv)
+    tile = COMPUTE_WGS * bq
+    tile0 = (t // tile - 1 - jax.lax.axis_index("q")) * tile  # longest causal tiles first
+    n_kv = i32((tile0 + tile + bkv - 1) // bkv if causal else t // bkv)
 
-    @pl.when(jax.lax.axis_index("wg") == 1)
-    def _():
+    def copy():
         views = {name: (lambda i, ref=ref: ref.at[b, pl.ds(i * bkv, bkv), h])
                  for name, ref in (("k", k_g), ("v", v_g))}  # fmt: skip
         _ring_copy(sm, views, ("free",), n_kv, stages)
 
-    @pl.when(jax.lax.axis_index("wg") == 0)
-    def _():
+    def compute(wg):
+        q0 = tile0 + wg * bq
         qs = pl.ds(q0, bq)
-        _load_own(sm, {"q": q_g.at[b, qs, h], "do": do_g.at[b, qs, h],
-                       "lse": lse_g.at[b, h, qs], "delta": delta_g.at[b, h, qs]})  # fmt: skip
+        _load_own(sm, wg, {"q": q_g.at[b, qs, h], "do": do_g.at[b, qs, h],
+                           "lse": lse_g.at[b, h, qs], "delta": delta_g.at[b, h, qs]})  # fmt: skip
+        q_s, do_s = sm["q"].at[wg], sm["do"].at[wg]
         row = plgpu.Layout.WGMMA.reduce(1)
-        lse = rows.load(sm["lse"], row) * math.log2(math.e)  # (bq,), log2 units
-        delta = rows.load(sm["delta"], row)  # (bq,)
+        lse = rows.load(sm["lse"].at[wg], row) * math.log2(math.e)  # (bq,), log2 units
+        delta = rows.load(sm["delta"].at[wg], row)  # (bq,)
         c = scale * math.log2(math.e)
 
         def step(kv, dq, masked: bool):
@@ -348,8 +381,7 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig,
             k_s, v_s = sm["k"].at[slot], sm["v"].at[slot]
             plgpu.barrier_wait(sm["k_bar"].at[slot])
             plgpu.barrier_wait(sm["v_bar"].at[slot])
-            kt, vt = plgpu.transpose_ref(k_s, (1, 0)), plgpu.transpose_ref(v_s, (1, 0))
-            s, dp = _mms((bq, bkv), (sm["q"], kt), (sm["do"], vt))  # S, dP (bq, bkv)
+            s, dp = _mms((bq, bkv), (q_s, k_s.T), (do_s, v_s.T))  # S, dP (bq, bkv)
             if masked:
                 s = _masked(s, q0, kv * bkv, transposed=False)
             p = jnp.exp2(s * c - jax.lax.broadcast_in_dim(lse, s.shape, [0]))
@@ -360,26 +392,31 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig,
 
         dq = rows.cast(jnp.zeros((bq, q_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
         below = q0 // bkv if causal else n_kv  # key blocks with every key <= the first query
+        own = (q0 + bq + bkv - 1) // bkv if causal else n_kv  # ... with a key <= the last one
         dq = jax.lax.fori_loop(jnp.int32(0), below, lambda i, x: step(i, x, False), dq)
-        dq = jax.lax.fori_loop(below, n_kv, lambda i, x: step(i, x, True), dq)
-        sm["q"][...] = (dq * scale).astype(dq_g.dtype)  # dq reuses q's buffer
+        dq = jax.lax.fori_loop(below, own, lambda i, x: step(i, x, True), dq)
+        jax.lax.fori_loop(own, n_kv, _skip(sm, ("k", "v"), stages), None)
+        q_s[...] = (dq * scale).astype(dq_g.dtype)  # dq reuses q's buffer
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(sm["q"], dq_g.at[b, qs, h])
+        plgpu.copy_smem_to_gmem(q_s, dq_g.at[b, qs, h])
         plgpu.wait_smem_to_gmem(0)
+
+    _roles(copy, compute)
 
 
 def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: BwdConfig,
                 scale: float, causal: bool):  # fmt: skip
-    """dk, dv of keys k0 .. k0 + block_kv - 1 of (b, h): a loop over query blocks (diagonal) ..
-    T / block_q - 1, computed transposed (keys along the rows) so that no register transposes."""
+    """dk, dv of 2 * block_kv keys of (b, h), block_kv per compute warpgroup: a loop over the
+    query blocks from the earlier warpgroup's diagonal to the end (the later one skips those
+    wholly before its keys), computed transposed (keys along the rows): no register transposes."""
     bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, q_g.shape[1]
     b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
-    k0 = jax.lax.axis_index("k") * bkv
-    first = i32(k0 // bq if causal else 0)  # the first query block with a query >= k0
+    tile0 = jax.lax.axis_index("k") * (COMPUTE_WGS * bkv)
+    first = i32(tile0 // bq if causal else 0)  # the first query block with a query >= tile0
     n = i32(t // bq) - first
+    names = ("q", "do", "lse", "delta")
 
-    @pl.when(jax.lax.axis_index("wg") == 1)
-    def _():
+    def copy():
         def view(ref):
             return lambda i: ref.at[b, pl.ds((first + i) * bq, bq), h]
 
@@ -390,10 +427,11 @@ def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: Bwd
                  "delta": row_view(delta_g)}  # fmt: skip
         _ring_copy(sm, views, ("free",), n, stages)
 
-    @pl.when(jax.lax.axis_index("wg") == 0)
-    def _():
+    def compute(wg):
+        k0 = tile0 + wg * bkv
         ks = pl.ds(k0, bkv)
-        _load_own(sm, {"k": k_g.at[b, ks, h], "v": v_g.at[b, ks, h]})
+        _load_own(sm, wg, {"k": k_g.at[b, ks, h], "v": v_g.at[b, ks, h]})
+        k_s, v_s = sm["k"].at[wg], sm["v"].at[wg]
         col = plgpu.Layout.WGMMA.reduce(0)
         c = scale * math.log2(math.e)
 
@@ -401,10 +439,9 @@ def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: Bwd
             dk, dv = carry
             slot = jax.lax.rem(i, jnp.int32(stages))
             q_s, do_s = sm["q"].at[slot], sm["do"].at[slot]
-            for name in ("q", "do", "lse", "delta"):
+            for name in names:
                 plgpu.barrier_wait(sm[f"{name}_bar"].at[slot])
-            qt, dot = plgpu.transpose_ref(q_s, (1, 0)), plgpu.transpose_ref(do_s, (1, 0))
-            st, dpt = _mms((bkv, bq), (sm["k"], qt), (sm["v"], dot))  # S^T, dP^T (bkv, bq)
+            st, dpt = _mms((bkv, bq), (k_s, q_s.T), (v_s, do_s.T))  # S^T, dP^T (bkv, bq)
             if masked:
                 st = _masked(st, (first + i) * bq, k0, transposed=True)
             lse = rows.load(sm["lse"].at[slot], col) * math.log2(math.e)
@@ -421,17 +458,21 @@ def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: Bwd
             return dk, dv
 
         zeros = rows.cast(jnp.zeros((bkv, q_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
-        # query blocks holding a query < the block's last key need the mask
-        n_masked = i32((k0 + bkv - 1) // bq + 1) - first if causal else 0
-        carry = jax.lax.fori_loop(jnp.int32(0), n_masked, lambda i, x: step(i, x, True),
-                                  (zeros, zeros))  # fmt: skip
-        dk, dv = jax.lax.fori_loop(n_masked, n, lambda i, x: step(i, x, False), carry)
-        sm["k"][...] = (dk * scale).astype(dk_g.dtype)  # dk, dv reuse k's and v's buffers
-        sm["v"][...] = dv.astype(dv_g.dtype)
+        # query blocks wholly before the keys are skipped; those holding a query < the last key
+        # need the mask
+        skipped = i32(k0 // bq) - first if causal else 0
+        masked = i32((k0 + bkv - 1) // bq + 1) - first if causal else 0
+        jax.lax.fori_loop(jnp.int32(0), skipped, _skip(sm, names, stages), None)
+        carry = jax.lax.fori_loop(skipped, masked, lambda i, x: step(i, x, True), (zeros, zeros))
+        dk, dv = jax.lax.fori_loop(masked, n, lambda i, x: step(i, x, False), carry)
+        k_s[...] = (dk * scale).astype(dk_g.dtype)  # dk, dv reuse k's and v's buffers
+        v_s[...] = dv.astype(dv_g.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(sm["k"], dk_g.at[b, ks, h])
-        plgpu.copy_smem_to_gmem(sm["v"], dv_g.at[b, ks, h])
+        plgpu.copy_smem_to_gmem(k_s, dk_g.at[b, ks, h])
+        plgpu.copy_smem_to_gmem(v_s, dv_g.at[b, ks, h])
         plgpu.wait_smem_to_gmem(0)
+
+    _roles(copy, compute)
 
 
 def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
@@ -439,17 +480,19 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
     """(dq, dk, dv) (B, T, H, D) in q's dtype of the attention whose forward gave o and lse.
 
     delta = rowsum(o * do) (B, H, T) is one XLA fusion (a read of o and do at memory speed, the
-    cost a kernel would have too); then two kernels, neither needing atomics: dq (grid: query
-    blocks, one warpgroup computing, one streaming K/V blocks 0 .. diagonal) and dk/dv (grid: key
-    blocks, one computing, one streaming Q, dO, lse, delta blocks diagonal .. end). Both
-    recompute P = exp(scale * q k^T - lse) and dS = P * (dO V^T - delta); dq = scale * dS K,
-    dv = P^T dO, dk = scale * dS^T Q; f32 accumulation, only the diagonal blocks masked.
+    cost a kernel would have too); then two kernels, neither needing atomics, each with two
+    compute warpgroups sharing what a third streams: dq (grid: tiles of 2 * block_q queries;
+    K/V blocks 0 .. diagonal streamed) and dk/dv (grid: tiles of 2 * block_kv keys; Q, dO, lse,
+    delta blocks diagonal .. end streamed). Both recompute P = exp(scale * q k^T - lse) and
+    dS = P * (dO V^T - delta); dq = scale * dS K, dv = P^T dO, dk = scale * dS^T Q; f32
+    accumulation, only the diagonal blocks masked.
 
-    Memory traffic (causal, s bytes per element, N = B*T*H*D, n = T / block): delta reads o and
-    do (2 N s) and writes 4 B*H*T bytes; dq reads q, do, lse, delta once, K and V about
-    (n + 1) / 2 times (N s each pass) and writes dq; dk/dv reads k, v once, q and do about
-    (n + 1) / 2 times (plus lse, delta) and writes dk, dv. Compute: S and dP are recomputed in
-    both kernels (7 matmuls of B*H*T^2*D / 2 causal, against a fused backward's 5)."""
+    Memory traffic (causal, s bytes per element, N = B*T*H*D): delta reads o and do (2 N s) and
+    writes 4 B*H*T bytes; dq reads q, do, lse, delta once, K and V about (n + 1) / 2 times
+    (N s each pass, n = T / (2 * block_q)) and writes dq; dk/dv reads k, v once, q and do (plus
+    lse, delta) about (n + 1) / 2 times (n = T / (2 * block_kv)) and writes dk, dv. Compute: S
+    and dP are recomputed in both kernels (7 matmuls of B*H*T^2*D / 2 causal, against a fused
+    backward's 5)."""
     bsz, t, n_heads, d = q.shape
     check_bwd(cfg, t, d)
     delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
@@ -462,10 +505,12 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
         return {name: plgpu.SMEM((st, *shape), dtype, **kw_),
                 f"{name}_bar": plgpu.Barrier(num_barriers=st)}  # fmt: skip
 
+    w = COMPUTE_WGS
+    free = plgpu.Barrier(num_arrivals=w, num_barriers=st)
     dq_scratch = dict(
-        q=plgpu.SMEM((bq, d), dt, **sw), do=plgpu.SMEM((bq, d), dt, **sw),
-        lse=plgpu.SMEM((bq,), jnp.float32), delta=plgpu.SMEM((bq,), jnp.float32),
-        own_bar=plgpu.Barrier(num_barriers=4), free=plgpu.Barrier(num_barriers=st),
+        q=plgpu.SMEM((w, bq, d), dt, **sw), do=plgpu.SMEM((w, bq, d), dt, **sw),
+        lse=plgpu.SMEM((w, bq), jnp.float32), delta=plgpu.SMEM((w, bq), jnp.float32),
+        own_bar=plgpu.Barrier(num_barriers=4 * w), free=free,
         **ring("k", (bkv, d), dt, **sw), **ring("v", (bkv, d), dt, **sw),
     )  # fmt: skip
 
@@ -473,11 +518,11 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
         _dq_kernel(*refs, sm, **kw)
 
     dq = rows.launch(dq_body, "flash_attention_dq_mgpu", jax.ShapeDtypeStruct(q.shape, dt),
-                     dq_scratch, {"q": t // bq, "h": n_heads, "b": bsz}, 0, interpret, args,
-                     approx_math=True, threads=2)  # fmt: skip
+                     dq_scratch, {"q": t // (w * bq), "h": n_heads, "b": bsz}, 0, interpret,
+                     args, approx_math=True, threads=w + 1)  # fmt: skip
     dkv_scratch = dict(
-        k=plgpu.SMEM((bkv, d), dt, **sw), v=plgpu.SMEM((bkv, d), dt, **sw),
-        own_bar=plgpu.Barrier(num_barriers=2), free=plgpu.Barrier(num_barriers=st),
+        k=plgpu.SMEM((w, bkv, d), dt, **sw), v=plgpu.SMEM((w, bkv, d), dt, **sw),
+        own_bar=plgpu.Barrier(num_barriers=2 * w), free=free,
         **ring("q", (bq, d), dt, **sw), **ring("do", (bq, d), dt, **sw),
         **ring("lse", (bq,), jnp.float32), **ring("delta", (bq,), jnp.float32),
     )  # fmt: skip
@@ -487,6 +532,6 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
 
     grads = jax.ShapeDtypeStruct(q.shape, dt)
     dk, dv = rows.launch(dkv_body, "flash_attention_dkv_mgpu", (grads, grads), dkv_scratch,
-                         {"k": t // bkv, "h": n_heads, "b": bsz}, 0, interpret, args,
-                         approx_math=True, threads=2)  # fmt: skip
+                         {"k": t // (w * bkv), "h": n_heads, "b": bsz}, 0, interpret, args,
+                         approx_math=True, threads=w + 1)  # fmt: skip
     return dq, dk, dv

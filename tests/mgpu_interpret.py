@@ -1,16 +1,17 @@
 """Test-only patches of jax's Mosaic GPU interpreter (private API, jax 0.10.x) for wgmma forms it
 does not model, so the flash attention kernels run on the CPU:
 
-* a transposed shared-memory B operand (`plgpu.transpose_ref(k, (1, 0))`, Q K^T): the
+* a transposed shared-memory B operand (`k.T`, Q K^T): the
   interpreter looks for `.indices` on every transform and fails on TransposeTransform;
 * an A operand in registers (P V): the interpreter takes every operand for a shared-memory ref.
 
 `patched(monkeypatch)` installs both for one test and returns True, or False when the private
-modules moved (the caller skips). Never imported by the library.
+modules moved or changed shape (jax 0.11; the caller skips). Never imported by the library.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -67,7 +68,12 @@ def patched(monkeypatch) -> bool:
         from jax._src.state import types as state_types
     except ImportError:
         return False
-    if not (hasattr(gc, "wgmma") and hasattr(ji.JaxprInterpreter, "_interpret_wgmma_ref_p")):
+    fields = {f.name for f in dataclasses.fields(ji.JaxprInterpreter)}
+    if not (
+        hasattr(gc, "wgmma")
+        and hasattr(ji.JaxprInterpreter, "_interpret_wgmma_ref_p")
+        and "grid_point_coords" in fields
+    ):  # jax 0.11's interpreter changed its state
         return False
     smem_wgmma = gc.wgmma
     ref_wgmma = ji.JaxprInterpreter._interpret_wgmma_ref_p
