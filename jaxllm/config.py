@@ -159,7 +159,9 @@ class ExecutionConfig(Section):
     residual_dtype: Literal["float32", "bfloat16"] = "float32"
     # Which implementation runs is decided in jaxllm/ops.py (`plan_ops`), which says it out loud:
     kernels: Literal["xla", "pallas"] = "xla"  # norms + attention softmax via pallas_kernels
-    attention_impl: Literal["xla", "dot_product_attention"] = "xla"  # the latter: cuDNN on GPU
+    # "dot_product_attention": cuDNN flash attention on a GPU; "pallas": our flash attention
+    # (pallas_kernels.flash_attention, Mosaic GPU, Hopper-class GPUs); else the `kernels` path
+    attention_impl: Literal["xla", "dot_product_attention", "pallas"] = "xla"
     # Training loss: "xla" = logits, then softmax_loss; "pallas" = the fused LM head +
     # cross-entropy kernel (pallas_kernels.linear_cross_entropy), which never keeps the logits.
     loss_impl: Literal["xla", "pallas"] = "xla"
@@ -215,9 +217,9 @@ class ExecutionConfig(Section):
                 "execution.label_smoothing needs execution.loss_impl=xla: the fused Pallas loss "
                 f"has no smoothing term (got label_smoothing={self.label_smoothing})"
             )
-        if self.attention_impl == "dot_product_attention" and self.dropout > 0:
+        if self.attention_impl != "xla" and self.dropout > 0:
             raise ConfigError(
-                "execution.attention_impl=dot_product_attention has no attention dropout; set "
+                f"execution.attention_impl={self.attention_impl} has no attention dropout; set "
                 f"execution.dropout=0 (got {self.dropout}) or execution.attention_impl=xla"
             )
 

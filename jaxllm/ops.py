@@ -5,9 +5,10 @@
 path from the plan and call the functions below; nothing else in the library imports
 `pallas_kernels` (the kernel benchmark in `jaxllm.profiling.kernel_bench`, whose subject is the
 kernels themselves, is the one exception). A switch that cannot apply is a `ConfigError`, when the
-config is loaded (cuDNN attention with dropout) or when the plan is made for the machine
+config is loaded (cuDNN or flash attention with dropout) or when the plan is made for the machine
 (execution.loss_backend=mosaic_gpu off Hopper), or a path the plan names (cuDNN needs a GPU and
-bf16: elsewhere attention runs on XLA, and `OpPlan.describe()` says so); nothing falls back
+bf16, our flash attention a Hopper-class GPU, 16-bit inputs and head dim 64 or 128: elsewhere
+attention runs on the `kernels` path, and `OpPlan.describe()` says so); nothing falls back
 silently.
 
 On a mesh of several devices (jaxllm.parallel) the plan also carries a `KernelShard`: every
@@ -19,7 +20,8 @@ Paths:
   norm       xla | pallas          LayerNorm (GPT-2) or RMSNorm (transformer_lm), each with the
                                    fused residual add on the Pallas path
   attention  xla | pallas | cudnn  training/eval attention: XLA's masked softmax, the Pallas
-                                   softmax between two XLA einsums, or cuDNN flash attention
+             | flash               softmax between two XLA einsums, cuDNN flash attention, or
+                                   ours (pallas_kernels.flash_attention, Mosaic GPU)
   decode     xla                   attention over a KV cache (generation): always XLA
   loss       xla | pallas          LM head + cross-entropy: logits then softmax_loss, or the
              | pallas_mgpu         fused Pallas kernel that never keeps the logits (pallas_mgpu:
@@ -48,7 +50,7 @@ from jaxllm.config import LOSS_CHUNK_MIB, ConfigError, ExecutionConfig, ModelCon
 from pallas_kernels.cross_entropy import OUT_OF_RANGE_CE, mark_out_of_range, targets_in_range
 
 NormPath = Literal["xla", "pallas"]
-AttentionPath = Literal["xla", "pallas", "cudnn"]
+AttentionPath = Literal["xla", "pallas", "cudnn", "flash"]
 LossPath = Literal["xla", "pallas", "pallas_mgpu"]
 
 
@@ -128,7 +130,7 @@ class OpPlan:
             f"conv={self.conv}",
         ]
         paths = (self.norm, self.attention, self.loss, self.conv)
-        pallas = any(p.startswith("pallas") for p in paths)
+        pallas = any(p.startswith("pallas") for p in paths) or self.attention == "flash"
         if pallas:
             parts.append("(Pallas interpreted: no GPU)" if self.interpret else "(Pallas compiled)")
         if pallas and self.shard is not None:
@@ -177,7 +179,20 @@ def plan_ops(
                 f"attention_impl=dot_product_attention needs a GPU and bfloat16 for cuDNN "
                 f"(backend {backend}, {ex.compute_dtype}): attention runs on {attention}"
             )
-    pallas = "pallas" in (ex.kernels, attention, ex.loss_impl)
+    elif ex.attention_impl == "pallas":
+        refusal = (
+            pallas_kernels.flash_attention_refusal(cfg.d_model // cfg.n_heads, ex.compute_dtype)
+            if backend == "gpu"
+            else f"a GPU (backend here: {backend})"
+        )
+        if refusal is None:
+            attention = "flash"
+        else:
+            notes.append(
+                f"attention_impl=pallas (flash attention) needs {refusal}: attention runs on "
+                f"{attention}"
+            )
+    pallas = "pallas" in (ex.kernels, ex.loss_impl) or attention in ("pallas", "flash")
     loss: LossPath = ex.loss_impl
     if loss == "pallas" and ex.loss_backend != "triton":  # Mosaic GPU: faster, where it runs
         refusal = (
@@ -311,6 +326,14 @@ def causal_attention(
         if dropout_rng is not None:  # the config forbids it; a direct caller may not
             raise ValueError("cuDNN attention has no dropout; use the xla or pallas path")
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    if path == "flash":
+        if dropout_rng is not None:  # the config forbids it; a direct caller may not
+            raise ValueError("flash attention has no dropout; use the xla or pallas path")
+
+        def kernel(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            return pallas_kernels.flash_attention(q, k, v)
+
+        return _per_shard(shard, kernel, (q, k, v), (True,) * 3, True)
     if path == "pallas":
 
         def probs_fn(scores: jax.Array, scale: float) -> jax.Array:  # (B, H, T, T)

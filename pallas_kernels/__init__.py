@@ -11,7 +11,7 @@ share `common.py`, `rows_mgpu.py` (Mosaic GPU row-kernel blocks) and any `<op>_c
 from .attention_softmax import attention_softmax
 from .cross_entropy import head_chunk_rows, linear_cross_entropy, mosaic_loss_refusal
 from .depthwise_conv1d import depthwise_conv1d
-from .flash_attention import flash_attention
+from .flash_attention import flash_attention, flash_attention_refusal
 from .layer_norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .reference import (
     add_layer_norm_ref,
@@ -34,6 +34,7 @@ __all__ = [
     "depthwise_conv1d",
     "depthwise_conv1d_ref",
     "flash_attention",
+    "flash_attention_refusal",
     "flash_attention_ref",
     "head_chunk_rows",
     "layer_norm",

@@ -1,7 +1,8 @@
 """Causal flash attention: softmax(q k^T / sqrt(D)) v without materialising the (T, T) scores.
 
 q, k, v (B, T, H, D) bfloat16 or float16 (the layout of jax.nn.dot_product_attention), D 64 or
-128, T a multiple of the kernel's query tile (128). Forward and backward are
+128; causal: any T (padded to the kernels' tile, 128 by default: a padded key comes after every
+real query, so no real query sees it), otherwise T a multiple of the tile. Forward and backward are
 flash_attention_mgpu.py's Mosaic GPU kernels (Hopper+): the forward also returns the logsumexp of
 each query's scores, which the backward (delta = rowsum(o * do), then a dq and a dk/dv kernel)
 reads with o to recompute the probabilities block by block. This module checks the arguments and
@@ -15,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from . import common
 from . import flash_attention_mgpu as mgpu
 from .common import check_backend, check_config, first_order_rules
 
@@ -38,6 +40,19 @@ def _attention_bwd(cfg, bwd_cfg, scale, causal, res, do):
 _attention.defvjp(*first_order_rules("flash_attention", 3, _attention_fwd, _attention_bwd))
 
 
+def flash_attention_refusal(head_dim: int, compute_dtype) -> str | None:
+    """Why flash_attention cannot run a model here, as "needs ..." would end (None: it can): a
+    Hopper-class GPU, 16-bit inputs, a head dim the kernels take."""
+    if not common.mosaic_gpu_capable():  # looked up at call time: tests stand in another GPU
+        found = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "none"
+        return f"a GPU of compute capability 9.x or 10.x (Hopper-class; found: {found})"
+    if jnp.dtype(compute_dtype) not in DTYPES:
+        return f"bfloat16 or float16 inputs (got {jnp.dtype(compute_dtype)})"
+    if head_dim not in mgpu.HEAD_DIMS:
+        return f"a head dim in {mgpu.HEAD_DIMS} (got {head_dim})"
+    return None
+
+
 def flash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -49,10 +64,10 @@ def flash_attention(
     bwd_config: mgpu.BwdConfig | None = None,
 ) -> jax.Array:
     """softmax(scale * q k^T) v per head, (B, T, H, D) -> (B, T, H, D); scale 1/sqrt(D) by
-    default; causal: query i sees keys j <= i. Needs a Hopper-class GPU (no interpret mode:
-    tests run the kernels in jax's Mosaic GPU interpreter). `config` overrides
-    the per-head-dim default (flash_attention_mgpu.CONFIGS), `bwd_config` the backward's
-    (flash_attention_mgpu.BwdConfig())."""
+    default; causal: query i sees keys j <= i (T padded to the tile: see the module docstring).
+    Needs a Hopper-class GPU (no interpret mode: tests run the kernels in jax's Mosaic GPU
+    interpreter). `config` overrides the per-head-dim default (flash_attention_mgpu.CONFIGS),
+    `bwd_config` the backward's (flash_attention_mgpu.BwdConfig())."""
     if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must share one (B, T, H, D) shape, got {q.shape}, {k.shape}, "
                          f"{v.shape}")  # fmt: skip
@@ -65,9 +80,13 @@ def flash_attention(
     check_config(config, "mosaic_gpu", mgpu.Config)
     t, d = q.shape[1], q.shape[3]
     cfg = config or mgpu.CONFIGS.get(d, mgpu.Config())
-    mgpu.check(cfg, t, d)
     check_config(bwd_config, "mosaic_gpu", mgpu.BwdConfig)
     bwd_cfg = bwd_config or mgpu.BwdConfig()
-    mgpu.check_bwd(bwd_cfg, t, d)
+    tile = mgpu.COMPUTE_WGS * max(cfg.block_q, cfg.block_kv, bwd_cfg.block_q, bwd_cfg.block_kv)
+    padded = -(-t // tile) * tile if causal else t
+    mgpu.check(cfg, padded, d)
+    mgpu.check_bwd(bwd_cfg, padded, d)
     scale = d**-0.5 if scale is None else float(scale)
-    return _attention(q, k, v, cfg, bwd_cfg, scale, bool(causal))
+    if padded != t:  # keys past T come after every real query: causally invisible to them
+        q, k, v = (jnp.pad(x, ((0, 0), (0, padded - t), (0, 0), (0, 0))) for x in (q, k, v))
+    return _attention(q, k, v, cfg, bwd_cfg, scale, bool(causal))[:, :t]

@@ -23,6 +23,7 @@ import pytest
 from conftest import ROOT
 
 from pallas_kernels import flash_attention_mgpu as fa_mgpu
+from pallas_kernels.common import mosaic_gpu_capable
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.reference import flash_attention_ref
 
@@ -81,11 +82,11 @@ def test_forward_in_interpreter(interpreter, float64_ref, name):
 
 BWD_CASES = {  # name -> (D, causal, config); T = 256
     "causal_d64": (64, True, fa_mgpu.BwdConfig(64, 64, 2)),
-    # 128-query blocks: the dq kernel masks two key blocks, the dk/dv kernel one query block
-    "causal_d128_q128": (128, True, fa_mgpu.BwdConfig(128, 64, 2)),
-    # 128-key blocks: the dq kernel masks one key block, the dk/dv kernel two query blocks
+    # 128-key blocks: the dq kernel masks one key block, the dk/dv kernel two query blocks and
+    # its second warpgroup skips two
     "causal_d64_kv128_3stages": (64, True, fa_mgpu.BwdConfig(64, 128, 3)),
-    "full_d64_1stage": (64, False, fa_mgpu.BwdConfig(128, 128, 1)),
+    "causal_d128_kv128": (128, True, fa_mgpu.BwdConfig(64, 128, 2)),
+    "full_d64_1stage": (64, False, fa_mgpu.BwdConfig(64, 128, 1)),
     "full_d128": (128, False, fa_mgpu.BwdConfig(64, 64, 2)),
 }
 
@@ -117,12 +118,13 @@ def test_backward_in_interpreter(interpreter, float64_ref, name):
 def test_public_function_and_gradients_in_interpreter(
     interpreter, pretend_gpu, monkeypatch, float64_ref
 ):
-    """flash_attention's custom VJP end to end (both kernels interpreted): the output and the
-    gradients of q, k, v against the float64 reference's."""
+    """flash_attention's custom VJP end to end (both kernels interpreted), T not a multiple of
+    the tile (causal: padded): the output and the gradients of q, k, v against the float64
+    reference's."""
     for name in ("forward", "backward"):
         fn = getattr(fa_mgpu, name)
         monkeypatch.setattr(fa_mgpu, name, functools.partial(fn, interpret=interpreter))
-    q, k, v = _qkv((1, 128, 1, 64), seed=1)
+    q, k, v = _qkv((1, 100, 1, 64), seed=1)  # T padded to 128 inside
     w = jax.random.normal(jax.random.PRNGKey(2), q.shape, jnp.float32)
 
     def loss(attention):
@@ -139,11 +141,11 @@ def test_public_function_and_gradients_in_interpreter(
     [
         (64, None, None, True, False),
         (128, None, None, True, False),
-        (64, fa_mgpu.Config(64, 64, 3), fa_mgpu.BwdConfig(128, 64, 3), True, False),
+        (64, fa_mgpu.Config(64, 64, 3), fa_mgpu.BwdConfig(64, 128, 3), True, False),
         (128, None, fa_mgpu.BwdConfig(64, 128, 2), False, False),
         (64, None, None, True, True),
     ],
-    ids=["d64", "d128", "kv64_q128", "d128_full_kv128", "d64_x64"],
+    ids=["d64", "d128", "kv64_bwd_kv128", "d128_full_kv128", "d64_x64"],
 )
 def test_lowers_for_cuda(pretend_gpu, d, cfg, bwd_cfg, causal, x64):
     """GPT-2's shape (B 64, T 1024, 12 heads), the forward and value_and_grad (forward, dq and
@@ -168,12 +170,11 @@ def test_lowers_for_cuda(pretend_gpu, d, cfg, bwd_cfg, causal, x64):
     "shape, dtype, match",
     [
         ((1, 256, 2, 96), jnp.bfloat16, "head dim"),
-        ((1, 192, 2, 64), jnp.bfloat16, "multiple of 128"),
         ((1, 256, 2, 64), jnp.float32, "bfloat16 or float16"),
         ((1, 256, 2, 128), fa_mgpu.Config(64, 128, 4), "shared memory"),
         ((1, 256, 2, 64), fa_mgpu.Config(64, 128, 1), "stages >= 2"),
-        ((1, 256, 2, 128), fa_mgpu.BwdConfig(128, 128, 4), "backward config .* shared memory"),
-        ((1, 256, 2, 64), fa_mgpu.BwdConfig(32, 64, 2), "block_q and block_kv"),
+        ((1, 256, 2, 128), fa_mgpu.BwdConfig(64, 128, 6), "backward config .* shared memory"),
+        ((1, 256, 2, 64), fa_mgpu.BwdConfig(128, 64, 2), "block_q 64, block_kv 64 or 128"),
     ],
 )
 def test_refusals(pretend_gpu, shape, dtype, match):
@@ -185,10 +186,18 @@ def test_refusals(pretend_gpu, shape, dtype, match):
         flash_attention(x, x, x, **{key: cfg})
 
 
+def test_full_attention_needs_whole_tiles(pretend_gpu):
+    """Causal attention pads T to the tile; without the mask a padded key would be seen."""
+    x = jnp.zeros((1, 192, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 128, got T = 192"):
+        flash_attention(x, x, x, causal=False)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_compiled_on_a_gpu_and_refused_elsewhere(float64_ref, d):
     """On a GPU (JAX_PLATFORMS=cuda,cpu) the kernels compile and the output and gradients match
-    the reference over several query tiles, causal and not; elsewhere the call is refused."""
+    the reference over several query tiles, causal (T = 448: padded) and not (T = 512);
+    elsewhere the call is refused."""
     q, k, v = _qkv((2, 512, 3, d), seed=3)
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="CUDA GPU only"):
@@ -196,10 +205,13 @@ def test_compiled_on_a_gpu_and_refused_elsewhere(float64_ref, d):
         return
     do = jax.random.normal(jax.random.PRNGKey(4), q.shape, jnp.bfloat16)
     for causal in (True, False):
+        t = 448 if causal else 512
 
-        def grads(attention, q, k, v, do, causal=causal):
-            o, vjp = jax.vjp(functools.partial(attention, causal=causal), q, k, v)
-            return o, vjp(do)
+        def grads(attention, q, k, v, do, causal=causal, t=t):
+            o, vjp = jax.vjp(
+                functools.partial(attention, causal=causal), *(x[:, :t] for x in (q, k, v))
+            )
+            return o, vjp(do[:, :t])
 
         o, got = jax.jit(functools.partial(grads, flash_attention))(q, k, v, do)
         ref, ref_grads = float64_ref(functools.partial(grads, flash_attention_ref), q, k, v, do)
@@ -220,11 +232,12 @@ def test_bench_refuses_off_gpu_and_times_xla_on_cpu():
     """The benchmark parses its arguments and refuses without a Hopper GPU; its timing of one
     cell runs (jax.nn.dot_product_attention's XLA path, the one implementation a CPU has)."""
     bench = _bench()
-    with pytest.raises(SystemExit, match="Hopper-class"):
-        bench.main(["--quick", "--configs", "64,64,2", "--shapes", "1,128,2,64"])
+    if not mosaic_gpu_capable():
+        with pytest.raises(SystemExit, match="Hopper-class"):
+            bench.main(["--quick", "--configs", "64,64,2", "--shapes", "1,128,2,64"])
     args = argparse.Namespace(calls=2, launches=1, repeats=1)
-    impls = bench.implementations([None, fa_mgpu.Config()], [None, fa_mgpu.BwdConfig(128, 64, 2)])
-    assert "ours-64-128-2-bwd128-64-2" in impls and "ours" in impls
+    impls = bench.implementations([None, fa_mgpu.Config()], [None, fa_mgpu.BwdConfig(64, 128, 2)])
+    assert "ours-64-128-2-bwd64-128-2" in impls and "ours" in impls
     xla = impls["xla"]
     fwd, fwd_bwd = (
         bench.measure(xla, direction, (1, 128, 2, 64), args, bench_ref, trials=2)

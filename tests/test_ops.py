@@ -252,6 +252,30 @@ def test_causal_attention_refuses_unequal_lengths():
     from jaxllm import ops
 
     q, k = jnp.ones((1, 2, 1, 4)), jnp.ones((1, 4, 1, 4))
-    for path in ("xla", "pallas", "cudnn"):
+    for path in ("xla", "pallas", "cudnn", "flash"):
         with pytest.raises(ValueError, match="same length T, got 2, 4, 4"):
             ops.causal_attention(q, k, k, path)
+
+
+def test_flash_attention_needs_hopper_bf16_and_its_head_dims_and_the_plan_says_so(monkeypatch):
+    """attention_impl: pallas runs our flash attention where it can; elsewhere the plan names the
+    missing piece and the path that runs instead. Dropout is refused when the config loads."""
+    import pallas_kernels.common as tb
+
+    flash = dict(attention_impl="pallas", compute_dtype="bfloat16", d_model=64, n_heads=1)
+    monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
+    p = plan_of("gpu", **flash)
+    assert p.attention == "flash" and not p.notes and "attention=flash" in p.describe()
+    assert "(Pallas compiled)" in p.describe()
+    for backend, overrides, missing in (
+        ("cpu", {}, "needs a GPU (backend here: cpu)"),
+        ("gpu", {"compute_dtype": "float32"}, "needs bfloat16 or float16 inputs"),
+        ("gpu", {"n_heads": 2}, "needs a head dim in (64, 128) (got 32)"),
+    ):
+        p = plan_of(backend, **{**flash, **overrides})
+        assert p.attention == "xla" and missing in p.describe() and "runs on xla" in p.describe()
+    monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: False)
+    p = plan_of("gpu", **flash, kernels="pallas")
+    assert p.attention == "pallas" and "Hopper-class" in p.describe()
+    with pytest.raises(ConfigError, match="attention_impl=pallas has no attention dropout"):
+        ExecutionConfig(attention_impl="pallas", dropout=0.1)
