@@ -13,7 +13,9 @@ jax.nn.dot_product_attention(implementation="cudnn", is_causal=True) and the sam
     on the same random inputs (forward rows); fwd+bwd rows: grad_err, the largest over dq, dk,
     dv of max |error| / max |reference| against the reference's VJP;
   * median device ms per call (jaxllm/profiling/timing.chained_median_seconds: one executable,
-    each call's output feeding the next call's q, states rotated to miss L2), measured in
+    each call's output feeding the next call's q, states rotated to miss L2; a loop of --unroll
+    calls per iteration, as a program of 16 copies of our three kernels compiles for minutes:
+    the same for every implementation), measured in
     --trials separate runs: the median of those and their spread ((max - min) / median);
   * TFLOP/s over the causal flops: forward 2 * B*H*T^2*D (two matmuls, half the score matrix),
     fwd+bwd 3.5 times that; and the ratio of cuDNN's time to this row's (> 1: faster than cuDNN);
@@ -108,7 +110,7 @@ def measure(fn, direction, shape, args, ref, trials) -> dict:
         row["grad_err"] = float(max(errs))
     n = rotation_count(3 * q.size * q.dtype.itemsize)
     states = [tuple(x + i for x in (q, k, v)) for i in range(n)]
-    kw = dict(calls=args.calls, launches=args.launches, repeats=args.repeats)
+    kw = dict(calls=args.calls, launches=args.launches, repeats=args.repeats, unroll=args.unroll)
     times = [chained_median_seconds(step_of(fn, direction), states, **kw) for _ in range(trials)]
     ms = statistics.median(times) * 1e3
     flops = causal_flops(*shape) * (1.0 if direction == "fwd" else 3.5)
@@ -143,6 +145,7 @@ def main(argv=None) -> None:
     parser.add_argument("--calls", type=int, default=16)
     parser.add_argument("--launches", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--unroll", type=int, default=4, help="calls per timing-loop iteration")
     parser.add_argument("--jsonl", help="append one JSON line per table row here")
     args = parser.parse_args(argv)
     if args.shapes:

@@ -235,7 +235,7 @@ def test_bench_refuses_off_gpu_and_times_xla_on_cpu():
     if not mosaic_gpu_capable():
         with pytest.raises(SystemExit, match="Hopper-class"):
             bench.main(["--quick", "--configs", "64,64,2", "--shapes", "1,128,2,64"])
-    args = argparse.Namespace(calls=2, launches=1, repeats=1)
+    args = argparse.Namespace(calls=4, launches=1, repeats=1, unroll=2)
     impls = bench.implementations([None, fa_mgpu.Config()], [None, fa_mgpu.BwdConfig(64, 128, 2)])
     assert "ours-64-128-2-bwd64-128-2" in impls and "ours" in impls
     xla = impls["xla"]

@@ -1,10 +1,11 @@
-"""jaxllm.profiling.timing: the interleaved sampler's order, counts and sample length."""
+"""jaxllm.profiling.timing: the interleaved sampler's order, counts and sample length; the
+chained timer's program size."""
 
 import time
 
 import jax.numpy as jnp
 
-from jaxllm.profiling.timing import interleaved_samples
+from jaxllm.profiling.timing import chained_median_seconds, interleaved_samples
 
 
 def test_interleaved_samples_alternate_and_grow_short_samples():
@@ -36,3 +37,21 @@ def test_interleaved_samples_alternate_and_grow_short_samples():
     fast_run = len(rounds) // 3 - 1
     assert rounds == (["slow"] + ["fast"] * fast_run) * 3
     assert fast_run > 1
+
+
+def test_chained_timing_unroll_bounds_the_copies_of_the_step():
+    """unroll=k puts k copies of the step in the program (a loop of them), not `calls`."""
+    traced = []
+
+    def step(x):
+        traced.append(1)
+        return x + 1
+
+    x = jnp.zeros(4)
+    for unroll, copies in ((None, 8), (2, 2), (3, 4)):  # 3 -> 4: a multiple of the two states
+        traced.clear()
+        states = [x] * (2 if unroll == 3 else 1)
+        assert (
+            chained_median_seconds(step, states, calls=8, launches=1, repeats=1, unroll=unroll) > 0
+        )
+        assert len(traced) == copies

@@ -34,17 +34,29 @@ def chained_median_seconds(
     calls: int = 16,
     launches: int = 4,
     repeats: int = 5,
+    unroll: int | None = None,
 ) -> float:
-    """Median device seconds per `step` call; `step(state) -> state` of the same structure."""
+    """Median device seconds per `step` call; `step(state) -> state` of the same structure.
+
+    `unroll`: None runs the calls as straight-line code (the program holds `calls` copies of
+    step); k: a loop whose iterations run k calls (rounded up to a multiple of the states), for
+    steps whose kernels compile slowly (each Mosaic GPU kernel copy is compiled on its own); the
+    loop adds its per-iteration device-to-host sync, a few microseconds per k calls."""
     n = len(states)
-    calls = n * max(1, -(-calls // n))
+    per_iter = n * max(1, -(-(unroll or calls) // n))
+    calls = per_iter * max(1, -(-calls // per_iter))
+
+    def body(states):
+        states = list(states)
+        for i in range(per_iter):
+            states[i % n] = jax.lax.optimization_barrier(step(states[i % n]))
+        return states
 
     @jax.jit
     def run(states):
-        states = list(states)
-        for i in range(calls):
-            states[i % n] = jax.lax.optimization_barrier(step(states[i % n]))
-        return states
+        if per_iter == calls:
+            return body(states)
+        return jax.lax.fori_loop(0, calls // per_iter, lambda _, s: body(s), list(states))
 
     held = [jax.block_until_ready(run(list(states)))]  # compile and warm up
 
