@@ -11,6 +11,7 @@ PyTorch: CUDA events via triton.testing.do_bench (median, with an L2 flush betwe
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -45,6 +46,20 @@ def chained_median_seconds(
     n = len(states)
     per_iter = n * max(1, -(-(unroll or calls) // n))
     calls = per_iter * max(1, -(-calls // per_iter))
+    run = _chained_program(step, n, per_iter, calls)
+    held = [jax.block_until_ready(run(list(states)))]  # compile and warm up
+
+    def launch():
+        held[0] = run(held[0])  # each launch continues from the last one's states
+        return held[0]
+
+    return _median_per_call(launch, launches, calls, repeats)
+
+
+@functools.lru_cache(maxsize=8)  # the same step timed again (trials) is not compiled again
+def _chained_program(step: Callable[[Any], Any], n: int, per_iter: int, calls: int) -> Callable:
+    """The jitted program of chained_median_seconds: `calls` calls of step over n states,
+    `per_iter` of them per loop iteration (straight-line code when per_iter == calls)."""
 
     def body(states):
         states = list(states)
@@ -58,13 +73,7 @@ def chained_median_seconds(
             return body(states)
         return jax.lax.fori_loop(0, calls // per_iter, lambda _, s: body(s), list(states))
 
-    held = [jax.block_until_ready(run(list(states)))]  # compile and warm up
-
-    def launch():
-        held[0] = run(held[0])  # each launch continues from the last one's states
-        return held[0]
-
-    return _median_per_call(launch, launches, calls, repeats)
+    return run
 
 
 def _median_per_call(launch: Callable[[], Any], launches: int, calls: int, repeats: int) -> float:
