@@ -273,7 +273,9 @@ def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = N
 class BwdConfig(NamedTuple):
     block_q: int = 64  # queries per compute warpgroup (dq kernel) or per streamed block (dk/dv)
     block_kv: int = 64  # keys per compute warpgroup (dk/dv kernel) or per streamed block (dq)
-    stages: int = 2  # streamed blocks in flight (shared-memory ring slots)
+    # streamed blocks in flight (shared-memory ring slots); 3: GPT-2's shape fwd+bwd 1.545 ms
+    # against 1.672 at 2 (H100, 2026-11-27, benchmarks/logs/flash_2026-11-27)
+    stages: int = 3
 
 
 def bwd_smem_bytes(cfg: BwdConfig, d: int, itemsize: int = 2) -> int:
