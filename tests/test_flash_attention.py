@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
+from jaxllm import ops
 from pallas_kernels import flash_attention_mgpu as fa_mgpu
 from pallas_kernels.common import mosaic_gpu_capable
 from pallas_kernels.flash_attention import flash_attention
@@ -118,9 +119,9 @@ def test_backward_in_interpreter(interpreter, float64_ref, name):
 def test_public_function_and_gradients_in_interpreter(
     interpreter, pretend_gpu, monkeypatch, float64_ref
 ):
-    """flash_attention's custom VJP end to end (both kernels interpreted), T not a multiple of
-    the tile (causal: padded): the output and the gradients of q, k, v against the float64
-    reference's."""
+    """flash_attention's custom VJP end to end (both kernels interpreted), called as the model
+    calls it (jaxllm.ops, path "flash"), T not a multiple of the tile (causal: padded): the
+    output and the gradients of q, k, v against the float64 reference's."""
     for name in ("forward", "backward"):
         fn = getattr(fa_mgpu, name)
         monkeypatch.setattr(fa_mgpu, name, functools.partial(fn, interpret=interpreter))
@@ -130,7 +131,8 @@ def test_public_function_and_gradients_in_interpreter(
     def loss(attention):
         return lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * w)
 
-    got = jax.value_and_grad(loss(flash_attention), (0, 1, 2))(q, k, v)
+    flash = functools.partial(ops.causal_attention, path="flash")
+    got = jax.value_and_grad(loss(flash), (0, 1, 2))(q, k, v)
     ref = float64_ref(jax.value_and_grad(loss(flash_attention_ref), (0, 1, 2)), q, k, v)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-2)
     _grad_close(got[1], ref[1])
