@@ -70,7 +70,9 @@ CASES = {  # name -> (D, causal, config); T = 256: two query tiles of 2 x 64
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize(  # the fast tier runs one case (and the end-to-end test), slow all
+    "name", [n if n == "causal_d64" else pytest.param(n, marks=pytest.mark.slow) for n in CASES]
+)
 def test_forward_in_interpreter(interpreter, float64_ref, name):
     d, causal, cfg = CASES[name]
     q, k, v = _qkv((1, 256, 2, d))
@@ -99,13 +101,8 @@ def _grad_close(got, ref):
         np.testing.assert_allclose(np.asarray(g, np.float64), r, atol=1e-2 * np.abs(r).max())
 
 
-@pytest.mark.parametrize(
-    "name",  # the fast tier runs one case (and the end-to-end test below), the slow tier all
-    [
-        n if n == "causal_d64" else pytest.param(n, marks=pytest.mark.slow)
-        for n in sorted(BWD_CASES)
-    ],
-)
+@pytest.mark.slow  # the fast tier checks the backward end to end (the test below)
+@pytest.mark.parametrize("name", sorted(BWD_CASES))
 def test_backward_in_interpreter(interpreter, float64_ref, name):
     """dq, dk, dv of the backward kernels, given the exact o and lse (rounded as the forward
     stores them), against the float64 reference's VJP."""
