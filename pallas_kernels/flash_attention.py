@@ -1,8 +1,9 @@
 """Causal flash attention: softmax(q k^T / sqrt(D)) v without materialising the (T, T) scores.
 
 q, k, v (B, T, H, D) bfloat16 or float16 (the layout of jax.nn.dot_product_attention), D 64 or
-128; causal: any T (padded to the kernels' tile, 128 by default: a padded key comes after every
-real query, so no real query sees it), otherwise T a multiple of the tile. Forward and backward are
+128; causal: any T (padded to the kernels' tile, `causal_tile`, 128 by default: a padded key
+comes after every real query, so no real query sees it); otherwise T a multiple of what each
+kernel's check asks (128 by default). Forward and backward are
 flash_attention_mgpu.py's Mosaic GPU kernels (Hopper+): the forward also returns the logsumexp of
 each query's scores, which the backward (delta = rowsum(o * do), then a dq and a dk/dv kernel)
 reads with o to recompute the probabilities block by block. This module checks the arguments and
@@ -12,13 +13,14 @@ owns the custom VJP. Memory traffic: see flash_attention_mgpu.forward and .backw
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from . import common
 from . import flash_attention_mgpu as mgpu
-from .common import check_backend, check_config, first_order_rules
+from .common import check_config, first_order_rules
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -38,6 +40,12 @@ def _attention_bwd(cfg, bwd_cfg, scale, causal, res, do):
 
 
 _attention.defvjp(*first_order_rules("flash_attention", 3, _attention_fwd, _attention_bwd))
+
+
+def causal_tile(cfg: mgpu.Config, bwd_cfg: mgpu.BwdConfig) -> int:
+    """The multiple of T both kernels take (causal T is padded up to it)."""
+    fwd = math.lcm(mgpu.COMPUTE_WGS * cfg.block_q, cfg.block_kv)
+    return math.lcm(fwd, mgpu.COMPUTE_WGS * max(bwd_cfg.block_q, bwd_cfg.block_kv))
 
 
 def flash_attention_refusal(head_dim: int, compute_dtype) -> str | None:
@@ -76,14 +84,14 @@ def flash_attention(
                          f"{v.dtype}")  # fmt: skip
     if scale is not None and not isinstance(scale, int | float):
         raise ValueError(f"scale must be a Python number or None, got {type(scale).__name__}")
-    check_backend("mosaic_gpu", None)
-    check_config(config, "mosaic_gpu", mgpu.Config)
     t, d = q.shape[1], q.shape[3]
+    if (refusal := flash_attention_refusal(d, q.dtype)) is not None:
+        raise ValueError(f"flash_attention needs {refusal}")
+    check_config(config, "mosaic_gpu", mgpu.Config)
     cfg = config or mgpu.CONFIGS.get(d, mgpu.Config())
     check_config(bwd_config, "mosaic_gpu", mgpu.BwdConfig)
     bwd_cfg = bwd_config or mgpu.BwdConfig()
-    tile = mgpu.COMPUTE_WGS * max(cfg.block_q, cfg.block_kv, bwd_cfg.block_q, bwd_cfg.block_kv)
-    padded = -(-t // tile) * tile if causal else t
+    padded = -(-t // (tile := causal_tile(cfg, bwd_cfg))) * tile if causal else t
     mgpu.check(cfg, padded, d)
     mgpu.check_bwd(bwd_cfg, padded, d)
     scale = d**-0.5 if scale is None else float(scale)

@@ -25,7 +25,7 @@ from conftest import ROOT
 from jaxllm import ops
 from pallas_kernels import flash_attention_mgpu as fa_mgpu
 from pallas_kernels.common import mosaic_gpu_capable
-from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.flash_attention import causal_tile, flash_attention
 from pallas_kernels.reference import flash_attention_ref
 
 try:  # jax's Mosaic GPU interpreter: private, so its absence skips rather than fails
@@ -43,8 +43,11 @@ def interpreter(monkeypatch):
 
 @pytest.fixture
 def pretend_gpu(monkeypatch):
-    """Make check_backend see a GPU, so the public function takes the Mosaic GPU path on CPU."""
+    """Make the public function see a Hopper GPU, so it takes the Mosaic GPU path on CPU."""
+    import pallas_kernels.common as common
+
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(common, "mosaic_gpu_capable", lambda: True)
 
 
 def _qkv(shape, seed=0):
@@ -83,13 +86,17 @@ def test_forward_in_interpreter(interpreter, float64_ref, name):
     np.testing.assert_allclose(lse, float64_ref(_lse_ref, q, k, causal=causal), atol=1e-4)
 
 
-BWD_CASES = {  # name -> (D, causal, config); T = 256
+BWD_CASES = {  # name -> (D, causal, config[, T]); T = 256 unless given
     "causal_d64": (64, True, fa_mgpu.BwdConfig(64, 64, 2)),
     # 128-key blocks: the dq kernel masks one key block, the dk/dv kernel two query blocks and
     # its second warpgroup skips two
     "causal_d64_kv128_3stages": (64, True, fa_mgpu.BwdConfig(64, 128, 3)),
     "causal_d128_kv128": (128, True, fa_mgpu.BwdConfig(64, 128, 2)),
     "full_d64_1stage": (64, False, fa_mgpu.BwdConfig(64, 128, 1)),
+    # one ring slot: skipped and computed blocks share it
+    "causal_d64_1stage": (64, True, fa_mgpu.BwdConfig(64, 64, 1)),
+    # T = 512: two dk/dv tiles of 2 x 128 keys, the second starting past query block 0
+    "causal_d64_kv128_t512": (64, True, fa_mgpu.BwdConfig(64, 128, 2), 512),
     "full_d128": (128, False, fa_mgpu.BwdConfig(64, 64, 2)),
 }
 
@@ -106,8 +113,8 @@ def _grad_close(got, ref):
 def test_backward_in_interpreter(interpreter, float64_ref, name):
     """dq, dk, dv of the backward kernels, given the exact o and lse (rounded as the forward
     stores them), against the float64 reference's VJP."""
-    d, causal, cfg = BWD_CASES[name]
-    q, k, v = _qkv((1, 256, 2, d))
+    d, causal, cfg, *t = BWD_CASES[name]
+    q, k, v = _qkv((1, *(t or [256]), 2, d))
     do = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.bfloat16)
     o = float64_ref(flash_attention_ref, q, k, v, causal=causal).astype(jnp.bfloat16)
     lse = float64_ref(_lse_ref, q, k, causal=causal).astype(np.float32)
@@ -178,7 +185,7 @@ def test_lowers_for_cuda(pretend_gpu, d, cfg, bwd_cfg, causal, x64):
         ((1, 256, 2, 64), jnp.float32, "bfloat16 or float16"),
         ((1, 256, 2, 128), fa_mgpu.Config(64, 128, 4), "shared memory"),
         ((1, 256, 2, 64), fa_mgpu.Config(64, 128, 1), "stages >= 2"),
-        ((1, 256, 2, 128), fa_mgpu.BwdConfig(64, 128, 6), "backward config .* shared memory"),
+        ((1, 256, 2, 128), fa_mgpu.BwdConfig(64, 64, 5), "backward config .* shared memory"),
         ((1, 256, 2, 64), fa_mgpu.BwdConfig(128, 64, 2), "block_q 64, block_kv 64 or 128"),
     ],
 )
@@ -189,6 +196,12 @@ def test_refusals(pretend_gpu, shape, dtype, match):
     key = "bwd_config" if isinstance(cfg, fa_mgpu.BwdConfig) else "config"
     with pytest.raises(ValueError, match=match):
         flash_attention(x, x, x, **{key: cfg})
+
+
+def test_causal_tile():
+    """Causal T pads to the least multiple both kernels take: 128 by default (not more)."""
+    assert causal_tile(fa_mgpu.Config(), fa_mgpu.BwdConfig()) == 128
+    assert causal_tile(fa_mgpu.Config(64, 64, 2), fa_mgpu.BwdConfig(64, 128, 2)) == 256
 
 
 def test_full_attention_needs_whole_tiles(pretend_gpu):
@@ -205,7 +218,7 @@ def test_compiled_on_a_gpu_and_refused_elsewhere(float64_ref, d):
     elsewhere the call is refused."""
     q, k, v = _qkv((2, 512, 3, d), seed=3)
     if jax.default_backend() != "gpu":
-        with pytest.raises(ValueError, match="CUDA GPU only"):
+        with pytest.raises(ValueError, match="needs a GPU of compute capability 9.x or 10.x"):
             flash_attention(q, k, v)
         return
     do = jax.random.normal(jax.random.PRNGKey(4), q.shape, jnp.bfloat16)

@@ -55,3 +55,5 @@ def test_chained_timing_unroll_bounds_the_copies_of_the_step():
             chained_median_seconds(step, states, calls=8, launches=1, repeats=1, unroll=unroll) > 0
         )
         assert len(traced) == copies
+    chained_median_seconds(step, [x, x], calls=8, launches=1, repeats=1, unroll=3)
+    assert len(traced) == 4  # the same step again: the kept program, not traced anew

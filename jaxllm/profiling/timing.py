@@ -40,9 +40,11 @@ def chained_median_seconds(
     """Median device seconds per `step` call; `step(state) -> state` of the same structure.
 
     `unroll`: None runs the calls as straight-line code (the program holds `calls` copies of
-    step); k: a loop whose iterations run k calls (rounded up to a multiple of the states), for
-    steps whose kernels compile slowly (each Mosaic GPU kernel copy is compiled on its own); the
-    loop adds its per-iteration device-to-host sync, a few microseconds per k calls."""
+    step); k: a loop whose iterations run k calls (rounded up to a multiple of the states; calls
+    then rounded up to a multiple of that), for steps whose kernels compile slowly (each Mosaic
+    GPU kernel copy is compiled on its own); the loop adds its per-iteration device-to-host
+    sync, a few microseconds per k calls. The compiled program is kept per step function (the
+    last 8): pass a plain function, the same object to time it again without recompiling."""
     n = len(states)
     per_iter = n * max(1, -(-(unroll or calls) // n))
     calls = per_iter * max(1, -(-calls // per_iter))
