@@ -113,6 +113,15 @@ def mosaic_gpu_capable() -> bool:
     return int(float(capability)) in (9, 10)
 
 
+def mosaic_gpu_refusal() -> str | None:
+    """What a Mosaic GPU kernel needs that this machine lacks, as "needs ..." would end (None: a
+    Hopper-class GPU is here)."""
+    if mosaic_gpu_capable():  # a module-global lookup at call time: tests stand in another GPU
+        return None
+    found = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "none"
+    return f"a GPU of compute capability 9.x or 10.x (Hopper-class; found: {found})"
+
+
 def check_config(config: Any, backend: str, config_type: type, powers_of_two=()) -> None:
     """A public `config` argument: None or the chosen lowering's `config_type`. A Triton Config
     has every int field >= 1 and its `powers_of_two` fields (the fields that size a block: Triton

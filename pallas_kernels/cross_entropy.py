@@ -238,9 +238,8 @@ def linear_cross_entropy(
 def mosaic_loss_refusal(n_vocab: int, compute_dtype) -> str | None:
     """Why the fused loss's Mosaic GPU kernel cannot run here, as "needs ..." would end (None:
     it can): a Hopper-class GPU, bfloat16 logits, padded rows that fit two per SM."""
-    if not common.mosaic_gpu_capable():  # looked up at call time: tests stand in another GPU
-        found = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "none"
-        return f"a GPU of compute capability 9.x or 10.x (Hopper-class; found: {found})"
+    if (refusal := common.mosaic_gpu_refusal()) is not None:
+        return refusal
     if (dtype := jnp.dtype(compute_dtype)) != jnp.bfloat16:
         return f"bfloat16 logits (got {dtype})"
     if not cross_entropy_mgpu.fits(n_vocab):

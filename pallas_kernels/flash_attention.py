@@ -51,9 +51,8 @@ def causal_tile(cfg: mgpu.Config, bwd_cfg: mgpu.BwdConfig) -> int:
 def flash_attention_refusal(head_dim: int, compute_dtype) -> str | None:
     """Why flash_attention cannot run a model here, as "needs ..." would end (None: it can): a
     Hopper-class GPU, 16-bit inputs, a head dim the kernels take."""
-    if not common.mosaic_gpu_capable():  # looked up at call time: tests stand in another GPU
-        found = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else "none"
-        return f"a GPU of compute capability 9.x or 10.x (Hopper-class; found: {found})"
+    if (refusal := common.mosaic_gpu_refusal()) is not None:
+        return refusal
     if jnp.dtype(compute_dtype) not in DTYPES:
         return f"bfloat16 or float16 inputs (got {jnp.dtype(compute_dtype)})"
     if head_dim not in mgpu.HEAD_DIMS:

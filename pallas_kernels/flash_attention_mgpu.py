@@ -64,19 +64,24 @@ def smem_bytes(cfg: Config, d: int, itemsize: int = 2) -> int:
     )
 
 
-def check(cfg: Config, t: int, d: int) -> None:
-    """Stages >= 2: a warpgroup waits for the next K block before it releases this V block."""
+def _check(what: str, cfg: Any, min_stages: int, smem: int, tile: int, t: int, d: int) -> None:
+    """A forward or backward config against head dim d, sequence length t, shared memory."""
     if d not in HEAD_DIMS:
         raise ValueError(f"flash attention needs head dim D in {HEAD_DIMS}, got D = {d}")
-    if cfg.block_q != 64 or cfg.block_kv not in (64, 128) or cfg.stages < 2:
-        raise ValueError(f"invalid flash attention config {cfg}: block_q 64, block_kv 64 or 128, "
-                         "stages >= 2")  # fmt: skip
-    if smem_bytes(cfg, d) > rows.SMEM_BYTES:
-        raise ValueError(f"flash attention config {cfg} needs {smem_bytes(cfg, d)} bytes of shared "
-                         f"memory at D = {d}; at most {rows.SMEM_BYTES}")  # fmt: skip
-    if t % (tile := math.lcm(COMPUTE_WGS * cfg.block_q, cfg.block_kv)):
-        raise ValueError(f"flash attention config {cfg} needs T to be a multiple of {tile}, got "
-                         f"T = {t}")  # fmt: skip
+    if cfg.block_q != 64 or cfg.block_kv not in (64, 128) or cfg.stages < min_stages:
+        raise ValueError(f"invalid {what} {cfg}: block_q 64, block_kv 64 or 128, stages >= "
+                         f"{min_stages}")  # fmt: skip
+    if smem > rows.SMEM_BYTES:
+        raise ValueError(f"{what} {cfg} needs {smem} bytes of shared memory at D = {d}; at most "
+                         f"{rows.SMEM_BYTES}")  # fmt: skip
+    if t % tile:
+        raise ValueError(f"{what} {cfg} needs T to be a multiple of {tile}, got T = {t}")
+
+
+def check(cfg: Config, t: int, d: int) -> None:
+    """Stages >= 2: a warpgroup waits for the next K block before it releases this V block."""
+    tile = math.lcm(COMPUTE_WGS * cfg.block_q, cfg.block_kv)
+    _check("flash attention config", cfg, 2, smem_bytes(cfg, d), tile, t, d)
 
 
 def _take_turn(sched) -> None:
@@ -293,20 +298,10 @@ def bwd_smem_bytes(cfg: BwdConfig, d: int, itemsize: int = 2) -> int:
 
 
 def check_bwd(cfg: BwdConfig, t: int, d: int) -> None:
-    if d not in HEAD_DIMS:
-        raise ValueError(f"flash attention needs head dim D in {HEAD_DIMS}, got D = {d}")
-    # block_q 128 (128-row tiles per warpgroup in the dq kernel): its benchmark cell did not
-    # finish in minutes on an H200 (not investigated)
-    if cfg.block_q != 64 or cfg.block_kv not in (64, 128) or cfg.stages < 1:
-        raise ValueError(f"invalid flash attention backward config {cfg}: block_q 64, block_kv "
-                         "64 or 128, stages >= 1")  # fmt: skip
-    if bwd_smem_bytes(cfg, d) > rows.SMEM_BYTES:
-        raise ValueError(f"flash attention backward config {cfg} needs {bwd_smem_bytes(cfg, d)}"
-                         f" bytes of shared memory at D = {d}, over {rows.SMEM_BYTES}")  # fmt: skip
+    """block_q 128 (128-row tiles per warpgroup in the dq kernel) is refused: its benchmark cell
+    did not finish in minutes on an H200 (not investigated)."""
     tile = COMPUTE_WGS * max(cfg.block_q, cfg.block_kv)
-    if t % tile:
-        raise ValueError(f"flash attention backward config {cfg} needs T to be a multiple of "
-                         f"{tile}, got T = {t}")  # fmt: skip
+    _check("flash attention backward config", cfg, 1, bwd_smem_bytes(cfg, d), tile, t, d)
 
 
 def _mms(shape, *operands):
