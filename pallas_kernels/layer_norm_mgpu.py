@@ -64,12 +64,13 @@ def default_config(
 ) -> Config:
     """Block sizes for an (N, D) input whose per-block operands have `itemsizes` bytes per element
     and `extra` bytes of other shared memory: about 16 KB per operand block (two stages), at most
-    4096 (forward) or 2048 (backward: more live arrays) float32 values per row group in registers,
+    4096 (forward) or 2048 (backward: more live arrays) float32 values per row group in registers
+    (the forward holds a whole row of up to 8192: one shared-memory read for its three sweeps),
     as many programs per SM as shared memory allows (up to 4)."""
     rows.check_width("D", n_cols, "the hidden size D")
     budget = 2048 if backward else 4096
-    if n_cols <= budget:  # whole rows in registers, several at once
-        group = min(8, pl.next_power_of_2(budget // n_cols + 1) // 2)
+    if n_cols <= (budget if backward else 2 * budget):  # whole rows in registers
+        group = max(1, min(8, pl.next_power_of_2(budget // n_cols + 1) // 2))
         group = min(group, pl.next_power_of_2(n_rows + 1) // 2)  # never more than N rows
         chunk = n_cols
     else:  # one row at a time, in chunks (a tile of several rows would not be contiguous)
@@ -127,12 +128,21 @@ def _fwd_kernel(*refs, p: rows.BlockPlan, eps: float, residual: bool, rms: bool)
         src = sm["s"].at[slot] if residual else x_s
 
         def group(row0):
-            def total(ci, acc):  # sum of x (LayerNorm) or of x^2 (RMSNorm)
+            def first(ci):  # x, or s = x + h rounded to x's dtype (and written out)
                 x = t.load(x_s, row0, ci)
                 if residual:
                     x = (x + t.load(sm["h"].at[slot], row0, ci)).astype(src.dtype)
                     t.store(src, row0, ci, x)
-                x = x.astype(jnp.float32)
+                return x.astype(jnp.float32)
+
+            # one chunk: the tile stays in registers for all three sweeps (one shared-memory read)
+            held = first(jnp.int32(0)) if t.n_chunks == 1 else None
+
+            def read(ci):  # the second and third sweeps
+                return held if held is not None else t.load(src, row0, ci)
+
+            def total(ci, acc):  # sum of x (LayerNorm) or of x^2 (RMSNorm)
+                x = held if held is not None else first(ci)
                 return acc + t.row_sum(x * x if rms else x)
 
             moment = t.chunks(total, t.row_init(0.0)) / p.width
@@ -142,7 +152,7 @@ def _fwd_kernel(*refs, p: rows.BlockPlan, eps: float, residual: bool, rms: bool)
                 return x if rms else x - mean_t
 
             def centred(ci, acc):  # LayerNorm's second sweep: the centred variance
-                xc = centre(t.load(src, row0, ci))
+                xc = centre(read(ci))
                 return acc + t.row_sum(xc * xc)
 
             var = moment if rms else t.chunks(centred, t.row_init(0.0)) / p.width
@@ -150,7 +160,7 @@ def _fwd_kernel(*refs, p: rows.BlockPlan, eps: float, residual: bool, rms: bool)
             rstd_t = t.bcast(rstd)
 
             def write(ci, carry):
-                y = centre(t.load(src, row0, ci)) * rstd_t * t.col(sm["g"].at[ci])
+                y = centre(read(ci)) * rstd_t * t.col(sm["g"].at[ci])
                 t.store(y_s, row0, ci, y if rms else y + t.col(sm["b"].at[ci]))
                 return carry
 
@@ -255,10 +265,16 @@ def _bwd_kernel(*refs, p: rows.BlockPlan, residual: bool, rms: bool):
             # rows past N in a ragged last block hold stale data: kept out of dgamma/dbeta
             row_ids = t.row_ids(row0)
 
-            def terms(ci):
+            def load_terms(ci):
                 xhat = centre(t.load(x_s, row0, ci)) * rstd_t
                 dy = t.load(dy_s, row0, ci)
                 return xhat, dy, t.col(sm["g"].at[ci]) * dy
+
+            # one chunk: both sweeps use the same registers (one shared-memory read)
+            held = load_terms(jnp.int32(0)) if t.n_chunks == 1 else None
+
+            def terms(ci):
+                return held if held is not None else load_terms(ci)
 
             def sums(ci, acc):
                 xhat, dy, gdy = terms(ci)

@@ -181,10 +181,12 @@ def test_public_mosaic_path_lowers_for_cuda(pretend_gpu, name):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("whole_rows", [False, True], ids=["chunks", "whole_rows"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
-def test_layer_norm_kernels_in_interpreter(float64_ref, rms):
-    """One row at a time in two column chunks (the softmax test covers row groups); RMSNorm is
-    the same kernels with beta None (no mean, no dbeta)."""
+def test_layer_norm_kernels_in_interpreter(float64_ref, rms, whole_rows):
+    """One row at a time in two column chunks, or two whole rows at a time (their tile held in
+    registers across the sweeps); RMSNorm is the same kernels with beta None (no mean, no
+    dbeta)."""
     n_rows, n_cols = 4, 256
     rng = np.random.default_rng(0)
     x, h, dy = (jnp.asarray(rng.normal(size=(n_rows, n_cols)), jnp.float32) for _ in range(3))
@@ -192,6 +194,8 @@ def test_layer_norm_kernels_in_interpreter(float64_ref, rms):
     beta = None if rms else jnp.asarray(0.1 * rng.normal(size=n_cols), jnp.float32)
     params = (gamma,) if rms else (gamma, beta)
     cfg = ln_mgpu.Config(block_rows=2, rows=1, chunk=128, programs_per_sm=1)
+    if whole_rows:
+        cfg = cfg._replace(rows=2, chunk=n_cols)
     it = InterpretGPUParams()
     s, y, mean, rstd = ln_mgpu.forward(x, h, gamma, beta, 1e-5, jnp.float32, cfg, interpret=it)
     dx, dh, dg, db = ln_mgpu.backward(s, gamma, dy, dy, jnp.float32, mean, rstd, cfg, interpret=it)
