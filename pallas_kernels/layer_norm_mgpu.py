@@ -10,10 +10,12 @@ x (N, D), D % 128 == 0. Each program walks a contiguous run of `block_rows`-row 
 (rows_mgpu.pipelined_blocks: one bulk TMA copy per block and operand into shared memory, double
 buffered, one bulk copy back per output), and computes a block `rows` rows at a time in column
 chunks (rows_mgpu.row_layout): mean, then the centred variance, then the normalised output, each a
-sweep over the row in shared memory, so any D up to the shared memory budget works. gamma/beta are
-copied into shared memory once per program. The backward recomputes xhat from the saved mean/rstd,
-keeps per-program float32 dgamma/dbeta partials in shared memory (each thread adds its own columns:
-no synchronisation) and writes them once; one small jnp.sum reduces them (no atomics).
+sweep over the row, so any D up to the shared memory budget works. A tile of whole rows is read
+from shared memory once and held in registers for the three sweeps; chunked rows are re-read.
+gamma/beta are copied into shared memory once per program. The backward recomputes xhat from the
+saved mean/rstd, keeps per-program float32 dgamma/dbeta partials in shared memory (each thread
+adds its own columns: no synchronisation) and writes them once; one small jnp.sum reduces them
+(no atomics).
 
 mean/rstd are saved per block, (blocks, round_up(block_rows, 32)) float32 (a copy moves a
 multiple of 128 bytes); only this module's backward reads them. RMSNorm saves rstd only.
