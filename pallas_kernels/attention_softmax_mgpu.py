@@ -7,7 +7,8 @@ Scores (B, H, Tq, Tk) are B*H*Tq rows of Tk, Tk % 128 == 0. As layer_norm_mgpu: 
 walks a contiguous run of `block_rows`-row blocks (one bulk TMA copy per block into shared
 memory, double buffered, rows_mgpu.pipelined_blocks) and computes `rows` rows at a time in column
 chunks: the row max, the sum of exponentials, then the normalised output (the backward: the row
-sum of y * dy, then dx), each a sweep over the row in shared memory. block_rows divides Tq, so a
+sum of y * dy, then dx), each a sweep over the row (a tile of whole rows read from shared memory
+once and held in registers: rows_mgpu.Tiles.once). block_rows divides Tq, so a
 block is one (b, h) slice of consecutive queries: its additive mask rows are one row (mask without
 a query axis) or block_rows consecutive rows, copied alongside the scores; the causal mask comes
 from the row and column indices.
@@ -83,6 +84,7 @@ def _fwd_kernel(*refs, p: rows.BlockPlan, scale: float, causal: bool, lay: Layou
                 q = q0 + (row0 if t.rows == 1 else t.row_ids(row0))
                 last_key = q + (n_keys - lay.n_queries)  # key j allowed iff j <= last_key
 
+            @t.once  # the three sweeps' input
             def logits(ci):
                 x = t.load(x_s, row0, ci) * scale
                 if m_g is not None:
@@ -170,13 +172,18 @@ def _bwd_kernel(y_g, dy_g, dx_g, sm, *, p: rows.BlockPlan, scale: float):
         y_s, dy_s, dx_s = sm["y"].at[slot], sm["dy"].at[slot], sm["dx"].at[slot]
 
         def group(row0):
+            @t.once  # the two sweeps' input
+            def y_dy(ci):
+                return t.load(y_s, row0, ci), t.load(dy_s, row0, ci)
+
             def dot(ci, acc):
-                return acc + t.row_sum(t.load(y_s, row0, ci) * t.load(dy_s, row0, ci))
+                y, dy = y_dy(ci)
+                return acc + t.row_sum(y * dy)
 
             dot_t = t.bcast(t.chunks(dot, t.row_init(0.0)))
 
             def write(ci, carry):
-                y, dy = t.load(y_s, row0, ci), t.load(dy_s, row0, ci)
+                y, dy = y_dy(ci)
                 t.store(dx_s, row0, ci, scale * y * (dy - dot_t))
                 return carry
 

@@ -137,14 +137,12 @@ def _fwd_kernel(*refs, p: rows.BlockPlan, eps: float, residual: bool, rms: bool)
                     t.store(src, row0, ci, x)
                 return x.astype(jnp.float32)
 
-            # one chunk: the tile stays in registers for all three sweeps (one shared-memory read)
-            held = first(jnp.int32(0)) if t.n_chunks == 1 else None
-
-            def read(ci):  # the second and third sweeps
-                return held if held is not None else t.load(src, row0, ci)
+            first = t.once(first)
+            # the later sweeps: the held tile, or s as the first sweep wrote it
+            read = first if t.n_chunks == 1 else (lambda ci: t.load(src, row0, ci))
 
             def total(ci, acc):  # sum of x (LayerNorm) or of x^2 (RMSNorm)
-                x = held if held is not None else first(ci)
+                x = first(ci)
                 return acc + t.row_sum(x * x if rms else x)
 
             moment = t.chunks(total, t.row_init(0.0)) / p.width
@@ -267,16 +265,11 @@ def _bwd_kernel(*refs, p: rows.BlockPlan, residual: bool, rms: bool):
             # rows past N in a ragged last block hold stale data: kept out of dgamma/dbeta
             row_ids = t.row_ids(row0)
 
-            def load_terms(ci):
+            @t.once  # the two sweeps' inputs
+            def terms(ci):
                 xhat = centre(t.load(x_s, row0, ci)) * rstd_t
                 dy = t.load(dy_s, row0, ci)
                 return xhat, dy, t.col(sm["g"].at[ci]) * dy
-
-            # one chunk: both sweeps use the same registers (one shared-memory read)
-            held = load_terms(jnp.int32(0)) if t.n_chunks == 1 else None
-
-            def terms(ci):
-                return held if held is not None else load_terms(ci)
 
             def sums(ci, acc):
                 xhat, dy, gdy = terms(ci)

@@ -163,6 +163,14 @@ class Tiles(NamedTuple):
             return ref[row0]
         return load(ref.at[pl.ds(row0, self.rows)], self.layout.reduce(1))
 
+    def once(self, read: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """`read(chunk index)` for the sweeps over a row group: with one chunk it is read once
+        and held in registers for every sweep (one shared-memory read), else read each time."""
+        if self.n_chunks > 1:
+            return read
+        held = read(jnp.int32(0))
+        return lambda ci: held
+
     def chunks(self, body: Callable[[Any, Any], Any], init: Any) -> Any:
         """fori_loop over the column chunks (straight-line code for one chunk)."""
         if self.n_chunks == 1:

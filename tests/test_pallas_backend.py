@@ -216,7 +216,10 @@ def test_layer_norm_kernels_in_interpreter(float64_ref, rms, whole_rows):
 
 
 @needs_interpreter
-def test_softmax_kernels_in_interpreter(float64_ref):
+@pytest.mark.parametrize("whole_rows", [True, False], ids=["whole_rows", "chunks"])
+def test_softmax_kernels_in_interpreter(float64_ref, whole_rows):
+    """Two whole rows at a time (held in registers across the sweeps), or one row in two column
+    chunks."""
     b, h, tq, tk = 2, 2, 4, 256
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(b, h, tq, tk)), jnp.float32)
@@ -224,6 +227,8 @@ def test_softmax_kernels_in_interpreter(float64_ref):
     mask = jnp.asarray(np.where(rng.random((b, 1, 1, tk)) < 0.2, -np.inf, 0.0), jnp.float32)
     lay = Layout(h, tq, mask_batch=True, mask_query=False, mask_rows=1)
     cfg = softmax_mgpu.Config(block_rows=4, rows=2, chunk=tk, programs_per_sm=1)
+    if not whole_rows:
+        cfg = cfg._replace(rows=1, chunk=128)
     it = InterpretGPUParams()
     flat = x.reshape(-1, tk)
     y = softmax_mgpu.forward(flat, mask.reshape(b, tk), cfg, 0.5, True, lay, interpret=it)
