@@ -195,6 +195,11 @@ def pipeline_apply(
         # B' = B / ways, or with `split` (B'/S, ...), this stage's chunk of them
         if split:
             x = unpack(jax.tree.map(lambda a: _gather_rows(a, axis, n_stages), pack(x)))
+        if check_vma and batch_axes:
+            # Marked varying over the batch axes once, here: else every tick's use would be,
+            # and the backward would sum each tick's weight gradients over the batch axes
+            # separately (an all-reduce per tick, every partial kept until they are combined).
+            params = jax.tree.map(lambda p: jax.lax.pcast(p, batch_axes, to="varying"), params)
         stage = jax.lax.axis_index(axis)
         shard = 0  # this device's index over the batch axes, row-major
         for a in batch_axes:

@@ -198,6 +198,22 @@ def test_one_stage_pipeline_is_sequential():
     assert "pipeline_tick" in hlo
 
 
+def test_weight_gradients_are_summed_over_the_batch_axes_once():
+    """The stage's weights are reduced over the batch axes once a step, not once per tick: with
+    a psum per tick every tick's weight-gradient partial would stay alive until one combined
+    all-reduce (memory and traffic growing with the microbatches)."""
+    params, x = toy(n_layers=2, batch=8)
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "pipeline"))
+
+    def all_reduces(m: int) -> int:
+        def loss(p, x):
+            return sum_squares(pipeline_apply(mlp_layer, p, x, mesh=mesh, n_microbatches=m))
+
+        return jax.jit(jax.grad(loss)).lower(params, x).as_text().count("all_reduce")
+
+    assert all_reduces(2) == all_reduces(8) > 0
+
+
 def test_pipeline_apply_refusals():
     mesh = one_stage_mesh()
     params, x = toy(n_layers=2, batch=6)
