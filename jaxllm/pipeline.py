@@ -173,11 +173,9 @@ def pipeline_apply(
     )
     n_stages = mesh.shape[axis]
 
-    # Rows split over the stages too (where they divide): device (stage s, shard d) holds
-    # rows chunk s of shard d, in and out. Stage 0 gathers its shard's rows from the other
-    # stages, the last stage scatters its results back: point-to-point sends of 1/S of the
-    # rows each. Replicated over the stages instead, the input's cotangent would be summed over
-    # them (an all-reduce of every activation row) and the output moved twice.
+    # Rows split over the stages too (where they divide): device (stage s, shard d) holds rows
+    # chunk s of shard d, in and out (stage 0 gathers them, the last stage scatters). Replicated
+    # over the stages, the input's cotangent would be all-reduced and the output moved twice.
     split = rows_split(batch, ways, n_stages)
     rows_spec = P((*batch_axes, axis))
     if split:
@@ -195,10 +193,7 @@ def pipeline_apply(
         # B' = B / ways, or with `split` (B'/S, ...), this stage's chunk of them
         if split:
             x = unpack(jax.tree.map(lambda a: _gather_rows(a, axis, n_stages), pack(x)))
-        if check_vma and batch_axes:
-            # Marked varying over the batch axes once, here: else every tick's use would be,
-            # and the backward would sum each tick's weight gradients over the batch axes
-            # separately (an all-reduce per tick, every partial kept until they are combined).
+        if check_vma and batch_axes:  # once: else the backward psums each tick's weight grads
             params = jax.tree.map(lambda p: jax.lax.pcast(p, batch_axes, to="varying"), params)
         stage = jax.lax.axis_index(axis)
         shard = 0  # this device's index over the batch axes, row-major
