@@ -144,15 +144,19 @@ LOWERING_CASES = {  # name -> (function of arrays, arrays); forward and backward
         lambda x, g, b: (layer_norm(x, g, b, backend="mosaic_gpu"),),
         _ln_args((37, 256)),
     ),
-    "add_layer_norm_chunks_bf16": (
+    "add_layer_norm_wide_bf16": (  # forward: whole rows held; backward: column chunks
         lambda x, h, g, b: add_layer_norm(x, h, g, b, backend="mosaic_gpu"),
         (_ln_args((9, 8192), jnp.bfloat16)[0], *_ln_args((9, 8192), jnp.bfloat16)),
+    ),
+    "layer_norm_chunks_bf16": (  # rows wider than the forward holds: column chunks both ways
+        lambda x, g, b: (layer_norm(x, g, b, backend="mosaic_gpu"),),
+        _ln_args((9, 9216), jnp.bfloat16),
     ),
     "rms_norm_row_groups": (
         lambda x, g: (rms_norm(x, g, backend="mosaic_gpu"),),
         _ln_args((37, 256))[:2],
     ),
-    "add_rms_norm_chunks_bf16": (
+    "add_rms_norm_wide_bf16": (
         lambda x, h, g: add_rms_norm(x, h, g, backend="mosaic_gpu"),
         (_ln_args((9, 8192), jnp.bfloat16)[0], *_ln_args((9, 8192), jnp.bfloat16)[:2]),
     ),
