@@ -48,7 +48,11 @@ def _gelu_tanh(x: jax.Array) -> jax.Array:
 def _gelu_tanh_fwd(x: jax.Array):
     # Save only x (the MLP's matmul output, kept anyway) and recompute tanh in the backward:
     # autodiff would save tanh as well, one more (B, T, 4D) tensor written and read per layer.
-    return _gelu_tanh(x), x
+    # Saved as a no-op reduce_precision of x: under jax.checkpoint (FSDP's per-layer gather) a
+    # saved value the forward also reads gets such a rounding inserted after its producer, which
+    # would sit between the bias add and GELU and hide the pair from the GEMM epilogue.
+    f = jnp.finfo(x.dtype)
+    return _gelu_tanh(x), jax.lax.reduce_precision(x, f.nexp, f.nmant)
 
 
 def _gelu_tanh_bwd(x: jax.Array, g: jax.Array):

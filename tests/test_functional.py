@@ -1,6 +1,7 @@
 """jaxllm.functional against float64 NumPy references: values and gradients."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -330,3 +331,23 @@ def test_attention_vs_float64_reference():
     full = F.attention(*(jnp.asarray(a, jnp.float32) for a in (q, k, v)), None)
     ref = np.einsum("bhqk,bkhd->bqhd", np_softmax(scores), v)
     assert rel_err(full, ref) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "policy", [None, jax.checkpoint_policies.everything_saveable], ids=["plain", "checkpoint"]
+)
+def test_gelu_reads_the_bias_add_directly_under_checkpoint(policy):
+    # The GEMM epilogue (matmul + bias + GELU) needs GELU to read the bias add. jax.checkpoint
+    # inserts a reduce_precision after any saved value the forward also reads (FSDP's per-layer
+    # gather runs each layer so); GELU's saved value is its own no-op rounding of x instead.
+    def mlp(x, w, b):
+        return F.gelu(jnp.dot(x, w) + b)
+
+    f = mlp if policy is None else jax.checkpoint(mlp, policy=policy)
+    args = [jnp.ones(s, jnp.bfloat16) for s in ((4, 8), (8, 16), (16,))]
+    step = jax.value_and_grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    hlo = jax.jit(step).lower(*args).as_text()
+    ops = dict(re.findall(r"(%\w+) = stablehlo\.(\w+)", hlo))
+    dot = next(name for name, op in ops.items() if op == "dot_general")
+    pre = re.search(rf"(%\w+) = stablehlo\.add {dot}, ", hlo).group(1)  # matmul + bias
+    assert re.search(rf"stablehlo\.multiply {pre}, {pre}\b", hlo)  # GELU's x * x reads it
