@@ -50,7 +50,8 @@ def _gelu_tanh_fwd(x: jax.Array):
     # autodiff would save tanh as well, one more (B, T, 4D) tensor written and read per layer.
     # Saved as a no-op reduce_precision of x: under jax.checkpoint (FSDP's per-layer gather) a
     # saved value the forward also reads gets such a rounding inserted after its producer, which
-    # would sit between the bias add and GELU and hide the pair from the GEMM epilogue.
+    # would sit between the bias add and GELU and hide the pair from the GEMM epilogue; a saved
+    # value the forward does not read gets none.
     f = jnp.finfo(x.dtype)
     return _gelu_tanh(x), jax.lax.reduce_precision(x, f.nexp, f.nmant)
 
