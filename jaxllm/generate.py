@@ -122,9 +122,6 @@ class Sampling(Section):
     vocab_limit: int | None = spec(None, ge=1)
 
 
-GREEDY = Sampling(temperature=0.0)
-
-
 def resolve_eos_id(cfg: ModelConfig, eos_id: EosId) -> int | None:
     """ "auto" -> <|endoftext|> (50256) for GPT-2's vocabulary, padded or not (vocab_size >=
     50257, e.g. nanoGPT's 50304: the token data's ids), else None; ints are range-checked."""
@@ -193,9 +190,7 @@ def _check_request(
 def _left_pad(arrays: list[np.ndarray], pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Prompts -> tokens (B, P) left-padded to the longest (or to pad_to), pad_len (B,)."""
     p = max(a.size for a in arrays)
-    if pad_to is not None:
-        if pad_to < p:
-            raise ValueError(f"pad_to ({pad_to}) is shorter than the longest prompt ({p})")
+    if pad_to is not None:  # _check_request: pad_to >= the longest prompt
         p = pad_to
     tokens = np.zeros((len(arrays), p), np.int32)  # pad id 0: any id works, pads are masked
     for row, a in zip(tokens, arrays, strict=True):

@@ -315,13 +315,8 @@ def causal_attention(
     dropout_rng: jax.Array | None = None,
     shard: KernelShard | None = None,
 ) -> jax.Array:
-    """Causal self-attention without a cache: q, k, v (B, T, H, Dh) -> (B, T, H, Dh)."""
-    if q.shape[1] != k.shape[1] or k.shape[1] != v.shape[1]:  # the paths align a mask apart
-        raise ValueError(
-            "causal_attention is self-attention: q, k and v need the same length T, got "
-            f"{q.shape[1]}, {k.shape[1]}, {v.shape[1]} (decoding over a KV cache attends with "
-            "F.attention and its own mask)"
-        )
+    """Causal self-attention without a cache: q, k, v (B, T, H, Dh) -> (B, T, H, Dh), one T
+    (decoding over a KV cache attends with F.attention and its own mask)."""
     if path == "cudnn":
         if dropout_rng is not None:  # the config forbids it; a direct caller may not
             raise ValueError("cuDNN attention has no dropout; use the xla or pallas path")

@@ -244,19 +244,6 @@ def test_out_of_range_targets_give_the_same_loss_on_every_path():
         np.testing.assert_allclose(float(outs[0][1][0]), float(outs[1][1][0]), rtol=1e-5)
 
 
-def test_causal_attention_refuses_unequal_lengths():
-    """The paths would align the causal mask apart (the Pallas kernel bottom-right, XLA and
-    cuDNN top-left): self-attention only."""
-    import jax.numpy as jnp
-
-    from jaxllm import ops
-
-    q, k = jnp.ones((1, 2, 1, 4)), jnp.ones((1, 4, 1, 4))
-    for path in ("xla", "pallas", "cudnn", "flash"):
-        with pytest.raises(ValueError, match="same length T, got 2, 4, 4"):
-            ops.causal_attention(q, k, k, path)
-
-
 def test_flash_attention_needs_hopper_bf16_and_its_head_dims_and_the_plan_says_so(monkeypatch):
     """attention_impl: pallas runs our flash attention where it can; elsewhere the plan names the
     missing piece and the path that runs instead. Dropout is refused when the config loads."""

@@ -53,7 +53,6 @@ from jaxllm.layers import AttentionInputs, Embedding, Initializer, KVCache, LMHe
 
 Sums = dict[str, jax.Array]  # {loss_sum, correct, count}: add up exactly over batches
 Carry = tuple[jax.Array, jax.Array]  # (x, h): the residual stream and the pending branch output
-LayerFn = Callable[..., Carry]  # layer_fn(layer_params, carry[, key]) -> carry
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,8 @@ ACHIEVED = 0.4
 # a step, 544,658 tokens/s x 855.2 MFLOPs per token. Other models: same FLOP rate.
 ANCHOR_TFLOPS = 544_658 * 855_166_464 / 1e12
 # PP's fixed cost per microbatch per layer of a stage (ms): launches and the small-batch
-# inefficiency of a microbatch. Fitted (`fit_layer_tick_ms`) to S=2, M=4/8/16 on 2 H200s.
+# inefficiency of a microbatch. Least-squares fit (tests/test_scaling.py) to S=2, M=4/8/16
+# on 2 H200s.
 LAYER_TICK_MS = 0.207
 
 
@@ -109,15 +110,6 @@ def pp_ms(s: Setup, n: int, microbatches: int, batch: int | None = None,
     send = wire_ms(rows * s.context * s.d_model * s.act_bytes, send_gbps(n))
     ticks = virtual * microbatches + n - 1  # = V M / (1 - bubble_fraction(n, M, V))
     return ticks * (compute + layer_tick_ms * s.n_layers / (n * virtual) + 2 * send)
-
-
-def fit_layer_tick_ms(s: Setup, rows: list[tuple[int, int, int, float]]) -> float:
-    """Least-squares LAYER_TICK_MS from measured GPipe rows (stages, microbatches, batch, ms)."""
-    xs, rs = [], []
-    for n, m, b, ms in rows:
-        xs.append((m + n - 1) * s.n_layers / n)
-        rs.append(ms - pp_ms(s, n, m, b, layer_tick_ms=0.0))
-    return sum(x * r for x, r in zip(xs, rs, strict=True)) / sum(x * x for x in xs)
 
 
 def predict(s: Setup, strategy: str, n: int, microbatches: int | None = None,

@@ -102,11 +102,6 @@ def _leaf_digests(tree: Any) -> Iterator[tuple[str, str]]:
         yield jax.tree_util.keystr(path), f"{arr.dtype}:{digest}"
 
 
-def array_checksums(tree: Any) -> dict[str, str]:
-    """{leaf path: 'dtype:sha256'} of every array in `tree` (what a checkpoint's meta holds)."""
-    return dict(_leaf_digests(tree))
-
-
 def _one_line(e: BaseException, limit: int = 400) -> str:
     """The gist of an orbax / tensorstore error on one line: its status code and innermost
     cause (from the last file it names), without tensorstore's spec dump; capped in the middle."""
@@ -248,11 +243,6 @@ def _manager(directory: Path, keep: int) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(directory.resolve(), options=options)
 
 
-def _sync_processes(name: str) -> None:
-    """Wait for every process of a multi-process run (see jaxllm/distributed.py)."""
-    distributed.sync(name)
-
-
 def _owns_run_dir(run_dir: Path) -> bool:
     """Whether this process may repair `run_dir`: it holds the run dir lock, or nobody does."""
     lock = RunDirLock(run_dir)
@@ -293,7 +283,7 @@ class Checkpointer:
         if repair:
             self._complete_best()
         if several:
-            _sync_processes("jaxllm-checkpointer-repair")
+            distributed.sync("jaxllm-checkpointer-repair")
             self.latest.reload()
             self.best.reload()
 
@@ -368,7 +358,7 @@ class Checkpointer:
             **meta,
             "step": step,
             "param_shapes": param_shapes(state.params),
-            "checksums": {"algorithm": "sha256", "arrays": array_checksums(items)},
+            "checksums": {"algorithm": "sha256", "arrays": dict(_leaf_digests(items))},
             "is_best": bool(best),
         }
         args = ocp.args.Composite(state=ocp.args.StandardSave(items), meta=ocp.args.JsonSave(meta))
@@ -398,7 +388,7 @@ class Checkpointer:
                 dest, n = dest_dir / f"{name}.{n}", n + 1
             os.replace(self._path(mngr, s), dest)
         if bad:
-            _sync_processes("jaxllm-checkpoint-quarantine")
+            distributed.sync("jaxllm-checkpoint-quarantine")
             self._unusable[which] -= set(bad)
             mngr.reload()
 
