@@ -40,6 +40,7 @@ class Config(NamedTuple):
     chunk: int  # keys per register chunk: divides Tk, a multiple of 128
     programs_per_sm: int  # persistent programs per streaming multiprocessor
     stages: int = 2  # shared memory buffers per operand
+    warp_rows: bool = False  # rows_mgpu.row_layout: a warp per row (rows % 4 == 0)
 
 
 def default_config(n_queries: int, n_keys: int, itemsize: int, n_operands: int) -> Config:

@@ -57,9 +57,21 @@ def iota(shape: tuple[int, int], dim: int, layout) -> jax.Array:
     return cast(jax.lax.broadcasted_iota(jnp.int32, shape, dim), layout)
 
 
-def row_layout(rows: int, vec: int) -> plgpu.SomeLayout:
+WARPS = 4  # warps of one warpgroup
+
+
+def row_layout(rows: int, vec: int, warp_rows: bool = False) -> plgpu.SomeLayout:
     """Layout of a (rows, W) array, W % (128 * vec) == 0: warps and lanes along the columns (vec
-    consecutive elements per lane), the rows in registers."""
+    consecutive elements per lane), the rows in registers. `warp_rows`: each warp holds whole
+    rows instead (rows % 4 == 0, W % (32 * vec) == 0; lanes along the columns), so that a row
+    sum is in-thread adds and warp shuffles only, no exchange between warps."""
+    if warp_rows:
+        return plgpu.Layout.TILED(
+            plgpu.Tiling(((WARPS, 32 * vec), (vec,))),
+            warp_dims=(-3,),
+            lane_dims=(-2,),
+            vector_dim=-1,
+        )
     return plgpu.Layout.TILED(
         plgpu.Tiling(((rows, LANES * vec), (32 * vec,), (vec,))),
         warp_dims=(-3,),
@@ -80,12 +92,13 @@ class Tiles(NamedTuple):
     chunk: int
     n_chunks: int
     vec: int
+    warp_rows: bool = False  # row_layout(warp_rows=True): a warp per row (rows % 4 == 0)
 
     @property
     def layout(self):
         if self.rows == 1:
             return plgpu.Layout.WG_STRIDED((self.chunk,), self.vec)
-        return row_layout(self.rows, self.vec)
+        return row_layout(self.rows, self.vec, self.warp_rows)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -210,10 +223,11 @@ def launch(body, name: str, out_type, scratch: dict, grid: dict[str, int], scrat
         _LAYOUTS.reset(token)
 
 
-def pick_vec(width: int, itemsize: int) -> int:
-    """Elements per lane access: up to 16 bytes, such that 128 * vec divides the row width."""
+def pick_vec(width: int, itemsize: int, lanes: int = LANES) -> int:
+    """Elements per lane access: up to 16 bytes, such that lanes * vec divides the row width
+    (`lanes`: the threads a row is spread over, 32 for warp_rows)."""
     vec = 16 // itemsize
-    while vec > 1 and width % (LANES * vec):
+    while vec > 1 and width % (lanes * vec):
         vec //= 2
     return vec
 
@@ -376,7 +390,11 @@ def plan(cfg: Any, n_rows: int, width: int, itemsize: int) -> tuple[BlockPlan, i
     # contiguous runs of `steps` blocks, the last run possibly shorter
     steps = pl.cdiv(n_blocks, max(1, cfg.programs_per_sm * core_count()))
     programs = pl.cdiv(n_blocks, steps)
-    tiles = Tiles(cfg.rows, cfg.chunk, width // cfg.chunk, pick_vec(cfg.chunk, itemsize))
+    warp_rows = getattr(cfg, "warp_rows", False)
+    vec = pick_vec(cfg.chunk, itemsize, 32 if warp_rows else LANES)
+    if warp_rows:  # a sum over the rows (dgamma) crosses warps: Mosaic has it for <= 4 per lane
+        vec = min(vec, 4)
+    tiles = Tiles(cfg.rows, cfg.chunk, width // cfg.chunk, vec, warp_rows)
     return BlockPlan(cfg.block_rows, cfg.rows, cfg.stages, n_rows, tiles, steps), programs, n_blocks
 
 
@@ -392,6 +410,7 @@ def tiling_ok(cfg: Any, n_rows: int, width: int) -> bool:
         and cfg.chunk % LANES == 0
         and width % cfg.chunk == 0
         and (cfg.chunk == width or cfg.rows == 1)
+        and (not getattr(cfg, "warp_rows", False) or cfg.rows % WARPS == 0)
         and cfg.stages in (1, 2)
         and cfg.programs_per_sm >= 1
     )

@@ -168,6 +168,23 @@ LOWERING_CASES = {  # name -> (function of arrays, arrays); forward and backward
         lambda x, m: (attention_softmax(x, m, backend="mosaic_gpu"),),
         (jnp.ones((1, 2, 4, 8192), jnp.bfloat16), jnp.zeros((1, 1, 4, 8192))),
     ),
+    "softmax_warp_rows_bf16": (  # a warp per row: row sums by shuffles only
+        lambda x: (
+            attention_softmax(
+                x,
+                causal=True,
+                backend="mosaic_gpu",
+                config=softmax_mgpu.Config(64, 8, 128, 2, 2, True),
+            ),
+        ),
+        (jnp.ones((2, 2, 64, 128), jnp.bfloat16),),
+    ),
+    "add_layer_norm_warp_rows_bf16": (  # ... and the sum over rows (dgamma) across the warps
+        lambda x, h, g, b: add_layer_norm(
+            x, h, g, b, backend="mosaic_gpu", config=ln_mgpu.Config(8, 4, 768, 1, 2, True)
+        ),
+        (_ln_args((37, 768), jnp.bfloat16)[0], *_ln_args((37, 768), jnp.bfloat16)),
+    ),
     "conv_full": (
         lambda u, w, b: (depthwise_conv1d(u, w, b, "full", backend="mosaic_gpu"),),
         (jnp.ones((2, 50, 384)), jnp.ones((384, 3)), jnp.ones((384,))),
