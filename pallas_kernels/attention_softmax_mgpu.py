@@ -61,6 +61,10 @@ def default_config(n_queries: int, n_keys: int, itemsize: int, n_operands: int) 
     if stages * per_block > rows.SMEM_BYTES:
         raise ValueError(f"backend='mosaic_gpu': rows of Tk = {n_keys} do not fit in shared memory")
     per_sm = max(1, min(4, rows.SMEM_BYTES // (stages * per_block)))
+    # rows of <= 1024 keys: a warp per row, 8 rows at once (H100: forward 2.75x -> 1.31x
+    # Triton's time at 128 bf16 keys, 1.19x -> 1.11x at 1024; benchmarks/RESULTS.md)
+    if chunk == n_keys <= 1024 and block >= 4:
+        return Config(block, min(8, block), chunk, per_sm, stages, warp_rows=True)
     return Config(block, group, chunk, per_sm, stages)
 
 

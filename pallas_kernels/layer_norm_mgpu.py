@@ -48,7 +48,6 @@ class Config(NamedTuple):
     chunk: int  # columns per register chunk: divides D, a multiple of 128
     programs_per_sm: int  # persistent programs per streaming multiprocessor
     stages: int = 2  # shared memory buffers per operand (2: copy the next block during compute)
-    warp_rows: bool = False  # rows_mgpu.row_layout: a warp per row (rows % 4 == 0)
 
 
 def rows_round(n: int) -> int:

@@ -125,6 +125,17 @@ def test_layer_norm_configs_share_block_rows():
             ln_mgpu.check_config(cfg, 1000, n_cols)
 
 
+@pytest.mark.parametrize("tq,tk,dtype", [(1024, 128, jnp.bfloat16), (4, 1024, jnp.float32)])
+def test_softmax_configs_put_a_warp_per_row_on_short_rows(tq, tk, dtype):
+    for has_mask in (False, True):
+        for cfg in softmax_mgpu.configs(tq, tk, dtype, has_mask):
+            assert cfg.warp_rows and cfg.rows % 4 == 0
+            softmax_mgpu.check_config(cfg, 8 * tq, tq, tk)
+    assert not any(c.warp_rows for c in softmax_mgpu.configs(64, 2048, jnp.bfloat16, False))
+    with pytest.raises(ValueError, match="invalid Mosaic GPU softmax config"):
+        softmax_mgpu.check_config(softmax_mgpu.Config(8, 2, 128, 1, 2, True), 64, 8, 128)
+
+
 def _lower_for_cuda(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -168,22 +179,9 @@ LOWERING_CASES = {  # name -> (function of arrays, arrays); forward and backward
         lambda x, m: (attention_softmax(x, m, backend="mosaic_gpu"),),
         (jnp.ones((1, 2, 4, 8192), jnp.bfloat16), jnp.zeros((1, 1, 4, 8192))),
     ),
-    "softmax_warp_rows_bf16": (  # a warp per row: row sums by shuffles only
-        lambda x: (
-            attention_softmax(
-                x,
-                causal=True,
-                backend="mosaic_gpu",
-                config=softmax_mgpu.Config(64, 8, 128, 2, 2, True),
-            ),
-        ),
+    "softmax_warp_rows_bf16": (  # the default for short rows: a warp per row
+        lambda x: (attention_softmax(x, causal=True, backend="mosaic_gpu"),),
         (jnp.ones((2, 2, 64, 128), jnp.bfloat16),),
-    ),
-    "add_layer_norm_warp_rows_bf16": (  # ... and the sum over rows (dgamma) across the warps
-        lambda x, h, g, b: add_layer_norm(
-            x, h, g, b, backend="mosaic_gpu", config=ln_mgpu.Config(8, 4, 768, 1, 2, True)
-        ),
-        (_ln_args((37, 768), jnp.bfloat16)[0], *_ln_args((37, 768), jnp.bfloat16)),
     ),
     "conv_full": (
         lambda u, w, b: (depthwise_conv1d(u, w, b, "full", backend="mosaic_gpu"),),
@@ -237,10 +235,10 @@ def test_layer_norm_kernels_in_interpreter(float64_ref, rms, whole_rows):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("whole_rows", [True, False], ids=["whole_rows", "chunks"])
-def test_softmax_kernels_in_interpreter(float64_ref, whole_rows):
-    """Two whole rows at a time (held in registers across the sweeps), or one row in two column
-    chunks."""
+@pytest.mark.parametrize("tiling", ["whole_rows", "warp_rows", "chunks"])
+def test_softmax_kernels_in_interpreter(float64_ref, tiling):
+    """Two whole rows at a time (held in registers across the sweeps), four rows a warp each, or
+    one row in two column chunks."""
     b, h, tq, tk = 2, 2, 4, 256
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(b, h, tq, tk)), jnp.float32)
@@ -248,7 +246,9 @@ def test_softmax_kernels_in_interpreter(float64_ref, whole_rows):
     mask = jnp.asarray(np.where(rng.random((b, 1, 1, tk)) < 0.2, -np.inf, 0.0), jnp.float32)
     lay = Layout(h, tq, mask_batch=True, mask_query=False, mask_rows=1)
     cfg = softmax_mgpu.Config(block_rows=4, rows=2, chunk=tk, programs_per_sm=1)
-    if not whole_rows:
+    if tiling == "warp_rows":
+        cfg = cfg._replace(rows=4, warp_rows=True)
+    if tiling == "chunks":
         cfg = cfg._replace(rows=1, chunk=128)
     it = InterpretGPUParams()
     flat = x.reshape(-1, tk)
