@@ -132,6 +132,31 @@ def test_fused_qkv_is_concatenation_of_separate_projections():
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_split_linear_equals_the_whole_one_with_its_gradients(float64_ref):
+    """Linear(splits=3): the blocks of the unsplit output, and the same gradients; the bias
+    gradient summed in float32 over 4096 bfloat16 rows (a bfloat16 sum of ones stalls at 256)."""
+    lin = Linear(24, compute_dtype=jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(4096, 8)), jnp.bfloat16)
+    p = {"kernel": jnp.asarray(rng.normal(size=(8, 24)), jnp.float32), "bias": jnp.ones(24)}
+    dy = jnp.asarray(rng.normal(size=(4096, 24)) * (rng.random(24) < 0.5), jnp.bfloat16)
+    dy = dy.at[:, 0].set(1)  # the first column's bias gradient is 4096 exactly
+
+    def loss(p, splits):
+        y = lin.apply({"params": p}, x, splits=splits)
+        y = jnp.concatenate(y, -1) if splits > 1 else y
+        return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+
+    (_, y1), g1 = jax.value_and_grad(loss, has_aux=True)(p, 1)
+    (_, y3), g3 = jax.value_and_grad(loss, has_aux=True)(p, 3)
+    np.testing.assert_array_equal(y3, y1)
+    np.testing.assert_allclose(g3["kernel"], g1["kernel"], rtol=1e-5, atol=1e-3)
+    ref = float64_ref(lambda d: jnp.sum(d, 0), dy.astype(jnp.float32))
+    for g in (g1, g3):
+        np.testing.assert_allclose(g["bias"], ref, rtol=1e-6)
+        assert float(g["bias"][0]) == 4096
+
+
 def test_llmsys_config_is_expressible():
     cfg = ModelConfig(
         vocab_size=10003,
