@@ -392,6 +392,8 @@ def plan(cfg: Any, n_rows: int, width: int, itemsize: int) -> tuple[BlockPlan, i
     programs = pl.cdiv(n_blocks, steps)
     warp_rows = getattr(cfg, "warp_rows", False)
     vec = pick_vec(cfg.chunk, itemsize, 32 if warp_rows else LANES)
+    if warp_rows:  # at most 4 a lane: what the warp_rows A/B timed (benchmarks/RESULTS.md)
+        vec = min(vec, 4)
     tiles = Tiles(cfg.rows, cfg.chunk, width // cfg.chunk, vec, warp_rows)
     return BlockPlan(cfg.block_rows, cfg.rows, cfg.stages, n_rows, tiles, steps), programs, n_blocks
 
