@@ -51,7 +51,6 @@ import argparse  # noqa: E402
 import concurrent.futures as cf  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -61,6 +60,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm.profiling import kernel_bench as kb  # noqa: E402
+from jaxllm.profiling.harness import append_jsonl  # noqa: E402
 from jaxllm.profiling.timing import (  # noqa: E402
     chained_median_seconds,
     interleaved_samples,
@@ -490,12 +490,6 @@ def summary(results: list[Result], copy_gbps: float) -> list[str]:
     return out
 
 
-def write_jsonl(path: str | None, record: dict) -> None:
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
 def record(res: Result, kind: str, copy_gbps: float) -> dict:
     best_ms, best_cfg = res.best()
     rec = dataclasses.asdict(res)
@@ -599,7 +593,7 @@ def main() -> None:
             per_exe = spent if per_exe is None else 0.5 * (per_exe + spent)
             for res in results[shape, dtype_name]:
                 print(row(res, bw), flush=True)
-                write_jsonl(args.jsonl, record(res, "row", bw))
+                append_jsonl(args.jsonl, [record(res, "row", bw)])
     flat = [r for g in groups for r in results[g]]
     print(f"\n## conv1d 'full' K = {K}, {device.device_kind}, copy {bw:.0f} GB/s\n")
     print(HEADER)

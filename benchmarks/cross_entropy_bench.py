@@ -21,13 +21,13 @@ from jaxllm.xla_flags import apply_default_xla_flags
 apply_default_xla_flags()
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import functional as F
+from jaxllm.profiling.harness import append_jsonl, md_header, md_row
 from jaxllm.profiling.timing import chained_median_seconds
 from pallas_kernels import linear_cross_entropy, linear_cross_entropy_ref
 from pallas_kernels.common import core_count
@@ -158,18 +158,16 @@ def main() -> None:
     print(f"\nN={N} V={V} (Vp={VP}) bf16; kernel GB/s counts read z + write dz = {gb:.2f} GB")
     if args.mosaic:
         print("(the mosaic_gpu kernel pads to a multiple of 1024 columns: it moves that much more)")
-    print("| level | impl / config (rows, cols, warps, programs) | ms | GB/s | x XLA | max err |")
-    print("|---|---|---|---|---|---|")
+    print(md_header(["level", "impl / config (rows, cols, warps, programs)", "ms", "GB/s", "x XLA",
+                     "max err"]))  # fmt: skip
     base = {lvl: ms for lvl, impl, ms, _ in rows if impl == "xla"}
     for lvl, impl, s, err in rows:
         bw = f"{gb / s:,.0f}" if lvl == "kernel" else "-"
-        print(f"| {lvl} | {impl} | {1e3 * s:.3f} | {bw} | {base[lvl] / s:.2f} | {err:.2e} |")
-        if args.jsonl:
-            with open(args.jsonl, "a") as f:
-                rec = dict(level=lvl, impl=impl, ms=1e3 * s, max_err=err, rows=N, vocab=V,
-                           gbps=gb / s if lvl == "kernel" else None, xla_ms=1e3 * base[lvl],
-                           device=jax.devices()[0].device_kind)  # fmt: skip
-                f.write(json.dumps(rec) + "\n")
+        print(md_row([lvl, impl, f"{1e3 * s:.3f}", bw, f"{base[lvl] / s:.2f}", f"{err:.2e}"]))
+        rec = dict(level=lvl, impl=impl, ms=1e3 * s, max_err=err, rows=N, vocab=V,
+                   gbps=gb / s if lvl == "kernel" else None, xla_ms=1e3 * base[lvl],
+                   device=jax.devices()[0].device_kind)  # fmt: skip
+        append_jsonl(args.jsonl, [rec])
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm.config import ConfigError, load_config, parse_overrides  # noqa: E402
-from jaxllm.profiling.harness import make_state  # noqa: E402
+from jaxllm.profiling.harness import append_jsonl, make_state  # noqa: E402
 from jaxllm.train.state import train_step  # noqa: E402
 
 ALL_XLA = ["execution.kernels=xla", "execution.loss_impl=xla", "execution.attention_impl=xla"]
@@ -91,9 +91,7 @@ def run(args: argparse.Namespace) -> dict[str, list[float]]:
         record = {"variant": name, "overrides": overrides, "losses": losses,
                   "device": jax.devices()[0].device_kind}  # fmt: skip
         print(json.dumps(record), flush=True)
-        if args.jsonl:
-            with open(args.jsonl, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        append_jsonl(args.jsonl, [record])
     ref = np.asarray(curves[REFERENCE[0]])
     at = sorted({0, len(ref) // 4, len(ref) // 2, len(ref) - 1})
     print("| variant | " + " | ".join(f"step {i + 1}" for i in at) + " | max abs diff vs "

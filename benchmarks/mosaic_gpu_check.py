@@ -39,7 +39,6 @@ apply_default_xla_flags()
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -50,6 +49,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxllm.profiling import kernel_bench as kb  # noqa: E402
+from jaxllm.profiling.harness import append_jsonl  # noqa: E402
 from jaxllm.profiling.timing import (  # noqa: E402
     chained_median_seconds,
     live_chain_seconds,
@@ -458,11 +458,9 @@ def main() -> None:
                 for direction in ("fwd", "bwd"):
                     row = run_case(case, direction, reps)
                     print(format_row(row, copy_gbps), flush=True)
-                    if args.jsonl:
-                        record: dict[str, Any] = dataclasses.asdict(row)
-                        record.update(copy_gbps=copy_gbps, jax=jax.__version__)
-                        with open(args.jsonl, "a") as f:
-                            f.write(json.dumps(record) + "\n")
+                    record: dict[str, Any] = dataclasses.asdict(row)
+                    record.update(copy_gbps=copy_gbps, jax=jax.__version__)
+                    append_jsonl(args.jsonl, [record])
     print(f"# done in {time.perf_counter() - start:.0f} s")
 
 

@@ -33,7 +33,7 @@ import jax
 from jaxllm.config import Config, ConfigError, load_config, parse_overrides
 from jaxllm.models import build_model
 from jaxllm.profiling.flops import train_flops_per_token
-from jaxllm.profiling.harness import make_state, random_batch, time_calls
+from jaxllm.profiling.harness import make_state, md_header, md_row, random_batch, time_calls
 from jaxllm.train.state import train_step
 
 PEAK_BF16 = 989e12
@@ -147,12 +147,10 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((cells, r))
         print(f"{name}: {r}", flush=True)
     head = [*COLUMNS, *extra, "step ms", "tokens/s", "MFU", "spread ms"]
-    print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    print("\n" + md_header(head))
     for cells, r in rows:
-        print(
-            f"| {' | '.join(cells)} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
-            f"{100 * r['mfu']:.1f}% | {r['spread_ms']:.2f} |"
-        )
+        print(md_row([*cells, f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
+                      f"{100 * r['mfu']:.1f}%", f"{r['spread_ms']:.2f}"]))  # fmt: skip
 
 
 if __name__ == "__main__":

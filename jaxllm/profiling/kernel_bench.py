@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,6 +41,7 @@ from pallas_kernels.reference import (
     rms_norm_ref,
 )
 
+from .harness import append_jsonl
 from .timing import chained_median_seconds, rotation_count, torch_median_seconds
 
 SOFTMAX_SHAPES = [((64, 16, 128, 128), "causal"), ((8, 12, 1024, 1024), "keypad"),
@@ -507,7 +507,5 @@ def run(kernels: list[str], tune: bool, jsonl_path: str | None = None) -> list[R
             row = run_case(case, copy_gbps, tune)
             rows.append(row)
             print(format_row(row), flush=True)
-            if jsonl_path:
-                with open(jsonl_path, "a") as f:
-                    f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+            append_jsonl(jsonl_path, [dataclasses.asdict(row)])
     return rows
