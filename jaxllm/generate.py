@@ -187,17 +187,6 @@ def _check_request(
     return arrays
 
 
-def _left_pad(arrays: list[np.ndarray], pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Prompts -> tokens (B, P) left-padded to the longest (or to pad_to), pad_len (B,)."""
-    p = max(a.size for a in arrays)
-    if pad_to is not None:  # _check_request: pad_to >= the longest prompt
-        p = pad_to
-    tokens = np.zeros((len(arrays), p), np.int32)  # pad id 0: any id works, pads are masked
-    for row, a in zip(tokens, arrays, strict=True):
-        row[p - a.size :] = a
-    return tokens, np.array([p - a.size for a in arrays], np.int32)
-
-
 def _request(
     model: Decoder,
     prompts: Sequence[Sequence[int]],
@@ -205,9 +194,14 @@ def _request(
     eos_id: EosId,
     pad_to: int | None,
 ) -> tuple[np.ndarray, np.ndarray, int | None]:
-    """Check a decoding request; (tokens (B, P) left-padded, pad_len (B,), eos id or None)."""
+    """Check a decoding request; (tokens (B, P) left-padded to the longest prompt or to
+    pad_to, pad_len (B,), eos id or None)."""
     arrays = _check_request(model.cfg, prompts, max_new_tokens, pad_to)
-    tokens, pad_len = _left_pad(arrays, pad_to)
+    p = pad_to or max(a.size for a in arrays)  # _check_request: pad_to >= the longest prompt
+    tokens = np.zeros((len(arrays), p), np.int32)  # pad id 0: any id works, pads are masked
+    for row, a in zip(tokens, arrays, strict=True):
+        row[p - a.size :] = a
+    pad_len = np.array([p - a.size for a in arrays], np.int32)
     return tokens, pad_len, resolve_eos_id(model.cfg, eos_id)
 
 
@@ -222,16 +216,11 @@ def _as_key(seed: Seed) -> jax.Array:
         if seed.ndim == 0:
             seed = seed.item()  # a 0-d array: its value is the seed
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
-        raise ValueError(
-            f"seed must be an int in [0, 2^32 - 1] or a PRNG key, got {_shown_seed(seed)}"
-        )
+        shown = repr(seed)
+        if isinstance(seed, (jax.Array, np.ndarray)):
+            shown = f"an array of shape {seed.shape} and dtype {seed.dtype}"
+        raise ValueError(f"seed must be an int in [0, 2^32 - 1] or a PRNG key, got {shown}")
     return jax.random.PRNGKey(seed)
-
-
-def _shown_seed(seed: Any) -> str:
-    if isinstance(seed, (jax.Array, np.ndarray)):
-        return f"an array of shape {seed.shape} and dtype {seed.dtype}"
-    return repr(seed)
 
 
 def _vocab_limit(cfg: ModelConfig, settings: Sampling | BeamSearch) -> int:
