@@ -69,10 +69,6 @@ class _Piece:
     args: tuple[Any, ...]
 
 
-def _block_class(arch: str) -> type:
-    return {"gpt2": gpt2.Block, "transformer_lm": transformer_lm.Block}[arch]
-
-
 def _random(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
@@ -101,7 +97,7 @@ def _functions(
     dh = d // n_heads
     plan = ops.plan_ops(cfg, ex)
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    block = _block_class(cfg.arch)(cfg, ex, plan)
+    block = {"gpt2": gpt2.Block, "transformer_lm": transformer_lm.Block}[cfg.arch](cfg, ex, plan)
     norm, mlp, qkv, out = _submodules(cfg, ex, plan)
 
     def norms(p1: Any, p2: Any, x: jax.Array, h: jax.Array, h2: jax.Array) -> tuple:
