@@ -176,6 +176,8 @@ def test_parallel_config_validation():
         ConfigError, match=r"at most one of parallel.data, parallel.fsdp, parallel.pipeline"
     ):
         _cfg("--parallel.fsdp=-1")
+    with pytest.raises(ConfigError, match=r"train.batch_size \(16\) must be divisible .* = 6"):
+        _cfg("--parallel.data=3", "--parallel.fsdp=2")
     # The layout does not change what a run computes: resuming on other devices is allowed.
     assert config_changes(_cfg(), _cfg("--parallel.data=8")) == []
     staged_args = ("--parallel.data=2", "--parallel.pipeline=4", "--parallel.microbatches=2")
