@@ -462,6 +462,12 @@ class Config(Section):
                 f"optim.warmup_steps ({self.optim.warmup_steps}) must be < train.steps "
                 f"({self.train.steps})"
             )
+        p = self.parallel
+        if p.data > 0 and p.fsdp > 0 and t.batch_size % (p.data * p.fsdp):
+            raise ConfigError(
+                f"train.batch_size ({t.batch_size}) must be divisible by parallel.data x "
+                f"parallel.fsdp = {p.data * p.fsdp}: the batch is split over both"
+            )
         if self.data.kind == "associative_recall":
             ar = self.data.associative_recall
             if m.vocab_size < ar.vocab_size:
