@@ -62,23 +62,30 @@ class Linear(nn.Module):
         return ys[0] if splits == 1 else ys
 
 
-@jax.custom_vjp
-def _add_bias(ys: tuple[jax.Array, ...], b: jax.Array) -> tuple[jax.Array, ...]:
-    """ys[i] + the i-th of len(ys) equal blocks of b (D_out,), in ys[i]'s dtype."""
+def _add_bias_impl(ys: tuple[jax.Array, ...], b: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(y + bi.astype(y.dtype) for y, bi in zip(ys, jnp.split(b, len(ys)), strict=True))
 
 
+@jax.custom_vjp
+def _add_bias(ys: tuple[jax.Array, ...], b: jax.Array) -> tuple[jax.Array, ...]:
+    """ys[i] + the i-th of len(ys) equal blocks of b (D_out,), in ys[i]'s dtype. Under
+    jax.shard_map's check_vma, b must vary over the mesh axes like ys (jaxllm.pipeline marks
+    the stage's parameters so)."""
+    return _add_bias_impl(ys, b)
+
+
 def _add_bias_fwd(ys, b):
-    return _add_bias(ys, b), b
+    return _add_bias_impl(ys, b), b
 
 
 def _add_bias_bwd(b, dys):
-    # db: one float32 sum over the rows of the blocks side by side. Autodiff's would sum
-    # bfloat16 rows in bfloat16, and fuse each block's sum into the concatenate that
+    # db: one sum over the rows of the blocks side by side, in at least float32. Autodiff's
+    # would sum bfloat16 rows in bfloat16, and fuse each block's sum into the concatenate that
     # reassembles db, whose kernel then sums every column serially (GPT-2 124M, 2-stage
     # pipeline, 4-row microbatches: 10.8 ms a step).
     rows = tuple(range(dys[0].ndim - 1))
-    db = jnp.sum(jnp.concatenate(dys, axis=-1), axis=rows, dtype=jnp.float32)
+    acc = jnp.promote_types(dys[0].dtype, jnp.float32)
+    db = jnp.sum(jnp.concatenate(dys, axis=-1), axis=rows, dtype=acc)
     return dys, db.astype(b.dtype)
 
 

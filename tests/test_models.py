@@ -134,13 +134,12 @@ def test_fused_qkv_is_concatenation_of_separate_projections():
 
 def test_split_linear_equals_the_whole_one_with_its_gradients(float64_ref):
     """Linear(splits=3): the blocks of the unsplit output, and the same gradients; the bias
-    gradient summed in float32 over 4096 bfloat16 rows (a bfloat16 sum of ones stalls at 256)."""
+    gradient of 4096 bfloat16 rows summed in float32 (float64 reference: a bfloat16 sum fails)."""
     lin = Linear(24, compute_dtype=jnp.bfloat16)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(4096, 8)), jnp.bfloat16)
     p = {"kernel": jnp.asarray(rng.normal(size=(8, 24)), jnp.float32), "bias": jnp.ones(24)}
     dy = jnp.asarray(rng.normal(size=(4096, 24)) * (rng.random(24) < 0.5), jnp.bfloat16)
-    dy = dy.at[:, 0].set(1)  # the first column's bias gradient is 4096 exactly
 
     def loss(p, splits):
         y = lin.apply({"params": p}, x, splits=splits)
@@ -154,7 +153,8 @@ def test_split_linear_equals_the_whole_one_with_its_gradients(float64_ref):
     ref = float64_ref(lambda d: jnp.sum(d, 0), dy.astype(jnp.float32))
     for g in (g1, g3):
         np.testing.assert_allclose(g["bias"], ref, rtol=1e-6)
-        assert float(g["bias"][0]) == 4096
+    # forward over reverse (Hessian-vector products) still goes through the bias add
+    jax.jacfwd(jax.grad(lambda b: loss({**p, "bias": b}, 3)[0]))(p["bias"])
 
 
 def test_llmsys_config_is_expressible():
