@@ -46,12 +46,21 @@ class Config(NamedTuple):
     rows: int = 8  # output rows computed together in registers
 
 
-def default_config(shape: tuple[int, int, int], dtype, k_size: int) -> Config:
-    """256-channel tiles where D allows; tiles of about 16 KB of input (block_t 32 rows for 16-bit
-    types, 16 for float32) so that several programs share an SM and hide each other's copies."""
+def default_config(
+    shape: tuple[int, int, int], dtype, k_size: int, *, backward: bool = False
+) -> Config:
+    """Forward: 256-channel tiles where D allows, of about 16 KB of input (block_t 32 rows for
+    16-bit types, 16 for float32), so that several programs share an SM and hide each other's
+    copies. Backward: 64-row tiles, 128 channels for float32 (about 100 KB of shared memory,
+    two programs an SM). H100, 2026-11-28, B = 1, K = 3, `full` (benchmarks/RESULTS.md): at
+    8192 x 8192 the backward took 1.04x (bf16) / 1.05x (f32) Triton's time with these tiles,
+    1.10x / 1.17x with the forward's; the forward's are at Triton's time (0.98-1.01x)."""
     rows.check_width("D", shape[2], "the channel count D")
-    block_d = 256 if shape[2] % 256 == 0 else 128
-    block_t = 16384 // (block_d * jnp.dtype(dtype).itemsize) // 8 * 8
+    itemsize = jnp.dtype(dtype).itemsize
+    block_d = 256 if shape[2] % 256 == 0 and not (backward and itemsize == 4) else 128
+    if backward:
+        return Config(64, block_d)
+    block_t = 16384 // (block_d * itemsize) // 8 * 8
     return Config(min(block_t, (MAX_BOX - k_size + 1) // 8 * 8), block_d)
 
 
