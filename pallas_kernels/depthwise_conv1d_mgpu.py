@@ -53,8 +53,8 @@ def default_config(
     16-bit types, 16 for float32), so that several programs share an SM and hide each other's
     copies. Backward: 64-row tiles, 128 channels for float32 (about 100 KB of shared memory,
     two programs an SM). H100, 2026-11-28, B = 1, K = 3, `full` (benchmarks/RESULTS.md): at
-    8192 x 8192 the backward took 1.04x (bf16) / 1.05x (f32) Triton's time with these tiles,
-    1.10x / 1.17x with the forward's; the forward's are at Triton's time (0.98-1.01x)."""
+    8192 x 8192 the backward took 1.04x Triton's time (bf16 and f32) with these tiles, 1.10x /
+    1.15x with the forward's; the forward's are at Triton's time there (0.99-1.04x)."""
     rows.check_width("D", shape[2], "the channel count D")
     itemsize = jnp.dtype(dtype).itemsize
     block_d = 256 if shape[2] % 256 == 0 and not (backward and itemsize == 4) else 128
