@@ -71,32 +71,23 @@ _gelu_tanh.defvjp(_gelu_tanh_fwd, _gelu_tanh_bwd)
 
 
 def logsumexp(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
-    """log(sum(exp(x))) along `axis`, computed in float32 as m + log(sum(exp(x - m)))."""
-    x = _atleast_f32(x)
-    m = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # all -inf row: keep -inf instead of NaN
-    out = m + jnp.log(jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True))
-    return out if keepdims else jnp.squeeze(out, axis=axis)
+    """log(sum(exp(x))) along `axis`, in float32 (an all -inf row gives -inf, not NaN)."""
+    return jax.nn.logsumexp(_atleast_f32(x), axis=axis, keepdims=keepdims)
 
 
 def one_hot(ids: jax.Array, n: int, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """(...,) int ids -> (..., n) one-hot; ids outside [0, n) give an all-zero row."""
-    return (ids[..., None] == jnp.arange(n)).astype(dtype)
+    return jax.nn.one_hot(ids, n, dtype=dtype)
 
 
 def softmax(x: jax.Array, axis: int = -1, temperature: float = 1.0) -> jax.Array:
-    """softmax(x / temperature) along `axis`, in float32; returns float32."""
+    """softmax(x / temperature) along `axis`, in float32; returns float32. jax.nn.softmax
+    shifts by the row's max (no gradient through it): exact, where exp(z - logsumexp(z)) would
+    carry the logsumexp's rounding (up to 4e-6 at logits ~100) into every probability. A row of
+    MASK_VALUE comes out uniform."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    z = _atleast_f32(x) / temperature
-    # exp(z - m) / sum, not exp(z - logsumexp(z)): a float32 logsumexp of large logits (~100)
-    # is rounded by up to half an ulp (4e-6), an error every probability then carries. The max
-    # shift is exact and the division rounds once per element. The shift does not change the
-    # result, so it takes no gradient; a non-finite max (an all -inf row) is replaced by 0 as in
-    # `logsumexp`. A row of MASK_VALUE gives exp(0) everywhere: uniform.
-    m = jax.lax.stop_gradient(jnp.max(z, axis=axis, keepdims=True))
-    e = jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0.0))
-    return e / jnp.sum(e, axis=axis, keepdims=True)
+    return jax.nn.softmax(_atleast_f32(x) / temperature, axis=axis)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

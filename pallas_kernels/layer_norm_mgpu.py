@@ -48,6 +48,7 @@ class Config(NamedTuple):
     chunk: int  # columns per register chunk: divides D, a multiple of 128
     programs_per_sm: int  # persistent programs per streaming multiprocessor
     stages: int = 2  # shared memory buffers per operand (2: copy the next block during compute)
+    warp_rows: bool = False  # a warp per row (rows_mgpu.row_layout): slower for the norms
 
 
 def rows_round(n: int) -> int:

@@ -385,16 +385,15 @@ class BlockPlan(NamedTuple):
 
 def plan(cfg: Any, n_rows: int, width: int, itemsize: int) -> tuple[BlockPlan, int, int]:
     """(plan, programs, blocks) of a row kernel over (N, width) operands of up to `itemsize`
-    bytes per element; cfg has block_rows, rows, chunk, programs_per_sm and stages."""
+    bytes per element; cfg has block_rows, rows, chunk, programs_per_sm, stages and warp_rows."""
     n_blocks = pl.cdiv(n_rows, cfg.block_rows)
     # contiguous runs of `steps` blocks, the last run possibly shorter
     steps = pl.cdiv(n_blocks, max(1, cfg.programs_per_sm * core_count()))
     programs = pl.cdiv(n_blocks, steps)
-    warp_rows = getattr(cfg, "warp_rows", False)
-    vec = pick_vec(cfg.chunk, itemsize, 32 if warp_rows else LANES)
-    if warp_rows:  # at most 4 a lane: what the warp_rows A/B timed (benchmarks/RESULTS.md)
+    vec = pick_vec(cfg.chunk, itemsize, 32 if cfg.warp_rows else LANES)
+    if cfg.warp_rows:  # at most 4 a lane: what the warp_rows A/B timed (benchmarks/RESULTS.md)
         vec = min(vec, 4)
-    tiles = Tiles(cfg.rows, cfg.chunk, width // cfg.chunk, vec, warp_rows)
+    tiles = Tiles(cfg.rows, cfg.chunk, width // cfg.chunk, vec, cfg.warp_rows)
     return BlockPlan(cfg.block_rows, cfg.rows, cfg.stages, n_rows, tiles, steps), programs, n_blocks
 
 
@@ -410,7 +409,7 @@ def tiling_ok(cfg: Any, n_rows: int, width: int) -> bool:
         and cfg.chunk % LANES == 0
         and width % cfg.chunk == 0
         and (cfg.chunk == width or cfg.rows == 1)
-        and (not getattr(cfg, "warp_rows", False) or cfg.rows % WARPS == 0)
+        and (not cfg.warp_rows or cfg.rows % WARPS == 0)
         and cfg.stages in (1, 2)
         and cfg.programs_per_sm >= 1
     )

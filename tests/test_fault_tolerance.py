@@ -89,8 +89,9 @@ def _token_file(path, ids):
 
     out = tf.AtomicTokenFile(path)
     out.write(np.asarray(ids, np.uint16), 1)
-    out.commit({"format": tf.FORMAT, "version": tf.FORMAT_VERSION, "tokenizer": tf.TOKENIZER_NAME,
+    out.finish({"format": tf.FORMAT, "version": tf.FORMAT_VERSION, "tokenizer": tf.TOKENIZER_NAME,
                 "bpe_sha256": tf.BPE_SHA256, "dtype": "uint16"})  # fmt: skip
+    out.publish()
 
 
 def test_a_resume_on_remade_token_files_is_refused(tmp_path):

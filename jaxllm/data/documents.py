@@ -28,11 +28,8 @@ NO_SEPARATOR = 1 << 16  # bytes: a file this large with no separator is said to 
 
 
 def sha256_file(path: Path) -> str:
-    sha = hashlib.sha256()
     with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            sha.update(block)
-    return sha.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def iter_file_documents(

@@ -58,12 +58,6 @@ class AtomicTokenFile:
         if ids.size:  # one pass over a chunk already in memory: cheap next to tokenizing it
             self.max_id = max(self.max_id, int(ids.max()))
 
-    def commit(self, meta: dict) -> dict:
-        """finish, then publish: the file and its sidecar in place; returns the sidecar."""
-        meta = self.finish(meta)
-        self.publish()
-        return meta
-
     def finish(self, meta: dict) -> dict:
         """Complete the temp file and its temp sidecar on disk (nothing renamed yet)."""
         self.file.flush()

@@ -36,14 +36,12 @@ def create_state(
     tx: optax.GradientTransformation,
     rng: jax.Array,
     example: jax.Array,
-    vocab_size: int | None = None,
 ) -> LMTrainState:
-    """Initialise parameters from `rng` (float32) and the optimizer state. vocab_size defaults
-    to `model.cfg.vocab_size` (every jaxllm model has one)."""
+    """Initialise parameters from `rng` (float32) and the optimizer state; the state's
+    vocab_size is `model.cfg.vocab_size`."""
     params = model.init(rng, example)["params"]
-    if vocab_size is None:
-        vocab_size = model.cfg.vocab_size
-    return LMTrainState.create(apply_fn=model.apply, params=params, tx=tx, vocab_size=vocab_size)
+    vocab = model.cfg.vocab_size
+    return LMTrainState.create(apply_fn=model.apply, params=params, tx=tx, vocab_size=vocab)
 
 
 def count_bad_ids(batch: Batch, vocab_size: int) -> jax.Array:
