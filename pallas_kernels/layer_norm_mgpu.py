@@ -66,13 +66,15 @@ def default_config(
     n_rows: int, n_cols: int, itemsizes: tuple[int, ...], extra: int, *, backward: bool
 ) -> Config:
     """Block sizes for an (N, D) input whose per-block operands have `itemsizes` bytes per element
-    and `extra` bytes of other shared memory: about 16 KB per operand block (two stages), at most
-    4096 (forward) or 2048 (backward: more live arrays) float32 values per row group in registers
-    (the forward holds a whole row of up to 8192: one shared-memory read for its three sweeps),
-    as many programs per SM as shared memory allows (up to 4)."""
+    and `extra` bytes of other shared memory: about 16 KB per operand block (two stages), rows
+    grouped up to 4096 (forward) or 2048 (backward: more live arrays) float32 values in registers,
+    whole rows of up to 8192 held there (one shared-memory read for all sweeps; the backward of
+    16384 x 8192 took 0.89x (bf16) / 0.93x (f32) Triton's time so, against 1.11x / 1.01x in
+    2048-column chunks: H100, 2026-11-28, benchmarks/RESULTS.md), as many programs per SM as
+    shared memory allows (up to 4)."""
     rows.check_width("D", n_cols, "the hidden size D")
     budget = 2048 if backward else 4096
-    if n_cols <= (budget if backward else 2 * budget):  # whole rows in registers
+    if n_cols <= 8192:  # whole rows in registers
         group = max(1, min(8, pl.next_power_of_2(budget // n_cols + 1) // 2))
         group = min(group, pl.next_power_of_2(n_rows + 1) // 2)  # never more than N rows
         chunk = n_cols
