@@ -81,13 +81,19 @@ def one_hot(ids: jax.Array, n: int, dtype: jnp.dtype = jnp.float32) -> jax.Array
 
 
 def softmax(x: jax.Array, axis: int = -1, temperature: float = 1.0) -> jax.Array:
-    """softmax(x / temperature) along `axis`, in float32; returns float32. jax.nn.softmax
-    shifts by the row's max (no gradient through it): exact, where exp(z - logsumexp(z)) would
-    carry the logsumexp's rounding (up to 4e-6 at logits ~100) into every probability. A row of
-    MASK_VALUE comes out uniform."""
+    """softmax(x / temperature) along `axis`, in float32; returns float32."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    return jax.nn.softmax(_atleast_f32(x) / temperature, axis=axis)
+    z = _atleast_f32(x) / temperature
+    # exp(z - m) / sum, not exp(z - logsumexp(z)): a float32 logsumexp of large logits (~100)
+    # is rounded by up to half an ulp (4e-6), an error every probability then carries. The max
+    # shift is exact and the division rounds once per element. The shift does not change the
+    # result, so it takes no gradient; a non-finite max (an all -inf row) is replaced by 0 as in
+    # `logsumexp`. A row of MASK_VALUE gives exp(0) everywhere: uniform. (jax.nn.softmax
+    # computes the same values; this form is the one the roofline's FLOP count is checked on.)
+    m = jax.lax.stop_gradient(jnp.max(z, axis=axis, keepdims=True))
+    e = jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0.0))
+    return e / jnp.sum(e, axis=axis, keepdims=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
