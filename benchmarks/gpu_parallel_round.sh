@@ -70,10 +70,11 @@ for part in $PARTS; do
     dp64) step dp64 150 $BENCH --per-device-batch 64 --variants single,dp ;;
     ppv) step ppv 240 $BENCH --per-device-batch 32 --variants single,pp --microbatches 8 \
            --virtual-stages 1,3 ;;
-    pp128)  # one GPU at 128 rows needs 97% of an H100, in a process of its own: a multi-GPU run
+    pp128)  # one GPU at 128 rows does not fit jax's default 75% of an H100 (0.97 does), in a process of its own: a multi-GPU run
             # after it in the same process hung in its first send (2026-11-28)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 step pp128_single 150 $BENCH --per-device-batch 128 \
         --variants single
+      tail -3 "$OUT/pp128_single.log"
       step pp128 420 $BENCH --per-device-batch 128 --variants pp --microbatches 8,16 \
         --virtual-stages 1,3 ;;
     big) step big 560 bash -c big ;;

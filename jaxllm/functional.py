@@ -89,8 +89,8 @@ def softmax(x: jax.Array, axis: int = -1, temperature: float = 1.0) -> jax.Array
     # is rounded by up to half an ulp (4e-6), an error every probability then carries. The max
     # shift is exact and the division rounds once per element. The shift does not change the
     # result, so it takes no gradient; a non-finite max (an all -inf row) is replaced by 0 as in
-    # `logsumexp`. A row of MASK_VALUE gives exp(0) everywhere: uniform. (jax.nn.softmax
-    # computes the same values; this form is the one the roofline's FLOP count is checked on.)
+    # `logsumexp`. A row of MASK_VALUE gives exp(0) everywhere: uniform. (jax.nn.softmax gives
+    # the same values on float32 input; the roofline's FLOP count is checked on this form.)
     m = jax.lax.stop_gradient(jnp.max(z, axis=axis, keepdims=True))
     e = jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0.0))
     return e / jnp.sum(e, axis=axis, keepdims=True)

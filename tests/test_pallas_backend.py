@@ -155,7 +155,7 @@ LOWERING_CASES = {  # name -> (function of arrays, arrays); forward and backward
         lambda x, g, b: (layer_norm(x, g, b, backend="mosaic_gpu"),),
         _ln_args((37, 256)),
     ),
-    "add_layer_norm_wide_bf16": (  # forward: whole rows held; backward: column chunks
+    "add_layer_norm_wide_bf16": (  # whole rows held in both directions (8192: the widest)
         lambda x, h, g, b: add_layer_norm(x, h, g, b, backend="mosaic_gpu"),
         (_ln_args((9, 8192), jnp.bfloat16)[0], *_ln_args((9, 8192), jnp.bfloat16)),
     ),

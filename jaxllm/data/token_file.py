@@ -38,7 +38,8 @@ def sidecar_path(path: str | Path) -> Path:
 
 
 class AtomicTokenFile:
-    """Token file written under a temp name in the target directory, renamed on commit."""
+    """Token file written under a temp name in the target directory, renamed by `publish`
+    (after `finish`)."""
 
     def __init__(self, path: Path):
         self.path = path
