@@ -102,9 +102,9 @@ def depthwise_conv1d(
     _check(u, w, b, mode)
     if backend == "mosaic_gpu":
         check_config(config, backend, mgpu.Config)
-        cfgs = [config or mgpu.default_config(u.shape, u.dtype, w.shape[1], backward=bwd)
-                for bwd in (False, True)]  # fmt: skip
-        return _conv(u, w, b, mode, False, tuple(cfgs), backend)
+        fwd_cfg = config or mgpu.default_config(u.shape, u.dtype, w.shape[1])
+        bwd_cfg = config or mgpu.default_config(u.shape, u.dtype, w.shape[1], backward=True)
+        return _conv(u, w, b, mode, False, (fwd_cfg, bwd_cfg), backend)
     check_config(config, backend, Config, ("block_d",))  # fwd_programs None: bwd_programs
     fwd_cfg = config or default_config(u.shape, u.dtype)
     bwd_cfg = config or default_config(u.shape, u.dtype, backward=True)

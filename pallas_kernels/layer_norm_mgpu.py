@@ -66,13 +66,12 @@ def default_config(
     n_rows: int, n_cols: int, itemsizes: tuple[int, ...], extra: int, *, backward: bool
 ) -> Config:
     """Block sizes for an (N, D) input whose per-block operands have `itemsizes` bytes per element
-    and `extra` bytes of other shared memory: about 16 KB per operand block (two stages), rows
-    grouped up to 4096 (forward) or 2048 (backward: more live arrays) float32 values in registers,
-    whole rows of up to 8192 held there (one shared-memory read for all sweeps; the backward of
-    16384 x 8192 took 0.89x (bf16) / 0.93x (f32) Triton's time so, against 1.11x / 1.01x in
-    2048-column chunks, the kernel alone; through layer_norm's chained forward+backward 1.30x /
-    1.03x, was 1.56x / 1.18x: H100, 2026-11-28, benchmarks/RESULTS.md), as many programs per SM as
-    shared memory allows (up to 4)."""
+    and `extra` bytes of other shared memory: about 16 KB per operand block (two stages); rows of
+    up to 8192 held whole in registers (one shared-memory read for all sweeps), short ones grouped
+    up to 4096 (forward) or 2048 (backward: more live arrays) float32 values; as many programs
+    per SM as shared memory allows (up to 4). Whole rows rather than 2048-column chunks in the
+    backward, 16384 x 8192 on an H100 (2026-11-28, benchmarks/RESULTS.md): the kernel alone
+    1.11x -> 0.89x (bf16) and 1.01x -> 0.93x (f32) Triton's time."""
     rows.check_width("D", n_cols, "the hidden size D")
     budget = 2048 if backward else 4096
     if n_cols <= 8192:  # whole rows in registers
