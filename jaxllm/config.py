@@ -165,9 +165,11 @@ class ExecutionConfig(Section):
     # Training loss: "xla" = logits, then softmax_loss; "pallas" = the fused LM head +
     # cross-entropy kernel (pallas_kernels.linear_cross_entropy), which never keeps the logits.
     loss_impl: Literal["xla", "pallas"] = "xla"
-    # The fused loss kernel's lowering: "auto" = Mosaic GPU on a Hopper-class GPU for bfloat16
-    # logits whose rows fit (faster; it holds dz beside the logits: more memory), else Triton.
-    loss_backend: Literal["auto", "triton", "mosaic_gpu"] = "auto"
+    # The Pallas kernels' lowering (norms, attention softmax, conv, fused loss): "auto" = on a
+    # Hopper-class GPU each op family's faster lowering as measured (jaxllm.ops.MOSAIC_AUTO),
+    # Triton elsewhere; "triton" = Triton everywhere; "mosaic_gpu" = Mosaic GPU for every Pallas
+    # kernel (an error where it cannot run). The plan's `ops:` line names the one that runs.
+    kernel_backend: Literal["auto", "triton", "mosaic_gpu"] = "auto"
     # The fused loss makes the logits for at most this many MiB of rows at a time (at least 32
     # rows), chunk after chunk, per device (the Mosaic kernel holds dz beside a chunk's logits:
     # twice this at the peak); 0: all rows at once. Same loss and gradients up to GEMM rounding.
@@ -196,21 +198,25 @@ class ExecutionConfig(Section):
                 "execution.residual_dtype=bfloat16 needs execution.compute_dtype=bfloat16 (got "
                 f"{self.compute_dtype}): a float32 model keeps a float32 residual stream"
             )
-        if self.loss_backend != "auto" and self.loss_impl != "pallas":
+        if self.kernel_backend != "auto" and "pallas" not in (self.kernels, self.loss_impl):
             raise ConfigError(
-                f"execution.loss_backend={self.loss_backend} picks the fused loss kernel's "
-                "lowering: it needs execution.loss_impl=pallas"
+                f"execution.kernel_backend={self.kernel_backend} picks the Pallas kernels' "
+                "lowering: it needs execution.kernels=pallas or execution.loss_impl=pallas"
             )
         if self.loss_chunk_mib != LOSS_CHUNK_MIB and self.loss_impl != "pallas":
             raise ConfigError(
                 f"execution.loss_chunk_mib={self.loss_chunk_mib} sizes the fused loss kernel's "
                 "chunks of rows: it needs execution.loss_impl=pallas"
             )
-        if self.loss_backend == "mosaic_gpu" and self.compute_dtype != "bfloat16":
+        if (
+            self.kernel_backend == "mosaic_gpu"
+            and self.loss_impl == "pallas"
+            and self.compute_dtype != "bfloat16"
+        ):
             raise ConfigError(
-                "execution.loss_backend=mosaic_gpu computes in bfloat16: set "
+                "execution.kernel_backend=mosaic_gpu runs the fused loss in bfloat16: set "
                 f"execution.compute_dtype=bfloat16 (got {self.compute_dtype}) or "
-                "loss_backend=triton"
+                "kernel_backend=triton"
             )
         if self.label_smoothing and self.loss_impl == "pallas":
             raise ConfigError(

@@ -244,7 +244,7 @@ class AttentionInputs:
 
 class MultiHeadAttention(nn.Module):
     """Causal self-attention: q/k/v from one fused (D, 3D) kernel [W_q | W_k | W_v], optional
-    RoPE, optional KV cache. Without a cache the `path` ("xla" | "pallas" | "cudnn") runs;
+    RoPE, optional KV cache. Without a cache the `path` (jaxllm.ops.AttentionPath) runs;
     with one, XLA attends over the cache slots written so far (see jaxllm.ops)."""
 
     n_heads: int
@@ -333,7 +333,7 @@ class DepthwiseConv1d(nn.Module):
 
     kernel_size: int = 3
     mode: str = "causal"
-    path: str = "xla"  # "xla" | "pallas" (jaxllm.ops)
+    path: ops.ConvPath = "xla"
     shard: ops.KernelShard | None = None
 
     @nn.compact

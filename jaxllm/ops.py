@@ -6,7 +6,7 @@ path from the plan and call the functions below; nothing else in the library imp
 `pallas_kernels` (the kernel benchmark in `jaxllm.profiling.kernel_bench`, whose subject is the
 kernels themselves, is the one exception). A switch that cannot apply is a `ConfigError`, when the
 config is loaded (cuDNN or flash attention with dropout) or when the plan is made for the machine
-(execution.loss_backend=mosaic_gpu off Hopper), or a path the plan names (cuDNN needs a GPU and
+(execution.kernel_backend=mosaic_gpu off Hopper), or a path the plan names (cuDNN needs a GPU and
 bf16, our flash attention a Hopper-class GPU, 16-bit inputs and head dim 64 or 128: elsewhere
 attention runs on the `kernels` path, and `OpPlan.describe()` says so); nothing falls back
 silently.
@@ -16,20 +16,21 @@ Pallas call then runs once per shard of the batch, inside `jax.shard_map` (a Pal
 custom call that XLA's partitioner cannot split: left to it, the operands are gathered whole
 onto every device and the call runs replicated).
 
-Paths:
-  norm       xla | pallas          LayerNorm (GPT-2) or RMSNorm (transformer_lm), each with the
+Paths ("pallas" is a Pallas kernel on the Triton lowering, "pallas_mgpu" the same op's Mosaic GPU
+kernel: execution.kernel_backend picks, MOSAIC_AUTO lists the families `auto` moves to Mosaic GPU
+on a Hopper-class GPU):
+  norm       xla | pallas[_mgpu]   LayerNorm (GPT-2) or RMSNorm (transformer_lm), each with the
                                    fused residual add on the Pallas path
-  attention  xla | pallas | cudnn  training/eval attention: XLA's masked softmax, the Pallas
-             | flash               softmax between two XLA einsums, cuDNN flash attention, or
+  attention  xla | pallas[_mgpu]   training/eval attention: XLA's masked softmax, the Pallas
+             | cudnn | flash       softmax between two XLA einsums, cuDNN flash attention, or
                                    ours (pallas_kernels.flash_attention, Mosaic GPU)
   decode     xla                   attention over a KV cache (generation): always XLA
-  loss       xla | pallas          LM head + cross-entropy: logits then softmax_loss, or the
-             | pallas_mgpu         fused Pallas kernel that never keeps the logits (pallas_mgpu:
-                                   its Mosaic GPU lowering for the training step, picked on
-                                   Hopper GPUs for bfloat16 where the rows fit, see
+  loss       xla | pallas[_mgpu]   LM head + cross-entropy: logits then softmax_loss, or the
+                                   fused Pallas kernel that never keeps the logits (its Mosaic
+                                   GPU kernel needs bfloat16 rows that fit, see
                                    pallas_kernels.mosaic_loss_refusal; a loss without gradient,
                                    as in evaluation, runs the Triton forward kernel either way)
-  conv       xla | pallas          depthwise conv1d
+  conv       xla | pallas[_mgpu]   depthwise conv1d
 """
 
 from __future__ import annotations
@@ -49,9 +50,14 @@ from jaxllm import functional as F
 from jaxllm.config import LOSS_CHUNK_MIB, ConfigError, ExecutionConfig, ModelConfig
 from pallas_kernels.cross_entropy import OUT_OF_RANGE_CE, mark_out_of_range, targets_in_range
 
-NormPath = Literal["xla", "pallas"]
-AttentionPath = Literal["xla", "pallas", "cudnn", "flash"]
+NormPath = Literal["xla", "pallas", "pallas_mgpu"]
+AttentionPath = Literal["xla", "pallas", "pallas_mgpu", "cudnn", "flash"]
 LossPath = Literal["xla", "pallas", "pallas_mgpu"]
+ConvPath = Literal["xla", "pallas", "pallas_mgpu"]
+
+# The op families whose Mosaic GPU kernels execution.kernel_backend=auto runs on a Hopper-class
+# GPU: those measured at least as fast as their Triton kernels (benchmarks/RESULTS.md).
+MOSAIC_AUTO = frozenset({"loss"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +86,11 @@ class KernelShard:
 
     def rows_per_device(self, rows: int) -> int:
         return rows // math.prod(self.mesh.shape[a] for a in self.row_axes(rows))
+
+
+def _backend(path: str) -> str:
+    """The `backend` argument of pallas_kernels for a Pallas path."""
+    return "mosaic_gpu" if path == "pallas_mgpu" else "triton"
 
 
 def _per_shard(
@@ -114,7 +125,7 @@ class OpPlan:
     norm: NormPath = "xla"
     attention: AttentionPath = "xla"
     loss: LossPath = "xla"
-    conv: Literal["xla", "pallas"] = "xla"
+    conv: ConvPath = "xla"
     interpret: bool = False  # Pallas kernels run in interpret mode (no GPU): slow, for tests
     shard: KernelShard | None = None  # several devices: each Pallas call runs per batch shard
     notes: tuple[str, ...] = ()  # why a path differs from what the config asked for
@@ -146,7 +157,7 @@ class OpPlan:
         if self.loss not in ("pallas", "pallas_mgpu"):
             return None
         rows = self.shard.rows_per_device(rows) if self.shard else rows
-        backend = "mosaic_gpu" if self.loss == "pallas_mgpu" else "triton"
+        backend = _backend(self.loss)
         per_chunk = pallas_kernels.head_chunk_rows(
             rows, cfg.vocab_size, ex.compute_dtype, backend, ex.loss_chunk_mib * 2**20
         )
@@ -157,6 +168,42 @@ class OpPlan:
             f"loss: a full batch's {rows} rows per device in {chunks} chunks of {per_chunk} "
             f"(execution.loss_chunk_mib {ex.loss_chunk_mib})"
         )
+
+
+def _mosaic_refusal(family: str, cfg: ModelConfig, ex: ExecutionConfig, backend: str) -> str | None:
+    """What `family`'s Mosaic GPU kernels need that this run lacks, as "needs ..." would end
+    (None: they can run)."""
+    if backend != "gpu":
+        return f"a GPU (backend here: {backend})"
+    if family == "loss":
+        return pallas_kernels.mosaic_loss_refusal(cfg.vocab_size, ex.compute_dtype)
+    if (refusal := pallas_kernels.mosaic_gpu_refusal()) is not None:
+        return refusal
+    # rows are tiled in 128-column units: the keys (up to the context) or the channels
+    name, width = (
+        ("model.context_length", cfg.context_length)
+        if family == "attention"
+        else ("model.d_model", cfg.d_model)
+    )
+    return f"{name} a multiple of 128 (got {width})" if width % 128 else None
+
+
+def _lowering(family: str, path: str, cfg: ModelConfig, ex: ExecutionConfig, backend: str) -> str:
+    """A Pallas `path` on the lowering execution.kernel_backend picks: "pallas" (Triton) or
+    "pallas_mgpu" (Mosaic GPU); other paths as they are."""
+    if path != "pallas" or ex.kernel_backend == "triton":
+        return path
+    if ex.kernel_backend == "auto" and family not in MOSAIC_AUTO:
+        return path
+    refusal = _mosaic_refusal(family, cfg, ex, backend)
+    if refusal is None:
+        return "pallas_mgpu"
+    if ex.kernel_backend == "mosaic_gpu":
+        raise ConfigError(
+            f"execution.kernel_backend=mosaic_gpu needs, for the {family} kernels, {refusal}; "
+            "use execution.kernel_backend=auto or triton"
+        )
+    return path
 
 
 def plan_ops(
@@ -193,25 +240,11 @@ def plan_ops(
                 f"{attention}"
             )
     pallas = "pallas" in (ex.kernels, ex.loss_impl) or attention in ("pallas", "flash")
-    loss: LossPath = ex.loss_impl
-    if loss == "pallas" and ex.loss_backend != "triton":  # Mosaic GPU: faster, where it runs
-        refusal = (
-            pallas_kernels.mosaic_loss_refusal(cfg.vocab_size, ex.compute_dtype)
-            if backend == "gpu"
-            else f"a GPU (backend here: {backend})"
-        )
-        if refusal is None:
-            loss = "pallas_mgpu"
-        elif ex.loss_backend == "mosaic_gpu":
-            raise ConfigError(
-                f"execution.loss_backend=mosaic_gpu needs {refusal}; use "
-                "execution.loss_backend=auto or triton"
-            )
     return OpPlan(
-        norm=ex.kernels,  # LayerNorm and RMSNorm both have kernels
-        attention=attention,
-        loss=loss,
-        conv=ex.kernels,
+        norm=_lowering("norm", ex.kernels, cfg, ex, backend),  # LayerNorm and RMSNorm alike
+        attention=_lowering("attention", attention, cfg, ex, backend),
+        loss=_lowering("loss", ex.loss_impl, cfg, ex, backend),
+        conv=_lowering("conv", ex.kernels, cfg, ex, backend),
         interpret=backend != "gpu",
         shard=shard if pallas else None,
         notes=tuple(notes),
@@ -231,11 +264,13 @@ def layer_norm(
     shard: KernelShard | None = None,
 ) -> jax.Array:
     """LayerNorm over the last dim of x (..., D), output in out_dtype."""
-    if path == "pallas":
+    if path in ("pallas", "pallas_mgpu"):
         bias = jnp.zeros_like(scale) if bias is None else bias
 
         def kernel(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
-            return pallas_kernels.layer_norm(x, scale, bias, eps, out_dtype=out_dtype)
+            return pallas_kernels.layer_norm(
+                x, scale, bias, eps, out_dtype=out_dtype, backend=_backend(path)
+            )
 
         return _per_shard(shard, kernel, (x, scale, bias), (True, False, False), True)
     return F.layer_norm(x, scale, bias, eps).astype(out_dtype)
@@ -253,11 +288,13 @@ def add_layer_norm(
 ) -> tuple[jax.Array, jax.Array]:
     """(s, LayerNorm(s)) with s = x + h in x's dtype: the pre-norm residual step, one kernel
     both ways on the Pallas path."""
-    if path == "pallas":
+    if path in ("pallas", "pallas_mgpu"):
         bias = jnp.zeros_like(scale) if bias is None else bias
 
         def kernel(x: jax.Array, h: jax.Array, scale: jax.Array, bias: jax.Array) -> Any:
-            return pallas_kernels.add_layer_norm(x, h, scale, bias, eps, out_dtype=out_dtype)
+            return pallas_kernels.add_layer_norm(
+                x, h, scale, bias, eps, out_dtype=out_dtype, backend=_backend(path)
+            )
 
         args = (x, h, scale, bias)
         return _per_shard(shard, kernel, args, (True, True, False, False), (True, True))
@@ -274,10 +311,12 @@ def rms_norm(
     shard: KernelShard | None = None,
 ) -> jax.Array:
     """RMSNorm over the last dim of x (..., D), output in out_dtype."""
-    if path == "pallas":
+    if path in ("pallas", "pallas_mgpu"):
 
         def kernel(x: jax.Array, scale: jax.Array) -> jax.Array:
-            return pallas_kernels.rms_norm(x, scale, eps, out_dtype=out_dtype)
+            return pallas_kernels.rms_norm(
+                x, scale, eps, out_dtype=out_dtype, backend=_backend(path)
+            )
 
         return _per_shard(shard, kernel, (x, scale), (True, False), True)
     return F.rms_norm(x, scale, eps).astype(out_dtype)
@@ -293,10 +332,12 @@ def add_rms_norm(
     shard: KernelShard | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(s, RMSNorm(s)) with s = x + h in x's dtype, as `add_layer_norm`."""
-    if path == "pallas":
+    if path in ("pallas", "pallas_mgpu"):
 
         def kernel(x: jax.Array, h: jax.Array, scale: jax.Array) -> Any:
-            return pallas_kernels.add_rms_norm(x, h, scale, eps, out_dtype=out_dtype)
+            return pallas_kernels.add_rms_norm(
+                x, h, scale, eps, out_dtype=out_dtype, backend=_backend(path)
+            )
 
         return _per_shard(shard, kernel, (x, h, scale), (True, True, False), (True, True))
     s = x + h.astype(x.dtype)
@@ -329,11 +370,13 @@ def causal_attention(
             return pallas_kernels.flash_attention(q, k, v)
 
         return _per_shard(shard, kernel, (q, k, v), (True,) * 3, True)
-    if path == "pallas":
+    if path in ("pallas", "pallas_mgpu"):
 
         def probs_fn(scores: jax.Array, scale: float) -> jax.Array:  # (B, H, T, T)
             def kernel(scores: jax.Array) -> jax.Array:
-                return pallas_kernels.attention_softmax(scores, None, causal=True, scale=scale)
+                return pallas_kernels.attention_softmax(
+                    scores, None, causal=True, scale=scale, backend=_backend(path)
+                )
 
             return _per_shard(shard, kernel, (scores,), (True,), True)
 
@@ -364,7 +407,7 @@ def linear_cross_entropy(
     if path in ("pallas", "pallas_mgpu"):
         if label_smoothing:  # ExecutionConfig refuses this pairing; a direct caller gets it here
             raise ValueError("label smoothing needs the xla loss path: the fused kernel has none")
-        backend = "mosaic_gpu" if path == "pallas_mgpu" else "triton"
+        backend = _backend(path)
 
         def kernel(x: jax.Array, w: jax.Array, t: jax.Array, wt: jax.Array) -> Any:
             loss, ce, hit = pallas_kernels.linear_cross_entropy(
@@ -393,10 +436,10 @@ def depthwise_conv1d(
     shard: KernelShard | None = None,
 ) -> jax.Array:
     """Per-channel conv over (B, L, D) with w (D, K), b (D,); see `F.depthwise_conv1d`."""
-    if path == "pallas":
+    if path in ("pallas", "pallas_mgpu"):
 
         def kernel(u: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
-            return pallas_kernels.depthwise_conv1d(u, w, b, mode)
+            return pallas_kernels.depthwise_conv1d(u, w, b, mode, backend=_backend(path))
 
         return _per_shard(shard, kernel, (u, w, b), (True, False, False), True)
     return F.depthwise_conv1d(u, w, b, mode)

@@ -479,7 +479,7 @@ def mesh_apply(
         check_pipeline(model.cfg, model.execution, stages, virtual_stages, microbatches)
         m = microbatches or stages
         plan = model.plan
-        pallas = "pallas" in (plan.norm, plan.attention, plan.conv)  # in the stages
+        pallas = any(p.startswith("pallas") for p in (plan.norm, plan.attention, plan.conv))
         run = functools.partial(
             pipeline_apply,
             mesh=mesh,

@@ -9,6 +9,7 @@ share `common.py`, `rows_mgpu.py` (Mosaic GPU row-kernel blocks) and any `<op>_c
 """
 
 from .attention_softmax import attention_softmax
+from .common import mosaic_gpu_refusal
 from .cross_entropy import head_chunk_rows, linear_cross_entropy, mosaic_loss_refusal
 from .depthwise_conv1d import depthwise_conv1d
 from .flash_attention import flash_attention, flash_attention_refusal
@@ -41,6 +42,7 @@ __all__ = [
     "layer_norm_ref",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
+    "mosaic_gpu_refusal",
     "mosaic_loss_refusal",
     "rms_norm",
     "rms_norm_ref",

@@ -313,9 +313,9 @@ def test_forward_flops_match_the_training_flops_per_token():
                 "16",
                 "--execution.compute_dtype=bfloat16",
                 "--execution.loss_impl=pallas",
-                "--execution.loss_backend=mosaic_gpu",
+                "--execution.kernel_backend=mosaic_gpu",
             ],
-            "loss_backend=mosaic_gpu needs a GPU",
+            "kernel_backend=mosaic_gpu needs, for the loss kernels, a GPU",
         ),  # fmt: skip
         (["breakdown", "--size", "huge"], "invalid choice: 'huge'"),
         (["breakdown", "--execution.compute_dtype=float16"], "execution.compute_dtype"),

@@ -91,25 +91,60 @@ def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch)
     assert plan_ops(wide, ex, backend="gpu").loss == "pallas"
     assert plan_ops(*preset(loss_impl="xla"), backend="gpu").loss == "xla"
     # the user's override: Triton always; Mosaic GPU where it can run, else an error
-    assert plan_ops(*preset(loss_backend="triton"), backend="gpu").loss == "pallas"
-    forced = dataclasses.replace(ex, loss_backend="mosaic_gpu")
+    assert plan_ops(*preset(kernel_backend="triton"), backend="gpu").loss == "pallas"
+    forced = dataclasses.replace(ex, kernel_backend="mosaic_gpu")
     assert plan_ops(cfg, forced, backend="gpu").loss == "pallas_mgpu"
-    with pytest.raises(ConfigError, match=r"loss_backend=mosaic_gpu needs a GPU \(backend here"):
+    with pytest.raises(
+        ConfigError,
+        match=r"kernel_backend=mosaic_gpu needs, for the \w+ kernels, a GPU \(backend here",
+    ):
         plan_ops(cfg, forced, backend="cpu")
-    with pytest.raises(ConfigError, match=r"needs a vocabulary of at most 54272 .*got 60000\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"needs, for the loss kernels, a vocabulary of at most 54272 .*got 60000\)",
+    ):
         plan_ops(wide, forced, backend="gpu")
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: False)
-    with pytest.raises(ConfigError, match=r"needs a GPU of compute capability 9.x or 10.x"):
+    with pytest.raises(
+        ConfigError, match=r"needs, for the norm kernels, a GPU of compute capability 9.x or 10.x"
+    ):
         plan_ops(cfg, forced, backend="gpu")
 
 
-def test_loss_backend_needs_the_fused_loss_and_bf16_for_mosaic():
-    with pytest.raises(ConfigError, match="triton picks .* needs execution.loss_impl=pallas"):
-        ExecutionConfig(loss_backend="triton")
-    with pytest.raises(ConfigError, match="loss_backend=mosaic_gpu computes in bfloat16"):
-        ExecutionConfig(loss_impl="pallas", loss_backend="mosaic_gpu")
-    ex = ExecutionConfig(loss_impl="pallas", loss_backend="mosaic_gpu", compute_dtype="bfloat16")
-    assert ex.loss_backend == "mosaic_gpu"
+def test_kernel_backend_picks_every_pallas_kernels_lowering(monkeypatch):
+    """kernel_backend=mosaic_gpu moves the norms, the softmax and the conv to Mosaic GPU (the ops
+    line says so) and refuses widths its row kernels cannot tile; auto keeps them on Triton."""
+    import pallas_kernels.common as tb
+
+    monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
+    cfg, ex = preset(attention_impl="xla")
+    cfg = dataclasses.replace(cfg, short_conv=True)
+    auto = plan_ops(cfg, ex, backend="gpu")
+    assert (auto.norm, auto.attention, auto.conv) == ("pallas",) * 3
+    forced = plan_ops(cfg, dataclasses.replace(ex, kernel_backend="mosaic_gpu"), backend="gpu")
+    assert (forced.norm, forced.attention, forced.conv) == ("pallas_mgpu",) * 3
+    assert "norm=pallas_mgpu attention=pallas_mgpu" in forced.describe()
+    narrow = dataclasses.replace(cfg, d_model=96, n_heads=2)
+    with pytest.raises(
+        ConfigError, match=r"for the norm kernels, model.d_model a multiple of 128 \(got 96\)"
+    ):
+        plan_ops(narrow, dataclasses.replace(ex, kernel_backend="mosaic_gpu"), backend="gpu")
+    assert plan_ops(narrow, ex, backend="gpu").norm == "pallas"  # auto: Triton, no error
+
+
+def test_kernel_backend_needs_a_pallas_kernel_and_bf16_for_the_mosaic_loss():
+    with pytest.raises(ConfigError, match="triton picks .* needs execution.kernels=pallas or"):
+        ExecutionConfig(kernel_backend="triton")
+    with pytest.raises(
+        ConfigError, match="kernel_backend=mosaic_gpu runs the fused loss in bfloat16"
+    ):
+        ExecutionConfig(loss_impl="pallas", kernel_backend="mosaic_gpu")
+    ex = ExecutionConfig(loss_impl="pallas", kernel_backend="mosaic_gpu", compute_dtype="bfloat16")
+    assert ex.kernel_backend == "mosaic_gpu"
+    assert (
+        ExecutionConfig(kernels="pallas", kernel_backend="mosaic_gpu").kernel_backend
+        == "mosaic_gpu"
+    )
 
 
 def test_mosaic_loss_path_lowers_for_cuda(monkeypatch):
@@ -154,6 +189,29 @@ def test_model_loss_reaches_the_mosaic_kernel_when_planned(monkeypatch):
     text = jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
     # padded to 3 x 1024 (Triton's padding would give 2176)
     assert "cross_entropy_fwd_bwd_mgpu" in text and "3072" in text
+
+
+def test_model_reaches_every_mosaic_kernel_when_planned(monkeypatch):
+    """kernel_backend=mosaic_gpu: the model's norms, softmax and conv (forward and backward)
+    lower to their Mosaic GPU kernels for CUDA."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels.common as tb
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
+    model = tiny_model(kernels="pallas", kernel_backend="mosaic_gpu", compute_dtype="bfloat16",
+                       d_model=128, n_heads=2, context_length=128, short_conv=True)  # fmt: skip
+    tokens = jnp.zeros((2, 128), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
+
+    def loss(p):
+        return model.apply(p, tokens, tokens, method="loss")[0]
+
+    text = jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
+    for op in ("add_layer_norm", "attention_softmax", "depthwise_conv1d"):
+        assert f"{op}_fwd_mgpu" in text and f"{op}_bwd_mgpu" in text, op
 
 
 def test_loss_chunk_mib_reaches_the_kernel_and_needs_the_fused_loss():

@@ -28,7 +28,7 @@ def rms_norm(cfg: ModelConfig, ex: ExecutionConfig, plan: OpPlan) -> functools.p
     """RMSNorm on the plan's norm path. The Pallas kernel writes the compute dtype (the next
     matmul's input) in its one pass, as GPT-2's LayerNorm does; XLA keeps its float32 output (it
     fuses the convert into the consumer anyway)."""
-    out_dtype = jnp.dtype(ex.compute_dtype) if plan.norm == "pallas" else None
+    out_dtype = jnp.dtype(ex.compute_dtype) if plan.norm != "xla" else None
     return functools.partial(RMSNorm, cfg.norm_eps, plan.norm, out_dtype, plan.shard)
 
 
