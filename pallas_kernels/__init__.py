@@ -13,7 +13,7 @@ from .common import mosaic_gpu_refusal
 from .cross_entropy import head_chunk_rows, linear_cross_entropy, mosaic_loss_refusal
 from .depthwise_conv1d import depthwise_conv1d
 from .flash_attention import flash_attention, flash_attention_refusal
-from .layer_norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from .layer_norm import add_layer_norm, add_rms_norm, layer_norm, mosaic_norm_refusal, rms_norm
 from .reference import (
     add_layer_norm_ref,
     add_rms_norm_ref,
@@ -44,6 +44,7 @@ __all__ = [
     "linear_cross_entropy_ref",
     "mosaic_gpu_refusal",
     "mosaic_loss_refusal",
+    "mosaic_norm_refusal",
     "rms_norm",
     "rms_norm_ref",
 ]

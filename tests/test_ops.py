@@ -34,7 +34,7 @@ def test_gpt2_benchmark_preset_on_gpu(monkeypatch, hopper):
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: hopper)  # whatever this machine is
     plan = plan_ops(*preset(), backend="gpu")
     assert (plan.norm, plan.attention, plan.loss, plan.conv) == (
-        "pallas",
+        "pallas_mgpu" if hopper else "pallas",
         "cudnn",
         "pallas_mgpu" if hopper else "pallas",
         "pallas",
@@ -120,16 +120,20 @@ def test_kernel_backend_picks_every_pallas_kernels_lowering(monkeypatch):
     cfg, ex = preset(attention_impl="xla")
     cfg = dataclasses.replace(cfg, short_conv=True)
     auto = plan_ops(cfg, ex, backend="gpu")
-    assert (auto.norm, auto.attention, auto.conv) == ("pallas",) * 3
+    assert (auto.norm, auto.attention, auto.conv) == ("pallas_mgpu", "pallas", "pallas")
     forced = plan_ops(cfg, dataclasses.replace(ex, kernel_backend="mosaic_gpu"), backend="gpu")
     assert (forced.norm, forced.attention, forced.conv) == ("pallas_mgpu",) * 3
     assert "norm=pallas_mgpu attention=pallas_mgpu" in forced.describe()
     narrow = dataclasses.replace(cfg, d_model=96, n_heads=2)
-    with pytest.raises(
-        ConfigError, match=r"for the norm kernels, model.d_model a multiple of 128 \(got 96\)"
-    ):
+    with pytest.raises(ConfigError, match=r"norm kernels, a hidden size D .* 128 .*\(got 96\)"):
         plan_ops(narrow, dataclasses.replace(ex, kernel_backend="mosaic_gpu"), backend="gpu")
     assert plan_ops(narrow, ex, backend="gpu").norm == "pallas"  # auto: Triton, no error
+    # a float32 residual stream of 8192 does not fit its shared memory (the residual add's
+    # backward): Triton; a bfloat16 one does
+    wide = dataclasses.replace(cfg, d_model=8192, n_heads=64)
+    assert plan_ops(wide, ex, backend="gpu").norm == "pallas"
+    bf16 = dataclasses.replace(ex, residual_dtype="bfloat16")
+    assert plan_ops(wide, bf16, backend="gpu").norm == "pallas_mgpu"
 
 
 def test_kernel_backend_needs_a_pallas_kernel_and_bf16_for_the_mosaic_loss():
