@@ -7,6 +7,8 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 timeout 260 python3 -P $S/item1_ab.py.txt --part ab > $OUT/ab.log 2>&1; echo "ab rc $?"; cat $OUT/ab.log
 timeout 250 python3 -c "
 import runpy, sys
+from jaxllm.xla_flags import apply_default_xla_flags
+apply_default_xla_flags()  # before jax is imported, as throughput.py does
 import jaxllm.ops as ops
 ops.MOSAIC_AUTO = frozenset({'loss'})
 sys.argv = ['throughput.py', '--vary', 'execution.kernel_backend=auto,mosaic_gpu,auto,mosaic_gpu', '--vary', 'train.batch_size=64']
