@@ -532,6 +532,8 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
         raise ConfigError(f"{path or 'config'} must be a mapping, got {got}")
     if cls is Config:
         data = _execution_out_of_model(data)
+    if cls is ExecutionConfig and "loss_backend" in data:  # its name in earlier run dirs
+        data = {("kernel_backend" if k == "loss_backend" else k): v for k, v in data.items()}
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
     if unknown:

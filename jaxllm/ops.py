@@ -56,11 +56,10 @@ LossPath = Literal["xla", "pallas", "pallas_mgpu"]
 ConvPath = Literal["xla", "pallas", "pallas_mgpu"]
 
 # The op families whose Mosaic GPU kernels execution.kernel_backend=auto runs on a Hopper-class
-# GPU: those measured at least as fast as their Triton kernels in the training step
-# (benchmarks/RESULTS.md, "Mosaic GPU or Triton": GPT-2 124M at batch 64 on an H100, 2026-11-28,
-# norms on Mosaic GPU 125.5 / 125.0 ms against Triton's 125.8 / 125.4 in alternate rounds; the
-# fused loss 2.0x XLA against Triton's 1.27x). The softmax and the conv stay on Triton (slower
-# on Mosaic GPU at every timed shape).
+# GPU (benchmarks/RESULTS.md, "Mosaic GPU or Triton"): the fused loss (its kernel 2.0x XLA,
+# Triton's 1.27x) and the norms (GPT-2 124M's step at batch 64 a tie within noise on an H100 and
+# an H200, Mosaic 0.3-0.6% lower in alternate rounds). The softmax and the conv stay on Triton
+# (slower on Mosaic GPU at nearly every timed shape).
 MOSAIC_AUTO = frozenset({"loss", "norm"})
 
 
@@ -183,8 +182,11 @@ def _mosaic_refusal(family: str, cfg: ModelConfig, ex: ExecutionConfig, backend:
         return pallas_kernels.mosaic_loss_refusal(cfg.vocab_size, ex.compute_dtype)
     if (refusal := pallas_kernels.mosaic_gpu_refusal()) is not None:
         return refusal
-    if family == "norm":
-        return pallas_kernels.mosaic_norm_refusal(cfg.d_model, ex.residual_dtype, ex.compute_dtype)
+    if family == "norm":  # RMSNorm (transformer_lm) has gamma only
+        param_bytes = 8 if cfg.arch == "gpt2" else 4
+        return pallas_kernels.mosaic_norm_refusal(
+            cfg.d_model, ex.residual_dtype, ex.compute_dtype, param_bytes
+        )
     # rows are tiled in 128-column units: the keys (up to the context) or the channels
     name, width = (
         ("model.context_length", cfg.context_length)
@@ -223,32 +225,36 @@ def plan_ops(
     `shard`: how Pallas calls run on a mesh of several devices (kept only if a path is Pallas)."""
     backend = backend or jax.default_backend()
     notes = []
-    attention: AttentionPath = "pallas" if ex.kernels == "pallas" else "xla"
-    if ex.attention_impl == "dot_product_attention":
-        if backend == "gpu" and ex.compute_dtype == "bfloat16":
-            attention = "cudnn"
-        else:
+    # the `kernels` path (XLA's softmax or the Pallas one), where no attention_impl takes over
+    fallback = "pallas" if ex.kernels == "pallas" else "xla"
+    cudnn = backend == "gpu" and ex.compute_dtype == "bfloat16"
+    refusal = (
+        pallas_kernels.flash_attention_refusal(cfg.d_model // cfg.n_heads, ex.compute_dtype)
+        if backend == "gpu"
+        else f"a GPU (backend here: {backend})"
+    )
+    attention: AttentionPath
+    if ex.attention_impl == "dot_product_attention" and cudnn:
+        attention = "cudnn"
+    elif ex.attention_impl == "pallas" and refusal is None:
+        attention = "flash"
+    else:
+        attention = _lowering("attention", fallback, cfg, ex, backend)
+        if ex.attention_impl == "dot_product_attention":
             notes.append(
                 f"attention_impl=dot_product_attention needs a GPU and bfloat16 for cuDNN "
                 f"(backend {backend}, {ex.compute_dtype}): attention runs on {attention}"
             )
-    elif ex.attention_impl == "pallas":
-        refusal = (
-            pallas_kernels.flash_attention_refusal(cfg.d_model // cfg.n_heads, ex.compute_dtype)
-            if backend == "gpu"
-            else f"a GPU (backend here: {backend})"
-        )
-        if refusal is None:
-            attention = "flash"
-        else:
+        elif ex.attention_impl == "pallas":
             notes.append(
                 f"attention_impl=pallas (flash attention) needs {refusal}: attention runs on "
                 f"{attention}"
             )
-    pallas = "pallas" in (ex.kernels, ex.loss_impl) or attention in ("pallas", "flash")
+    pallas = "pallas" in (ex.kernels, ex.loss_impl) or attention.startswith("pallas")
+    pallas |= attention == "flash"
     return OpPlan(
         norm=_lowering("norm", ex.kernels, cfg, ex, backend),  # LayerNorm and RMSNorm alike
-        attention=_lowering("attention", attention, cfg, ex, backend),
+        attention=attention,
         loss=_lowering("loss", ex.loss_impl, cfg, ex, backend),
         conv=_lowering("conv", ex.kernels, cfg, ex, backend),
         interpret=backend != "gpu",

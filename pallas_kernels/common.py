@@ -13,7 +13,8 @@ Every public kernel function takes `backend: str = "triton"`; `check_backend` va
   no silent fallback to Triton. benchmarks/mosaic_gpu_check.py measures both side by side. The
   fused cross-entropy's training pass is faster there (it keeps each row of logits in shared
   memory between its two sweeps); `cross_entropy.mosaic_loss_refusal` says where it cannot run.
-  The norm, softmax and conv kernels are faster on Triton.
+  The norms tie Triton's in a training step; the softmax and conv kernels are faster on
+  Triton (jaxllm.ops.MOSAIC_AUTO picks per op family).
 
 jax 0.11 deprecates the Triton lowering and warns at every lowering (`DeprecationWarning: The
 Pallas Triton backend is deprecated and will be removed in a future JAX version.`). We silence

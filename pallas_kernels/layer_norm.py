@@ -168,12 +168,13 @@ def _apply(x, h, gamma, beta, eps, interpret, out_dtype, config, backend):
     return s.reshape(x.shape), y.reshape(x.shape)
 
 
-def mosaic_norm_refusal(n_cols: int, dtype, out_dtype) -> str | None:
-    """Why the Mosaic GPU norm kernels cannot take rows of `n_cols` of `dtype` (residual stream
-    and h alike) written as `out_dtype`, as "needs ..." would end (None: they can, with and
-    without the residual add): D a multiple of 128 whose rows fit in shared memory."""
-    try:
-        mgpu.configs(1024, n_cols, dtype, out_dtype, dtype)  # the residual variant: the largest
+def mosaic_norm_refusal(n_cols: int, dtype, out_dtype, param_bytes: int = 8) -> str | None:
+    """Why the Mosaic GPU norm kernels cannot take rows of `n_cols` of `dtype` (the residual
+    stream) with a branch h and y in `out_dtype`, and gamma (+ beta) of `param_bytes` bytes per
+    column, as "needs ..." would end (None: they can, with and without the residual add): D a
+    multiple of 128 whose rows fit in shared memory."""
+    try:  # the residual variant: the larger
+        mgpu.configs(1024, n_cols, dtype, out_dtype, out_dtype, param_bytes)
     except ValueError:
         return f"a hidden size D that is a multiple of 128 and fits in shared memory (got {n_cols})"
     return None

@@ -113,7 +113,8 @@ def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch)
 
 def test_kernel_backend_picks_every_pallas_kernels_lowering(monkeypatch):
     """kernel_backend=mosaic_gpu moves the norms, the softmax and the conv to Mosaic GPU (the ops
-    line says so) and refuses widths its row kernels cannot tile; auto keeps them on Triton."""
+    line says so) and refuses widths its row kernels cannot tile; auto keeps the softmax and the
+    conv on Triton."""
     import pallas_kernels.common as tb
 
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
@@ -328,3 +329,11 @@ def test_flash_attention_needs_hopper_bf16_and_its_head_dims_and_the_plan_says_s
     assert p.attention == "pallas" and "Hopper-class" in p.describe()
     with pytest.raises(ConfigError, match="attention_impl=pallas has no attention dropout"):
         ExecutionConfig(attention_impl="pallas", dropout=0.1)
+
+
+def test_a_run_dir_written_with_loss_backend_still_loads():
+    """Earlier versions named execution.kernel_backend loss_backend (every config.yaml holds it)."""
+    from jaxllm.config import from_dict
+
+    ex = from_dict(ExecutionConfig, {"loss_impl": "pallas", "loss_backend": "triton"})
+    assert ex.kernel_backend == "triton"
