@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jaxllm import functional as F
 from jaxllm import ops
 from jaxllm.config import ExecutionConfig, ModelConfig
-from jaxllm.layers import AttentionInputs, FeedForward, LayerNorm, Linear, RMSNorm, SwiGLU
+from jaxllm.layers import AttentionInputs, FeedForward, LayerNorm, Linear, SwiGLU
 from jaxllm.models import gpt2, transformer_lm
 from jaxllm.profiling.flops import layer_ops
 from jaxllm.profiling.harness import (
@@ -83,7 +83,10 @@ def _submodules(
         norm = LayerNorm(cfg.norm_eps, cfg.bias, plan.norm, dtype)
         mlp = FeedForward(cfg.ffn_dim, cfg.bias, ex.dropout, compute_dtype=dtype)
     else:
-        norm, mlp = RMSNorm(cfg.norm_eps), SwiGLU(cfg.ffn_dim, compute_dtype=dtype)
+        norm, mlp = (
+            transformer_lm.rms_norm(cfg, ex, plan)(),
+            SwiGLU(cfg.ffn_dim, compute_dtype=dtype),
+        )
     qkv = Linear(3 * cfg.d_model, use_bias=cfg.qkv_bias, compute_dtype=dtype)
     return norm, mlp, qkv, Linear(cfg.d_model, use_bias=cfg.bias, compute_dtype=dtype)
 
