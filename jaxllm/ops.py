@@ -214,6 +214,13 @@ def _lowering(family: str, path: str, cfg: ModelConfig, ex: ExecutionConfig, bac
     return path
 
 
+def _flash_refusal(cfg: ModelConfig, ex: ExecutionConfig, backend: str) -> str | None:
+    """What our flash attention needs that this run lacks (None: it can run)."""
+    if backend != "gpu":
+        return f"a GPU (backend here: {backend})"
+    return pallas_kernels.flash_attention_refusal(cfg.d_model // cfg.n_heads, ex.compute_dtype)
+
+
 def plan_ops(
     cfg: ModelConfig,
     ex: ExecutionConfig,
@@ -228,15 +235,10 @@ def plan_ops(
     # the `kernels` path (XLA's softmax or the Pallas one), where no attention_impl takes over
     fallback = "pallas" if ex.kernels == "pallas" else "xla"
     cudnn = backend == "gpu" and ex.compute_dtype == "bfloat16"
-    refusal = (
-        pallas_kernels.flash_attention_refusal(cfg.d_model // cfg.n_heads, ex.compute_dtype)
-        if backend == "gpu"
-        else f"a GPU (backend here: {backend})"
-    )
     attention: AttentionPath
     if ex.attention_impl == "dot_product_attention" and cudnn:
         attention = "cudnn"
-    elif ex.attention_impl == "pallas" and refusal is None:
+    elif ex.attention_impl == "pallas" and (refusal := _flash_refusal(cfg, ex, backend)) is None:
         attention = "flash"
     else:
         attention = _lowering("attention", fallback, cfg, ex, backend)
@@ -250,8 +252,7 @@ def plan_ops(
                 f"attention_impl=pallas (flash attention) needs {refusal}: attention runs on "
                 f"{attention}"
             )
-    pallas = "pallas" in (ex.kernels, ex.loss_impl) or attention.startswith("pallas")
-    pallas |= attention == "flash"
+    pallas = "pallas" in (ex.kernels, ex.loss_impl) or attention == "flash"
     return OpPlan(
         norm=_lowering("norm", ex.kernels, cfg, ex, backend),  # LayerNorm and RMSNorm alike
         attention=attention,
