@@ -43,10 +43,15 @@ class Config(NamedTuple):
     warp_rows: bool = False  # rows_mgpu.row_layout: a warp per row (rows % 4 == 0)
 
 
-def default_config(n_queries: int, n_keys: int, itemsize: int, n_operands: int) -> Config:
+def default_config(
+    n_queries: int, n_keys: int, itemsize: int, n_operands: int, *, backward: bool
+) -> Config:
     """Block sizes for rows of Tk keys and `n_operands` block buffers per stage: whole rows in
-    registers up to 4096 keys (several rows at once for short rows), blocks of about 16 KB per
-    operand made of whole query runs (block_rows a power of two dividing Tq)."""
+    registers up to 4096 keys (several rows at once for short rows), blocks of whole query runs
+    (block_rows a power of two dividing Tq) of about 8 KB per operand (forward) or 16 KB
+    (backward), as many programs per SM as shared memory allows (up to 4; the forward's within
+    rows_mgpu.FWD_SM_SMEM_BYTES). 8 KB forward blocks, H200 (2026-11-28, benchmarks/RESULTS.md):
+    1.55x -> 1.22x Triton's time at 128 bf16 keys, 1.03x -> 0.99x at 1024."""
     rows.check_width("Tk", n_keys, "the key length Tk")
     budget = 4096
     if n_keys <= budget:
@@ -54,17 +59,19 @@ def default_config(n_queries: int, n_keys: int, itemsize: int, n_operands: int) 
     else:
         group, chunk = 1, rows.pick_chunk(n_keys, rows.pick_vec(n_keys, itemsize), budget)
     divisor = n_queries & -n_queries  # largest power of two dividing Tq
-    block = max(1, min(divisor, pl.next_power_of_2(16384 // (n_keys * itemsize) + 1) // 2))
+    block_bytes = 16384 if backward else 8192
+    block = max(1, min(divisor, pl.next_power_of_2(block_bytes // (n_keys * itemsize) + 1) // 2))
     group = min(group, block)
     per_block = n_operands * block * n_keys * itemsize
     stages = 2 if 2 * per_block <= rows.SMEM_BYTES else 1
     if stages * per_block > rows.SMEM_BYTES:
         raise ValueError(f"backend='mosaic_gpu': rows of Tk = {n_keys} do not fit in shared memory")
-    per_sm = max(1, min(4, rows.SMEM_BYTES // (stages * per_block)))
-    # rows of <= 1024 keys: a warp per row, 8 rows at once (H100: forward 2.75x -> 1.31x
+    sm_bytes = rows.SMEM_BYTES if backward else rows.FWD_SM_SMEM_BYTES
+    per_sm = rows.programs_per_sm(stages * per_block, sm_bytes)
+    # rows of <= 1024 keys: a warp per row, several rows a warp (H100: forward 2.75x -> 1.31x
     # Triton's time at 128 bf16 keys, 1.19x -> 1.11x at 1024; benchmarks/RESULTS.md)
     if chunk == n_keys <= 1024 and block >= 4:
-        return Config(block, min(8, block), chunk, per_sm, stages, warp_rows=True)
+        return Config(block, min(8 if backward else 16, block), chunk, per_sm, stages, True)
     return Config(block, group, chunk, per_sm, stages)
 
 
@@ -236,5 +243,5 @@ def backward(y, dy, cfg: Config, scale: float, n_queries: int, interpret: Any = 
 def configs(n_queries: int, n_keys: int, dtype, has_mask: bool) -> tuple[Config, Config]:
     """(forward, backward) default configs (the backward has three block operands)."""
     s = jnp.dtype(dtype).itemsize
-    fwd = default_config(n_queries, n_keys, s, 2 + (4 // s if has_mask else 0))
-    return fwd, default_config(n_queries, n_keys, s, 3)
+    fwd = default_config(n_queries, n_keys, s, 2 + (4 // s if has_mask else 0), backward=False)
+    return fwd, default_config(n_queries, n_keys, s, 3, backward=True)

@@ -69,9 +69,10 @@ def default_config(
     and `extra` bytes of other shared memory: about 16 KB per operand block (two stages); rows of
     up to 8192 held whole in registers (one shared-memory read for all sweeps), short ones grouped
     up to 4096 (forward) or 2048 (backward: more live arrays) float32 values; as many programs
-    per SM as shared memory allows (up to 4). Whole rows rather than 2048-column chunks in the
-    backward, 16384 x 8192 on an H100 (2026-11-28, benchmarks/RESULTS.md): the kernel alone
-    1.11x -> 0.89x (bf16) and 1.01x -> 0.93x (f32) Triton's time."""
+    per SM as shared memory allows, up to 4 (the forward's within rows_mgpu.FWD_SM_SMEM_BYTES).
+    Whole rows rather than 2048-column chunks in the backward, 16384 x 8192 on an H100
+    (2026-11-28, benchmarks/RESULTS.md): the kernel alone 1.11x -> 0.89x (bf16) and 1.01x ->
+    0.93x (f32) Triton's time."""
     rows.check_width("D", n_cols, "the hidden size D")
     budget = 2048 if backward else 4096
     if n_cols <= 8192:  # whole rows in registers
@@ -93,8 +94,9 @@ def default_config(
                 f"backend='mosaic_gpu': rows of D = {n_cols} do not fit in shared memory for "
                 "this layer norm; use backend='triton'"
             )
-    per_sm = rows.SMEM_BYTES // _smem_bytes(cfg, n_cols, itemsizes, extra)
-    return cfg._replace(programs_per_sm=max(1, min(4, per_sm)))
+    sm_bytes = rows.SMEM_BYTES if backward else rows.FWD_SM_SMEM_BYTES
+    per_sm = rows.programs_per_sm(_smem_bytes(cfg, n_cols, itemsizes, extra), sm_bytes)
+    return cfg._replace(programs_per_sm=per_sm)
 
 
 def check_config(cfg: Config, n_rows: int, n_cols: int) -> None:

@@ -39,6 +39,11 @@ _LOAD_NEEDS_IDX = _IDX is not None and _IDX.default is inspect.Parameter.empty
 SMEM_BYTES = 227 * 1024  # H100 shared memory per block (opt-in maximum)
 SM_SMEM_BYTES = 228 * 1024  # ... per SM, shared by its resident blocks
 BLOCK_RESERVED_BYTES = 1024  # ... of which the driver reserves this much per resident block
+# The LayerNorm and softmax forwards keep an SM's programs under this much shared memory: the
+# LayerNorm forward took 1.13-1.24x Triton's time with 3 or 4 programs filling 216-220 KB of an
+# SM and 0.96-1.05x with one program fewer (H200, 2026-11-28, benchmarks/RESULTS.md); the
+# backward is fastest with its 2 programs filling 227 KB. Why the forward slows is not known.
+FWD_SM_SMEM_BYTES = 208 * 1024
 LANES = 128  # threads of one warpgroup: the width one layout tile spreads a row over
 
 
@@ -223,6 +228,12 @@ def launch(body, name: str, out_type, scratch: dict, grid: dict[str, int], scrat
         _LAYOUTS.reset(token)
 
 
+def programs_per_sm(program_bytes: int, budget: int = SMEM_BYTES, cap: int = 4) -> int:
+    """Persistent programs an SM runs at once, 1 to `cap`: as many as fit in `budget` bytes of
+    shared memory with `program_bytes` each."""
+    return max(1, min(cap, budget // program_bytes))
+
+
 def pick_vec(width: int, itemsize: int, lanes: int = LANES) -> int:
     """Elements per lane access: up to 16 bytes, such that lanes * vec divides the row width
     (`lanes`: the threads a row is spread over, 32 for warp_rows)."""
@@ -274,9 +285,9 @@ def pipelined_blocks(
     """Run `compute(block, slot, carry) -> carry` over blocks first .. first + count - 1.
 
     loads / stores: (block -> GMEM ref view, SMEM buffer (stages, ...)) pairs; the view and one
-    slot of the buffer have the same shape. With stages = 2 the next block's loads are in flight
-    while this one is computed, and this block's stores while the next is. Copies are contiguous
-    bulk copies: `OOBFillMode.UNDEFINED` lets the copy engine clamp a ragged last block.
+    slot of the buffer have the same shape. With stages > 1 the next stages - 1 blocks' loads are
+    in flight while this one is computed, and the last stages - 1 blocks' stores. Copies are
+    contiguous bulk copies: `OOBFillMode.UNDEFINED` lets the copy engine clamp a ragged last block.
     """
 
     def fetch(k, slot):
@@ -284,14 +295,20 @@ def pipelined_blocks(
             copy_in(view(first + k), smem.at[slot], barrier.at[slot])
 
     fetch(jnp.int32(0), jnp.int32(0))
+    for k in range(1, stages - 1):
+
+        @pl.when(k < count)
+        def _(k=k):
+            fetch(jnp.int32(k), jnp.int32(k))
 
     def step(k, carry):
         slot = jax.lax.rem(k, stages)
         if stages > 1:  # prefetch into the slot the previous step finished with
+            ahead = k + stages - 1
 
-            @pl.when(k + 1 < count)
+            @pl.when(ahead < count)
             def _():
-                fetch(k + 1, jax.lax.rem(k + 1, stages))
+                fetch(ahead, jax.lax.rem(ahead, stages))
 
         plgpu.barrier_wait(barrier.at[slot])
         # this slot's output buffer was last sent `stages` steps ago: its copy must have read it
@@ -410,6 +427,6 @@ def tiling_ok(cfg: Any, n_rows: int, width: int) -> bool:
         and width % cfg.chunk == 0
         and (cfg.chunk == width or cfg.rows == 1)
         and (not cfg.warp_rows or cfg.rows % WARPS == 0)
-        and cfg.stages in (1, 2)
+        and cfg.stages >= 1
         and cfg.programs_per_sm >= 1
     )

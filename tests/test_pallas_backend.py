@@ -27,6 +27,7 @@ from pallas_kernels import (
     layer_norm,
     linear_cross_entropy,
     rms_norm,
+    rows_mgpu,
 )
 from pallas_kernels import attention_softmax_mgpu as softmax_mgpu
 from pallas_kernels import cross_entropy_mgpu as ce_mgpu
@@ -125,7 +126,7 @@ def test_layer_norm_configs_share_block_rows():
             ln_mgpu.check_config(cfg, 1000, n_cols)
 
 
-@pytest.mark.parametrize("tq,tk,dtype", [(1024, 128, jnp.bfloat16), (4, 1024, jnp.float32)])
+@pytest.mark.parametrize("tq,tk,dtype", [(1024, 128, jnp.bfloat16), (4, 1024, jnp.bfloat16)])
 def test_softmax_configs_put_a_warp_per_row_on_short_rows(tq, tk, dtype):
     for has_mask in (False, True):
         for cfg in softmax_mgpu.configs(tq, tk, dtype, has_mask):
@@ -200,12 +201,12 @@ def test_public_mosaic_path_lowers_for_cuda(pretend_gpu, name):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("whole_rows", [False, True], ids=["chunks", "whole_rows"])
+@pytest.mark.parametrize("tiling", ["chunks", "whole_rows", "ring3"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
-def test_layer_norm_kernels_in_interpreter(float64_ref, rms, whole_rows):
-    """One row at a time in two column chunks, or two whole rows at a time (their tile held in
-    registers across the sweeps); RMSNorm is the same kernels with beta None (no mean, no
-    dbeta)."""
+def test_layer_norm_kernels_in_interpreter(float64_ref, monkeypatch, rms, tiling):
+    """One row at a time in two column chunks, two whole rows at a time (their tile held in
+    registers across the sweeps), or one program walking four one-row blocks through three
+    buffers (two loads ahead); RMSNorm is the same kernels with beta None (no mean, no dbeta)."""
     n_rows, n_cols = 4, 256
     rng = np.random.default_rng(0)
     x, h, dy = (jnp.asarray(rng.normal(size=(n_rows, n_cols)), jnp.float32) for _ in range(3))
@@ -213,8 +214,11 @@ def test_layer_norm_kernels_in_interpreter(float64_ref, rms, whole_rows):
     beta = None if rms else jnp.asarray(0.1 * rng.normal(size=n_cols), jnp.float32)
     params = (gamma,) if rms else (gamma, beta)
     cfg = ln_mgpu.Config(block_rows=2, rows=1, chunk=128, programs_per_sm=1)
-    if whole_rows:
+    if tiling == "whole_rows":
         cfg = cfg._replace(rows=2, chunk=n_cols)
+    if tiling == "ring3":
+        monkeypatch.setattr(rows_mgpu, "core_count", lambda: 1)
+        cfg = cfg._replace(block_rows=1, stages=3)
     it = InterpretGPUParams()
     s, y, mean, rstd = ln_mgpu.forward(x, h, gamma, beta, 1e-5, jnp.float32, cfg, interpret=it)
     dx, dh, dg, db = ln_mgpu.backward(s, gamma, dy, dy, jnp.float32, mean, rstd, cfg, interpret=it)
