@@ -60,7 +60,10 @@ def default_config(
         group, chunk = 1, rows.pick_chunk(n_keys, rows.pick_vec(n_keys, itemsize), budget)
     divisor = n_queries & -n_queries  # largest power of two dividing Tq
     block_bytes = 16384 if backward else 8192
-    block = max(1, min(divisor, pl.next_power_of_2(block_bytes // (n_keys * itemsize) + 1) // 2))
+    block = pl.next_power_of_2(block_bytes // (n_keys * itemsize) + 1) // 2
+    if n_keys <= 1024:  # at least 4 rows: a warp per row (below)
+        block = max(block, 4)
+    block = max(1, min(divisor, block))
     group = min(group, block)
     per_block = n_operands * block * n_keys * itemsize
     stages = 2 if 2 * per_block <= rows.SMEM_BYTES else 1
