@@ -69,7 +69,9 @@ def default_config(
     and `extra` bytes of other shared memory: about 16 KB per operand block (two stages); rows of
     up to 8192 held whole in registers (one shared-memory read for all sweeps), short ones grouped
     up to 4096 (forward) or 2048 (backward: more live arrays) float32 values; as many programs
-    per SM as shared memory allows, up to 4 (the forward's within rows_mgpu.FWD_SM_SMEM_BYTES).
+    per SM as shared memory allows, up to 4 (the forward's within rows_mgpu.FWD_SM_SMEM_BYTES;
+    where only one fits, up to 4 stages: 16384 x 8192 bf16 at 4 stages took 1.09x -> 0.95x
+    Triton's time on an H100, 1.14x -> 1.12x on an H200, 2026-11-28).
     Whole rows rather than 2048-column chunks in the backward, 16384 x 8192 on an H100
     (2026-11-28, benchmarks/RESULTS.md): the kernel alone 1.11x -> 0.89x (bf16) and 1.01x ->
     0.93x (f32) Triton's time."""
@@ -96,6 +98,14 @@ def default_config(
             )
     sm_bytes = rows.SMEM_BYTES if backward else rows.FWD_SM_SMEM_BYTES
     per_sm = rows.programs_per_sm(_smem_bytes(cfg, n_cols, itemsizes, extra), sm_bytes)
+    deeper = cfg._replace(stages=cfg.stages + 1)
+    while (
+        not backward
+        and per_sm == 1
+        and cfg.stages < 4
+        and (_smem_bytes(deeper, n_cols, itemsizes, extra) <= sm_bytes)
+    ):  # one program an SM: more blocks in flight instead
+        cfg, deeper = deeper, deeper._replace(stages=deeper.stages + 1)
     return cfg._replace(programs_per_sm=per_sm)
 
 
