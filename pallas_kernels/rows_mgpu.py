@@ -39,10 +39,10 @@ _LOAD_NEEDS_IDX = _IDX is not None and _IDX.default is inspect.Parameter.empty
 SMEM_BYTES = 227 * 1024  # H100 shared memory per block (opt-in maximum)
 SM_SMEM_BYTES = 228 * 1024  # ... per SM, shared by its resident blocks
 BLOCK_RESERVED_BYTES = 1024  # ... of which the driver reserves this much per resident block
-# The LayerNorm and softmax forwards keep an SM's programs under this much shared memory: the
-# LayerNorm forward took 1.13-1.24x Triton's time with 3 or 4 programs filling 216-220 KB of an
-# SM and 0.96-1.05x with one program fewer (H200, 2026-11-28, benchmarks/RESULTS.md); the
-# backward is fastest with its 2 programs filling 227 KB. Why the forward slows is not known.
+# The LayerNorm and softmax forwards keep an SM's programs within this much shared memory: the
+# LayerNorm forward took up to 1.24x Triton's time with 3 or 4 programs filling 216-220 KB of an
+# SM, 0.96-1.05x with one program fewer (H200, 2026-11-28, benchmarks/RESULTS.md); its backward
+# is fastest with 2 programs filling 227 KB. Why the forward slows is not known.
 FWD_SM_SMEM_BYTES = 208 * 1024
 LANES = 128  # threads of one warpgroup: the width one layout tile spreads a row over
 
