@@ -228,10 +228,10 @@ def launch(body, name: str, out_type, scratch: dict, grid: dict[str, int], scrat
         _LAYOUTS.reset(token)
 
 
-def programs_per_sm(program_bytes: int, budget: int = SMEM_BYTES, cap: int = 4) -> int:
-    """Persistent programs an SM runs at once, 1 to `cap`: as many as fit in `budget` bytes of
+def programs_per_sm(program_bytes: int, budget: int) -> int:
+    """Persistent programs an SM runs at once, 1 to 4: as many as fit in `budget` bytes of
     shared memory with `program_bytes` each."""
-    return max(1, min(cap, budget // program_bytes))
+    return max(1, min(4, budget // program_bytes))
 
 
 def pick_vec(width: int, itemsize: int, lanes: int = LANES) -> int:
