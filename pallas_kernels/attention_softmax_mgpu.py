@@ -49,9 +49,10 @@ def default_config(
     """Block sizes for rows of Tk keys and `n_operands` block buffers per stage: whole rows in
     registers up to 4096 keys (several rows at once for short rows), blocks of whole query runs
     (block_rows a power of two dividing Tq) of about 8 KB per operand (forward) or 16 KB
-    (backward), as many programs per SM as shared memory allows (up to 4; the forward's within
-    rows_mgpu.FWD_SM_SMEM_BYTES). 8 KB forward blocks, H200 (2026-11-28, benchmarks/RESULTS.md):
-    1.55x -> 1.22x Triton's time at 128 bf16 keys, 1.03x -> 0.99x at 1024."""
+    (backward), as many programs per SM as are resident together (rows_mgpu.programs_per_sm).
+    8 KB forward blocks (2026-11-28, benchmarks/RESULTS.md): 1.55x -> 1.19x Triton's time at 128
+    bf16 keys on an H200, 1.30x -> 1.08x on an H100; at 1024 bf16 keys a tie on the H200 and
+    1.12x -> 1.14x on the H100."""
     rows.check_width("Tk", n_keys, "the key length Tk")
     budget = 4096
     if n_keys <= budget:
@@ -65,17 +66,26 @@ def default_config(
         block = max(block, 4)
     block = max(1, min(divisor, block))
     group = min(group, block)
-    per_block = n_operands * block * n_keys * itemsize
-    stages = 2 if 2 * per_block <= rows.SMEM_BYTES else 1
-    if stages * per_block > rows.SMEM_BYTES:
+    # rows of <= 1024 keys: a warp per row, several rows a warp (H100, 2026-11-27, 8 rows:
+    # forward 2.75x -> 1.31x Triton's time at 128 bf16 keys, 1.19x -> 1.11x at 1024;
+    # benchmarks/RESULTS.md)
+    warp_rows = chunk == n_keys <= 1024 and block >= 4
+    if warp_rows:
+        group = min(8 if backward else 16, block)
+
+    def smem(stages: int) -> int:
+        blocks = [stages * block * n_keys * itemsize] * n_operands
+        return rows.smem_bytes(blocks, _scratch_bytes(group))
+
+    stages = 2 if smem(2) <= rows.SMEM_BYTES else 1
+    if smem(stages) > rows.SMEM_BYTES:
         raise ValueError(f"backend='mosaic_gpu': rows of Tk = {n_keys} do not fit in shared memory")
-    sm_bytes = rows.SMEM_BYTES if backward else rows.FWD_SM_SMEM_BYTES
-    per_sm = rows.programs_per_sm(stages * per_block, sm_bytes)
-    # rows of <= 1024 keys: a warp per row, several rows a warp (H100: forward 2.75x -> 1.31x
-    # Triton's time at 128 bf16 keys, 1.19x -> 1.11x at 1024; benchmarks/RESULTS.md)
-    if chunk == n_keys <= 1024 and block >= 4:
-        return Config(block, min(8 if backward else 16, block), chunk, per_sm, stages, True)
-    return Config(block, group, chunk, per_sm, stages)
+    return Config(block, group, chunk, rows.programs_per_sm(smem(stages)), stages, warp_rows)
+
+
+def _scratch_bytes(group: int) -> int:
+    """Cross-warp reduction scratch for row groups of `group` rows."""
+    return 8 * rows.LANES * group
 
 
 def check_config(cfg: Config, n_rows: int, n_queries: int, n_keys: int) -> None:
@@ -175,7 +185,7 @@ def forward(x, mask, cfg: Config, scale: float, causal: bool, lay: Layout, inter
 
     out_type = jax.ShapeDtypeStruct(sub, x.dtype)
     y = rows.launch(kernel, "attention_softmax_fwd_mgpu", out_type, scratch, {"p": programs},
-                    8 * rows.LANES * cfg.rows, interpret, args)  # fmt: skip
+                    _scratch_bytes(cfg.rows), interpret, args)  # fmt: skip
     return y.reshape(x.shape)
 
 
@@ -238,7 +248,7 @@ def backward(y, dy, cfg: Config, scale: float, n_queries: int, interpret: Any = 
         _bwd_kernel(y_g, dy_g, dx_g, scratch_refs, p=p, scale=scale)
 
     dx = rows.launch(kernel, "attention_softmax_bwd_mgpu", jax.ShapeDtypeStruct(sub, y.dtype),
-                     scratch, {"p": programs}, 8 * rows.LANES * cfg.rows, interpret,
+                     scratch, {"p": programs}, _scratch_bytes(cfg.rows), interpret,
                      (y.reshape(sub), dy.reshape(sub)))  # fmt: skip
     return dx.reshape(y.shape)
 

@@ -7,15 +7,15 @@ picked with `backend="mosaic_gpu"` on `layer_norm` / `add_layer_norm` / `rms_nor
 of x), no beta, no mean saved, no dbeta partials.
 
 x (N, D), D % 128 == 0. Each program walks a contiguous run of `block_rows`-row blocks
-(rows_mgpu.pipelined_blocks: one bulk TMA copy per block and operand into shared memory, double
-buffered, one bulk copy back per output), and computes a block `rows` rows at a time in column
-chunks (rows_mgpu.row_layout): mean, then the centred variance, then the normalised output, each a
-sweep over the row, so any D up to the shared memory budget works. A tile of whole rows is read
-from shared memory once and held in registers for the three sweeps; chunked rows are re-read.
+(rows_mgpu.pipelined_blocks: one bulk TMA copy per block and operand into shared memory, a ring of
+`stages` buffers, one bulk copy back per output), and computes a block `rows` rows at a time in
+column chunks (rows_mgpu.row_layout): mean, then the centred variance, then the normalised output,
+each a sweep over the row, so any D up to the shared memory budget works. A tile of whole rows is
+read from shared memory once and held in registers for the three sweeps; chunked rows are re-read.
 gamma/beta are copied into shared memory once per program. The backward recomputes xhat from the
-saved mean/rstd, keeps per-program float32 dgamma/dbeta partials in shared memory (each thread
-adds its own columns: no synchronisation) and writes them once; one small jnp.sum reduces them
-(no atomics).
+saved mean/rstd, keeps per-program float32 dgamma/dbeta partials in shared memory (each thread adds
+its own columns: no synchronisation) and writes them once; one small jnp.sum reduces them (no
+atomics).
 
 mean/rstd are saved per block, (blocks, round_up(block_rows, 32)) float32 (a copy moves a
 multiple of 128 bytes); only this module's backward reads them. RMSNorm saves rstd only.
@@ -56,24 +56,41 @@ def rows_round(n: int) -> int:
     return -(-n // 32) * 32
 
 
-def _smem_bytes(cfg: Config, n_cols: int, itemsizes: tuple[int, ...], extra: int) -> int:
-    """Shared memory of the block buffers (one per operand and stage) plus `extra`."""
-    block = cfg.stages * sum(cfg.block_rows * n_cols * s for s in itemsizes)
-    return block + cfg.stages * 8 * rows_round(cfg.block_rows) + extra
+def _scratch_bytes(cfg: Config, backward: bool) -> int:
+    """Cross-warp reduction scratch: room to exchange every row of a group at once (the
+    backward sums two per row)."""
+    return (8 if backward else 4) * rows.LANES * cfg.rows
+
+
+def _smem_bytes(
+    cfg: Config, n_cols: int, itemsizes: tuple[int, ...], columns: tuple[int, ...], backward: bool
+) -> int:
+    """Shared memory of one program: a block buffer per operand of `itemsizes` bytes per element
+    (`stages` blocks each), mean and rstd per block, a (D,) buffer per entry of `columns`
+    (bytes per element: gamma, beta, dgamma and dbeta partials) and the reduction scratch."""
+    blocks = [cfg.stages * cfg.block_rows * n_cols * s for s in itemsizes]
+    stats = [cfg.stages * 4 * rows_round(cfg.block_rows)] * 2
+    return rows.smem_bytes(
+        [*blocks, *stats, *(n_cols * c for c in columns)], _scratch_bytes(cfg, backward)
+    )
 
 
 def default_config(
-    n_rows: int, n_cols: int, itemsizes: tuple[int, ...], extra: int, *, backward: bool
+    n_rows: int,
+    n_cols: int,
+    itemsizes: tuple[int, ...],
+    columns: tuple[int, ...],
+    *,
+    backward: bool,
 ) -> Config:
     """Block sizes for an (N, D) input whose per-block operands have `itemsizes` bytes per element
-    and `extra` bytes of other shared memory: about 16 KB per operand block (two stages); rows of
-    up to 8192 held whole in registers (one shared-memory read for all sweeps), short ones grouped
-    up to 4096 (forward) or 2048 (backward: more live arrays) float32 values; as many programs
-    per SM as shared memory allows, up to 4 (the forward's within rows_mgpu.FWD_SM_SMEM_BYTES;
-    where only one fits, up to 4 stages: 16384 x 8192 bf16 at 4 stages took 1.09x -> 0.95x
-    Triton's time on an H100, 1.14x -> 1.12x on an H200, 2026-11-28).
-    Whole rows rather than 2048-column chunks in the backward, 16384 x 8192 on an H100
-    (2026-11-28, benchmarks/RESULTS.md): the kernel alone 1.11x -> 0.89x (bf16) and 1.01x ->
+    and (D,) buffers of `columns` bytes per element: about 16 KB per operand block;
+    rows of up to 8192 held whole in registers (one shared-memory read for all sweeps), short
+    ones grouped up to 4096 (forward) or 2048 (backward: more live arrays) float32 values; as many
+    programs per SM as are resident together (rows_mgpu.programs_per_sm), and where only one is,
+    up to 4 forward stages (16384 x 8192 bf16 on an H100, 2026-11-28, benchmarks/RESULTS.md:
+    1.09x -> 0.95x Triton's time). Whole rows rather than 2048-column chunks in the backward,
+    16384 x 8192 on an H100 (2026-11-28): the kernel alone 1.11x -> 0.89x (bf16) and 1.01x ->
     0.93x (f32) Triton's time."""
     rows.check_width("D", n_cols, "the hidden size D")
     budget = 2048 if backward else 4096
@@ -86,7 +103,11 @@ def default_config(
         chunk = rows.pick_chunk(n_cols, rows.pick_vec(n_cols, max(itemsizes)), budget)
     block = max(group, 16384 // (n_cols * max(itemsizes)) // group * group)
     cfg = Config(min(block, n_rows // group * group), group, chunk, programs_per_sm=1)
-    while _smem_bytes(cfg, n_cols, itemsizes, extra) > rows.SMEM_BYTES:
+
+    def smem(cfg: Config) -> int:
+        return _smem_bytes(cfg, n_cols, itemsizes, columns, backward)
+
+    while smem(cfg) > rows.SMEM_BYTES:
         if cfg.block_rows > cfg.rows:
             cfg = cfg._replace(block_rows=max(group, cfg.block_rows // 2 // group * group))
         elif cfg.stages > 1:
@@ -96,15 +117,9 @@ def default_config(
                 f"backend='mosaic_gpu': rows of D = {n_cols} do not fit in shared memory for "
                 "this layer norm; use backend='triton'"
             )
-    sm_bytes = rows.SMEM_BYTES if backward else rows.FWD_SM_SMEM_BYTES
-    per_sm = rows.programs_per_sm(_smem_bytes(cfg, n_cols, itemsizes, extra), sm_bytes)
+    per_sm = rows.programs_per_sm(smem(cfg))
     deeper = cfg._replace(stages=cfg.stages + 1)
-    while (
-        not backward
-        and per_sm == 1
-        and cfg.stages < 4
-        and (_smem_bytes(deeper, n_cols, itemsizes, extra) <= sm_bytes)
-    ):  # one program an SM: more blocks in flight instead
+    while not backward and per_sm == 1 and cfg.stages < 4 and smem(deeper) <= rows.SMEM_BYTES:
         cfg, deeper = deeper, deeper._replace(stages=deeper.stages + 1)
     return cfg._replace(programs_per_sm=per_sm)
 
@@ -243,7 +258,7 @@ def forward(x, h, gamma, beta, eps: float, out_dtype, cfg: Config, interpret: An
 
     name = kernel_name("fwd", residual, rms) + "_mgpu"
     outs = rows.launch(kernel, name, tuple(out_type), scratch, {"p": programs},
-                       4 * rows.LANES * cfg.rows, interpret, args)  # fmt: skip
+                       _scratch_bytes(cfg, False), interpret, args)  # fmt: skip
     n_big = 2 if residual else 1
     big = [o.reshape(x.shape) for o in outs[:n_big]]
     return (*big, None, outs[-1]) if rms else (*big, *outs[n_big:])
@@ -386,7 +401,7 @@ def backward(x, gamma, dy, ds, h_dtype, mean, rstd, cfg: Config, interpret: Any 
 
     name = kernel_name("bwd", residual, rms) + "_mgpu"
     outs = rows.launch(kernel, name, tuple(out_type), scratch, {"p": programs},
-                       8 * rows.LANES * cfg.rows, interpret, args)  # fmt: skip
+                       _scratch_bytes(cfg, True), interpret, args)  # fmt: skip
     grads = [g.reshape(x.shape) for g in outs[:-n_parts]]
     sums = [jnp.sum(q, axis=0).reshape(-1) for q in outs[-n_parts:]]
     return (*grads, *sums, *((None,) if rms else ()))
@@ -406,8 +421,10 @@ def configs(
     if h_dtype is not None:
         hs = jnp.dtype(h_dtype).itemsize
         fwd_sizes, bwd_sizes = fwd_sizes + (hs, s), bwd_sizes + (s, hs)
-    fwd = default_config(n_rows, n_cols, fwd_sizes, param_bytes * n_cols, backward=False)
-    bwd = default_config(n_rows, n_cols, bwd_sizes, (param_bytes + 8) * n_cols, backward=True)
+    # (D,) buffers: forward gamma and beta (two buffers, each rounded to 1 KB); backward gamma
+    # and the float32 dgamma and dbeta partials
+    fwd = default_config(n_rows, n_cols, fwd_sizes, (param_bytes // 2,) * 2, backward=False)
+    bwd = default_config(n_rows, n_cols, bwd_sizes, (4, 4, 4), backward=True)
     group = max(fwd.rows, bwd.rows)  # both powers of two: a multiple of both
     block = max(group, min(fwd.block_rows, bwd.block_rows) // group * group)
     return fwd._replace(block_rows=block), bwd._replace(block_rows=block)

@@ -39,11 +39,7 @@ _LOAD_NEEDS_IDX = _IDX is not None and _IDX.default is inspect.Parameter.empty
 SMEM_BYTES = 227 * 1024  # H100 shared memory per block (opt-in maximum)
 SM_SMEM_BYTES = 228 * 1024  # ... per SM, shared by its resident blocks
 BLOCK_RESERVED_BYTES = 1024  # ... of which the driver reserves this much per resident block
-# The LayerNorm and softmax forwards keep an SM's programs within this much shared memory: the
-# LayerNorm forward took up to 1.24x Triton's time with 3 or 4 programs filling 216-220 KB of an
-# SM, 0.96-1.05x with one program fewer (H200, 2026-11-28, benchmarks/RESULTS.md); its backward
-# is fastest with 2 programs filling 227 KB. Why the forward slows is not known.
-FWD_SM_SMEM_BYTES = 208 * 1024
+BARRIER_BYTES = 128  # a kernel's barriers (8 bytes each), a bound
 LANES = 128  # threads of one warpgroup: the width one layout tile spreads a row over
 
 
@@ -228,10 +224,19 @@ def launch(body, name: str, out_type, scratch: dict, grid: dict[str, int], scrat
         _LAYOUTS.reset(token)
 
 
-def programs_per_sm(program_bytes: int, budget: int) -> int:
-    """Persistent programs an SM runs at once, 1 to 4: as many as fit in `budget` bytes of
-    shared memory with `program_bytes` each."""
-    return max(1, min(4, budget // program_bytes))
+def smem_bytes(buffers: Sequence[int], scratch_bytes: int) -> int:
+    """Shared memory a kernel requests: each scratch buffer of `buffers` (bytes) and the
+    cross-warp reduction scratch rounded up to 1 KB, as jax's lowering places them, and the
+    barriers."""
+    kb = 1024
+    return sum(-(-b // kb) * kb for b in (*buffers, scratch_bytes)) + BARRIER_BYTES
+
+
+def programs_per_sm(program_bytes: int) -> int:
+    """Persistent programs an SM runs at once, 1 to 4: as many as are resident together. A
+    program more than fit runs in a second wave after the others: that took the LayerNorm
+    forward to 1.13-1.24x Triton's time (H200, 2026-11-28, benchmarks/RESULTS.md)."""
+    return max(1, min(4, SM_SMEM_BYTES // (program_bytes + BLOCK_RESERVED_BYTES)))
 
 
 def pick_vec(width: int, itemsize: int, lanes: int = LANES) -> int:

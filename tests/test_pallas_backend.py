@@ -43,6 +43,14 @@ except ImportError:
     InterpretGPUParams = None
 
 needs_interpreter = pytest.mark.skipif(InterpretGPUParams is None, reason="no Mosaic interpreter")
+try:  # where Mosaic GPU sums a kernel's shared memory (private: its absence skips)
+    from jax.experimental.mosaic.gpu import core as mosaic_core
+
+    needs_smem_spy = pytest.mark.skipif(
+        not hasattr(mosaic_core, "_smem_tree_size"), reason="no Mosaic GPU smem hook"
+    )
+except ImportError:
+    needs_smem_spy = pytest.mark.skip(reason="no Mosaic GPU smem hook")
 
 
 def _ln_args(shape=(4, 256), dtype=jnp.float32):
@@ -126,30 +134,66 @@ def test_layer_norm_configs_share_block_rows():
             ln_mgpu.check_config(cfg, 1000, n_cols)
 
 
-@pytest.mark.parametrize("n_cols", [768, 1024, 8192])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_layer_norm_forward_keeps_an_sm_within_its_budget(n_cols, dtype):
-    """The forward's programs on one SM stay within FWD_SM_SMEM_BYTES; where one program fills
-    the SM it takes more stages instead, as many as fit (up to 4)."""
-    fwd, _ = ln_mgpu.configs(16384, n_cols, dtype, dtype)
-    sizes = (jnp.dtype(dtype).itemsize,) * 2
-
-    def smem(cfg):
-        return ln_mgpu._smem_bytes(cfg, n_cols, sizes, 8 * n_cols)
-
-    assert fwd.programs_per_sm * smem(fwd) <= rows_mgpu.FWD_SM_SMEM_BYTES
-    if fwd.programs_per_sm == 1 and fwd.stages < 4:
-        assert smem(fwd._replace(stages=fwd.stages + 1)) > rows_mgpu.FWD_SM_SMEM_BYTES
-    measured = {
-        (768, jnp.bfloat16): (3, 2),
-        (1024, jnp.bfloat16): (2, 2),
-        (8192, jnp.bfloat16): (1, 4),
-    }
-    if (n_cols, dtype) in measured:  # the configs benchmarks/RESULTS.md times
-        assert (fwd.programs_per_sm, fwd.stages) == measured[(n_cols, dtype)]
+def _lowered_smem(monkeypatch, fn, *args) -> int:
+    """The dynamic shared memory of the Mosaic GPU kernel `fn` lowers to, for CUDA (on CPU)."""
+    seen = []
+    size = mosaic_core._smem_tree_size
+    monkeypatch.setattr(mosaic_core, "_smem_tree_size", lambda t: seen.append(size(t)) or seen[-1])
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    return max(seen)
 
 
-@pytest.mark.parametrize("tq,tk,dtype", [(1024, 128, jnp.bfloat16), (4, 1024, jnp.bfloat16)])
+SMEM_CASES = {  # name -> (N, D, dtype, with the residual add)
+    "ln_768_bf16": (16384, 768, jnp.bfloat16, False),
+    "ln_1024_f32": (65536, 1024, jnp.float32, False),
+    "ln_8192_bf16": (16384, 8192, jnp.bfloat16, False),
+    "add_ln_384_bf16": (4096, 384, jnp.bfloat16, True),
+}
+
+
+@needs_smem_spy
+@pytest.mark.parametrize("case", sorted(SMEM_CASES))
+def test_norm_configs_count_the_shared_memory_the_kernels_take(monkeypatch, case):
+    """The default configs' shared-memory count bounds what the lowered kernels request (within
+    3 KB), so the programs per SM they ask for are resident together."""
+    n, d, dtype, residual = SMEM_CASES[case]
+    x, g, b = _ln_args((n, d), dtype)
+    h = x if residual else None
+    fwd, bwd = ln_mgpu.configs(n, d, dtype, dtype, dtype if residual else None, 8)
+    stats = jnp.ones((-(-n // bwd.block_rows), ln_mgpu.rows_round(bwd.block_rows)))
+    extra = (jnp.dtype(dtype).itemsize,) * (2 if residual else 0)  # h and s / ds and dh
+    io = (jnp.dtype(dtype).itemsize,) * 2 + extra
+    for cfg, sizes, columns, backward, fn in [
+        (fwd, io, (4, 4), False, lambda x: ln_mgpu.forward(x, h, g, b, 1e-5, dtype, fwd)),
+        (bwd, io[:1] + io, (4, 4, 4), True,
+         lambda x: ln_mgpu.backward(x, g, x, h, dtype, stats, stats, bwd)),
+    ]:  # fmt: skip
+        lowered = _lowered_smem(monkeypatch, fn, x)
+        counted = ln_mgpu._smem_bytes(cfg, d, sizes, columns, backward)
+        assert lowered <= counted <= lowered + 3 * 1024, (cfg, lowered, counted)
+        resident = rows_mgpu.SM_SMEM_BYTES // (lowered + rows_mgpu.BLOCK_RESERVED_BYTES)
+        assert cfg.programs_per_sm <= resident
+
+
+@needs_smem_spy
+@pytest.mark.parametrize("tk,dtype,mask", [(128, jnp.bfloat16, True), (1024, jnp.float32, False)])
+def test_softmax_configs_ask_for_resident_programs(monkeypatch, tk, dtype, mask):
+    """The programs per SM the softmax's default configs ask for fit in an SM together."""
+    tq = 128
+    x = jnp.ones((2 * tq, tk), dtype)
+    m = jnp.zeros((tq, tk)) if mask else None
+    lay = Layout(1, tq, mask_batch=False, mask_query=mask, mask_rows=tq if mask else 1)
+    fwd, bwd = softmax_mgpu.configs(tq, tk, dtype, mask)
+    for cfg, fn in [
+        (fwd, lambda x: softmax_mgpu.forward(x, m, fwd, 0.5, True, lay)),
+        (bwd, lambda x: softmax_mgpu.backward(x, x, bwd, 0.5, tq)),
+    ]:
+        lowered = _lowered_smem(monkeypatch, fn, x)
+        resident = rows_mgpu.SM_SMEM_BYTES // (lowered + rows_mgpu.BLOCK_RESERVED_BYTES)
+        assert 1 <= cfg.programs_per_sm <= resident, (cfg, lowered)
+
+
+@pytest.mark.parametrize("tq,tk,dtype", [(1024, 128, jnp.bfloat16), (4, 1024, jnp.float32)])
 def test_softmax_configs_put_a_warp_per_row_on_short_rows(tq, tk, dtype):
     for has_mask in (False, True):
         for cfg in softmax_mgpu.configs(tq, tk, dtype, has_mask):
@@ -224,13 +268,14 @@ def test_public_mosaic_path_lowers_for_cuda(pretend_gpu, name):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("tiling", ["chunks", "whole_rows", "ring3"])
+@pytest.mark.parametrize("tiling", ["chunks", "whole_rows", "ring3", "ring4"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_layer_norm_kernels_in_interpreter(float64_ref, monkeypatch, rms, tiling):
     """One row at a time in two column chunks, two whole rows at a time (their tile held in
-    registers across the sweeps), or one program walking four one-row blocks through three
-    buffers (two loads ahead); RMSNorm is the same kernels with beta None (no mean, no dbeta)."""
-    n_rows, n_cols = 4, 256
+    registers across the sweeps), or one program walking one-row blocks through a ring of three
+    or four buffers (two or three loads ahead); RMSNorm is the same kernels with beta None (no
+    mean, no dbeta)."""
+    n_rows, n_cols = 8, 256
     rng = np.random.default_rng(0)
     x, h, dy = (jnp.asarray(rng.normal(size=(n_rows, n_cols)), jnp.float32) for _ in range(3))
     gamma = jnp.asarray(1 + 0.1 * rng.normal(size=n_cols), jnp.float32)
@@ -239,9 +284,9 @@ def test_layer_norm_kernels_in_interpreter(float64_ref, monkeypatch, rms, tiling
     cfg = ln_mgpu.Config(block_rows=2, rows=1, chunk=128, programs_per_sm=1)
     if tiling == "whole_rows":
         cfg = cfg._replace(rows=2, chunk=n_cols)
-    if tiling == "ring3":
+    if tiling.startswith("ring"):
         monkeypatch.setattr(rows_mgpu, "core_count", lambda: 1)
-        cfg = cfg._replace(block_rows=1, stages=3)
+        cfg = cfg._replace(block_rows=1, stages=int(tiling[-1]))
     it = InterpretGPUParams()
     s, y, mean, rstd = ln_mgpu.forward(x, h, gamma, beta, 1e-5, jnp.float32, cfg, interpret=it)
     dx, dh, dg, db = ln_mgpu.backward(s, gamma, dy, dy, jnp.float32, mean, rstd, cfg, interpret=it)
