@@ -479,7 +479,8 @@ def mesh_apply(
         check_pipeline(model.cfg, model.execution, stages, virtual_stages, microbatches)
         m = microbatches or stages
         plan = model.plan
-        pallas = any(p.startswith("pallas") for p in (plan.norm, plan.attention, plan.conv))
+        stage_ops = (plan.norm, plan.attention, plan.conv)
+        pallas = plan.attention == "flash" or any(p.startswith("pallas") for p in stage_ops)
         run = functools.partial(
             pipeline_apply,
             mesh=mesh,
