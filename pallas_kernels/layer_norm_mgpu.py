@@ -118,9 +118,10 @@ def default_config(
                 "this layer norm; use backend='triton'"
             )
     per_sm = rows.programs_per_sm(smem(cfg))
-    deeper = cfg._replace(stages=cfg.stages + 1)
-    while not backward and per_sm == 1 and cfg.stages < 4 and smem(deeper) <= rows.SMEM_BYTES:
-        cfg, deeper = deeper, deeper._replace(stages=deeper.stages + 1)
+    while not backward and per_sm == 1 and cfg.stages < 4:  # one program: more blocks in flight
+        if smem(cfg._replace(stages=cfg.stages + 1)) > rows.SMEM_BYTES:
+            break
+        cfg = cfg._replace(stages=cfg.stages + 1)
     return cfg._replace(programs_per_sm=per_sm)
 
 
