@@ -9,7 +9,9 @@ TMA copy brings the block_t + K - 1 input rows it needs into shared memory; rows
 are the copy engine's out-of-bounds zero fill, which is exactly the padding (no padded copy of u,
 no masks). It then computes `rows` output rows at a time, each the K shifted row slabs of the tile
 times the taps, and one TMA copy writes the tile back (rows past the output end are clipped).
-Taps come as w.T (K, D) (a (D, K) column is strided): one small XLA transpose per call.
+A tile's taps, rows d of w (D, K), are one contiguous run of w: one bulk copy brings them in and
+the warpgroup transposes them to (K, block_d) in shared memory: a transpose of w in XLA was one
+more kernel per call (benchmarks/RESULTS.md, H200, 2026-11-28).
 Grid (B, channel blocks, row tiles), row tiles fastest: neighbouring programs share halo rows in L2.
 
 Backward, the same tiling over input rows s: the tile of g = dout rows s + P - k (k < K) for its
@@ -78,17 +80,28 @@ def check_config(cfg: Config, n_channels: int, k_size: int) -> None:
         raise ValueError(f"invalid Mosaic GPU conv1d config {cfg} for D={n_channels}, K={k_size}")
 
 
-def _fwd_kernel(u_g, wt_g, b_g, o_g, sm, *, cfg: Config, pad: int, tiles: rows.Tiles):
+def _taps_transpose(sm) -> None:
+    """sm["w"] (K, block_d) of this tile's rows of w, sm["wdk"] (block_d * K,) flat."""
+    k_size, block_d = sm["w"].shape
+    lay = plgpu.Layout.WG_STRIDED((block_d,), 1)  # one value a lane: the loads are strided
+    for k in range(k_size):
+        sm["w"].at[k][...] = rows.load_column(sm["wdk"], k_size, k, lay)
+    plgpu.commit_smem()  # a warpgroup barrier: every lane's writes visible to the others
+
+
+def _fwd_kernel(u_g, w_g, b_g, o_g, sm, *, cfg: Config, pad: int, tiles: rows.Tiles):
     batch, dblk, tblk = (jax.lax.axis_index(n) for n in ("b", "d", "t"))
     t0 = tblk * cfg.block_t
     d = pl.ds(dblk * cfg.block_d, cfg.block_d)
-    k_size = wt_g.shape[0]
+    k_size = sm["w"].shape[0]
     halo = cfg.block_t + k_size - 1
     # rows t0 - pad .. t0 - pad + halo - 1 of u; those outside [0, L) arrive as zeros
     plgpu.copy_gmem_to_smem(u_g.at[batch, pl.ds(t0 - pad, halo), d], sm["u"], sm["bar"])
-    rows.copy_in(wt_g.at[:, d], sm["w"], sm["bar"])
+    n = cfg.block_d * k_size  # block_d rows of w (D * K,) flat: one contiguous run
+    rows.copy_in(w_g.at[pl.ds(dblk * n, n)], sm["wdk"], sm["bar"])
     rows.copy_in(b_g.at[d], sm["b"], sm["bar"])
     plgpu.barrier_wait(sm["bar"])
+    _taps_transpose(sm)
     bias = tiles.col(sm["b"])
     taps = [tiles.col(sm["w"].at[k]) for k in range(k_size)]
 
@@ -120,32 +133,35 @@ def forward(u, w, b, mode: str, cfg: Config, interpret: Any = None) -> jax.Array
     scratch = dict(
         u=plgpu.SMEM((cfg.block_t + k_size - 1, cfg.block_d), u.dtype),
         o=plgpu.SMEM((cfg.block_t, cfg.block_d), u.dtype),
+        wdk=plgpu.SMEM((cfg.block_d * k_size,), w.dtype),
         w=plgpu.SMEM((k_size, cfg.block_d), w.dtype),
         b=plgpu.SMEM((cfg.block_d,), b.dtype),
         bar=plgpu.Barrier(num_arrivals=3),
     )
 
-    def kernel(u_g, wt_g, b_g, o_g, **sm):
-        _fwd_kernel(u_g, wt_g, b_g, o_g, sm, cfg=cfg, pad=left, tiles=tiles)
+    def kernel(u_g, w_g, b_g, o_g, **sm):
+        _fwd_kernel(u_g, w_g, b_g, o_g, sm, cfg=cfg, pad=left, tiles=tiles)
 
     out_type = jax.ShapeDtypeStruct((n_batch, out_len, n_channels), u.dtype)
     grid = {"b": n_batch, "d": n_channels // cfg.block_d, "t": pl.cdiv(out_len, cfg.block_t)}
     return rows.launch(kernel, "depthwise_conv1d_fwd_mgpu", out_type, scratch, grid,
-                       SCRATCH_BYTES, interpret, (u, w.T, b))  # fmt: skip
+                       SCRATCH_BYTES, interpret, (u, w.reshape(-1), b))  # fmt: skip
 
 
-def _bwd_kernel(u_g, g_g, wt_g, du_g, part_g, sm, *, cfg: Config, pad: int, tiles: rows.Tiles):
+def _bwd_kernel(u_g, g_g, w_g, du_g, part_g, sm, *, cfg: Config, pad: int, tiles: rows.Tiles):
     batch, dblk, tblk = (jax.lax.axis_index(n) for n in ("b", "d", "t"))
     s0 = tblk * cfg.block_t
     d = pl.ds(dblk * cfg.block_d, cfg.block_d)
-    k_size = wt_g.shape[0]
+    k_size = sm["w"].shape[0]
     halo = cfg.block_t + k_size - 1
     # g tile row m is g row s0 + pad - (K - 1) + m: rows s + pad - k of the tile's rows s
     g_rows = pl.ds(s0 + pad - (k_size - 1), halo)
     plgpu.copy_gmem_to_smem(g_g.at[batch, g_rows, d], sm["g"], sm["bar"])
     plgpu.copy_gmem_to_smem(u_g.at[batch, pl.ds(s0, cfg.block_t), d], sm["u"], sm["bar"])
-    rows.copy_in(wt_g.at[:, d], sm["w"], sm["bar"])
+    n = cfg.block_d * k_size  # block_d rows of w (D * K,) flat: one contiguous run
+    rows.copy_in(w_g.at[pl.ds(dblk * n, n)], sm["wdk"], sm["bar"])
     plgpu.barrier_wait(sm["bar"])
+    _taps_transpose(sm)
     taps = [tiles.col(sm["w"].at[k]) for k in range(k_size)]
 
     def group(j, sums):
@@ -185,13 +201,14 @@ def backward(u, w, g, mode: str, cfg: Config, interpret: Any = None):
         u=plgpu.SMEM((cfg.block_t, cfg.block_d), u.dtype),
         g=plgpu.SMEM((cfg.block_t + k_size - 1, cfg.block_d), g.dtype),
         du=plgpu.SMEM((cfg.block_t, cfg.block_d), u.dtype),
+        wdk=plgpu.SMEM((cfg.block_d * k_size,), w.dtype),
         w=plgpu.SMEM((k_size, cfg.block_d), w.dtype),
         part=plgpu.SMEM((k_size + 1, cfg.block_d), jnp.float32),
         bar=plgpu.Barrier(num_arrivals=3),
     )
 
-    def kernel(u_g, g_g, wt_g, du_g, part_g, **sm):
-        _bwd_kernel(u_g, g_g, wt_g, du_g, part_g, sm, cfg=cfg, pad=left, tiles=tiles)
+    def kernel(u_g, g_g, w_g, du_g, part_g, **sm):
+        _bwd_kernel(u_g, g_g, w_g, du_g, part_g, sm, cfg=cfg, pad=left, tiles=tiles)
 
     out_type = (
         jax.ShapeDtypeStruct(u.shape, u.dtype),
@@ -199,6 +216,6 @@ def backward(u, w, g, mode: str, cfg: Config, interpret: Any = None):
     )
     grid = {"b": n_batch, "d": n_channels // cfg.block_d, "t": n_tiles}
     du, part = rows.launch(kernel, "depthwise_conv1d_bwd_mgpu", out_type, scratch, grid,
-                           SCRATCH_BYTES, interpret, (u, g, w.T))  # fmt: skip
+                           SCRATCH_BYTES, interpret, (u, g, w.reshape(-1)))  # fmt: skip
     sums = jnp.sum(part, axis=(0, 1))  # (K + 1, D)
     return du, sums[:k_size].T, sums[k_size]

@@ -369,6 +369,14 @@ def load(ref, layout) -> jax.Array:
     return plgpu.load(ref, *idx, layout=layout, optimized=False)
 
 
+def load_column(ref, n_cols: int, k: int, layout) -> jax.Array:
+    """Column k of a flat (n * n_cols,) ref viewed as (n, n_cols), in `layout` (a strided read:
+    one value a lane)."""
+    if not _LAYOUTS.get():  # jax's interpreter has no rule for a reshaped ref
+        return ref[...].reshape(-1, n_cols)[:, k]
+    return load(ref.reshape(ref.shape[0] // n_cols, n_cols).at[:, k], layout)
+
+
 class BlockPlan(NamedTuple):
     """Static facts of one call of a row kernel that its body needs."""
 
