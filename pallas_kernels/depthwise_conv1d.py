@@ -102,8 +102,8 @@ def depthwise_conv1d(
     _check(u, w, b, mode)
     if backend == "mosaic_gpu":
         check_config(config, backend, mgpu.Config)
-        fwd_cfg = config or mgpu.default_config(u.shape, u.dtype, w.shape[1])
-        bwd_cfg = config or mgpu.default_config(u.shape, u.dtype, w.shape[1], backward=True)
+        fwd_cfg = config or mgpu.default_config(u.shape)
+        bwd_cfg = config or mgpu.default_config(u.shape, backward=True)
         return _conv(u, w, b, mode, False, (fwd_cfg, bwd_cfg), backend)
     check_config(config, backend, Config, ("block_d",))  # fwd_programs None: bwd_programs
     fwd_cfg = config or default_config(u.shape, u.dtype)

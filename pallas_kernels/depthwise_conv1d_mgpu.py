@@ -48,23 +48,17 @@ class Config(NamedTuple):
     rows: int = 8  # output rows computed together in registers
 
 
-def default_config(
-    shape: tuple[int, int, int], dtype, k_size: int, *, backward: bool = False
-) -> Config:
-    """Forward: 256-channel tiles where D allows, of about 16 KB of input (block_t 32 rows for
-    16-bit types, 16 for float32), so that several programs share an SM and hide each other's
-    copies. Backward: 64-row tiles (fewer when L is shorter), 128 channels for float32 (about
-    100 KB of shared memory at K = 3: two programs an SM). H100, 2026-11-28, B = 1, K = 3,
-    `full` (benchmarks/RESULTS.md): at 8192 x 8192 the backward took 1.04x Triton's time (bf16
-    and f32) with these tiles, 1.10x / 1.15x with the forward's; the forward's are at Triton's
-    time there (0.99-1.04x)."""
+def default_config(shape: tuple[int, int, int], *, backward: bool = False) -> Config:
+    """128-channel tiles of 16 rows (forward) or 64 rows (backward; fewer when L is shorter).
+    H200, 2026-11-28, B = 1, K = 3, device-side kernel time against Triton's default over the
+    course rows L x D 1024 x 768 ... 8192 x 8192 (benchmarks/RESULTS.md): forward 0.87-1.03x
+    (bf16) and 0.96-1.13x (f32; the 1.13x at 1024 x 768, a 3 us call), backward 0.69-0.96x
+    (bf16) and 0.79-1.05x (f32); the 256-channel tiles used before took 1.00-1.16x forward and
+    up to 1.15x backward."""
     rows.check_width("D", shape[2], "the channel count D")
-    itemsize = jnp.dtype(dtype).itemsize
-    block_d = 256 if shape[2] % 256 == 0 and not (backward and itemsize == 4) else 128
     if backward:  # no taller than L needs (rounded up to the 8-row groups)
-        return Config(min(64, -(-shape[1] // 8) * 8), block_d)
-    block_t = 16384 // (block_d * itemsize) // 8 * 8
-    return Config(min(block_t, (MAX_BOX - k_size + 1) // 8 * 8), block_d)
+        return Config(min(64, -(-shape[1] // 8) * 8), 128)
+    return Config(16, 128)
 
 
 def check_config(cfg: Config, n_channels: int, k_size: int) -> None:

@@ -113,7 +113,7 @@ def test_triton_refuses_a_mosaic_config():
     [
         (lambda: ln_mgpu.configs(64, 100, jnp.float32, jnp.float32), "hidden size D"),
         (lambda: softmax_mgpu.configs(8, 200, jnp.float32, False), "key length Tk"),
-        (lambda: conv_mgpu.default_config((1, 8, 96), jnp.float32, 3), "channel count D"),
+        (lambda: conv_mgpu.default_config((1, 8, 96)), "channel count D"),
     ],
 )
 def test_mosaic_refuses_unaligned_widths(make_config, match):
