@@ -11,11 +11,13 @@ of the jnp reference in pallas_kernels/reference.py; its jax.vjp for the backwar
     reference value of each output (max over the outputs: y; dx and the parameter gradients);
     "!" marks an error above TOL. Softmax shapes of more than CHECK_ROWS rows are checked on their
     first CHECK_ROWS rows (rows are independent).
-  * median device ms (jaxllm/profiling/timing.py): layer norm and softmax chain each call's output
-    into the next call's input (chained_median_seconds; backward rows time the VJP function alone,
-    residuals computed beforehand, as profile.py kernels); the conv runs the course's padding,
-    mode 'full' (L + K - 1 outputs cannot feed the next call), with live_chain_seconds, the
-    backward being (u, w, b, g) -> (du, dw, db) through jax.vjp (its forward output is dead).
+  * median device ms (jaxllm/profiling/timing.py; `--clock trace`: summed kernel durations from a
+    profiler trace, for rows whose calls last a few microseconds): layer norm and softmax chain
+    each call's output into the next call's input (chained_median_seconds; backward rows time
+    the VJP function alone, residuals computed beforehand, as profile.py kernels); the conv runs
+    the course's padding, mode 'full' (L + K - 1 outputs cannot feed the next call), with
+    live_chain_seconds, the backward being (u, w, b, g) -> (du, dw, db) through jax.vjp (its
+    forward output is dead).
   * GB/s over the minimal bytes (each input read once, each output written once; the module
     docstrings) and its % of the device copy bandwidth measured in the same run.
 A compile or runtime failure of one cell prints its exception type and the first 15 lines of its
@@ -51,6 +53,7 @@ import numpy as np  # noqa: E402
 from jaxllm.profiling import kernel_bench as kb  # noqa: E402
 from jaxllm.profiling.harness import append_jsonl  # noqa: E402
 from jaxllm.profiling.timing import (  # noqa: E402
+    CLOCKS,
     chained_median_seconds,
     live_chain_seconds,
     rotation_count,
@@ -434,6 +437,10 @@ def main() -> None:
         "--dtypes", help="comma-separated; default float32,bfloat16 (--quick: bfloat16)"
     )
     parser.add_argument("--jsonl", help="append one JSON line per table row here")
+    parser.add_argument(
+        "--clock", choices=CLOCKS, default="wall",
+        help="trace: the GPU's kernel durations from a profiler trace (calls of a few us)",
+    )  # fmt: skip
     args = parser.parse_args()
     kernels = [k for k in args.only.split(",") if k]
     unknown = set(kernels) - set(MAKERS)
@@ -444,10 +451,11 @@ def main() -> None:
         parser.error(f"--dtypes: unknown {bad}; allowed {list(DTYPES)}")
     reps = (dict(calls=4, launches=2, repeats=3) if args.quick
             else dict(calls=16, launches=4, repeats=5))  # fmt: skip
+    reps["clock"] = args.clock
     start = time.perf_counter()
     bw = kb.copy_bandwidth()
     copy_gbps = bw.get("torch_copy", bw["jax_negate"])
-    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; "
+    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; clock {args.clock}; "
           f"copy GB/s: " + ", ".join(f"{k} {v:.0f}" for k, v in bw.items()))  # fmt: skip
     print(HEADER, flush=True)
     for kernel in kernels:

@@ -1,11 +1,13 @@
 """jaxllm.profiling.timing: the interleaved sampler's order, counts and sample length; the
-chained timer's program size."""
+chained timer's program size; the trace clock's sum of kernel durations."""
 
 import time
 
 import jax.numpy as jnp
+import pytest
 
 from jaxllm.profiling.timing import chained_median_seconds, interleaved_samples
+from jaxllm.profiling.trace import kernel_seconds
 
 
 def test_interleaved_samples_alternate_and_grow_short_samples():
@@ -57,3 +59,29 @@ def test_chained_timing_unroll_bounds_the_copies_of_the_step():
         assert len(traced) == copies
     chained_median_seconds(step, [x, x], calls=8, launches=1, repeats=1, unroll=3)
     assert len(traced) == 4  # the same step again: the kept program, not traced anew
+
+
+def test_trace_clock_sums_gpu_kernels_without_copies():
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #13"}},
+    ]
+    events = meta + [
+        {"ph": "X", "pid": 1, "tid": 7, "name": "conv_fwd_mosaic_gpu_kernel", "dur": 2.5},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "loop_slice_fusion", "dur": 1.0},
+        {"ph": "X", "pid": 1, "tid": 7, "name": "MemcpyD2D", "dur": 9.0},  # the chain's copies
+        {"ph": "X", "pid": 1, "tid": 7, "name": "memcpy32_post", "dur": 9.0},
+        {"ph": "X", "pid": 2, "tid": 3, "name": "host op", "dur": 50.0},
+    ]
+    assert kernel_seconds(events) == pytest.approx(3.5e-6)
+    with pytest.raises(ValueError, match="no GPU kernel events"):
+        kernel_seconds(meta)
+
+
+def test_trace_clock_is_refused_without_gpu_kernels_and_unknown_clocks_are_named():
+    x = jnp.zeros(4)
+    with pytest.raises(ValueError, match="no GPU kernel events"):  # CPU: XLA:CPU ops only
+        chained_median_seconds(lambda x: x + 1, [x], calls=2, launches=1, repeats=1, clock="trace")
+    with pytest.raises(ValueError, match="clock must be one of"):
+        chained_median_seconds(lambda x: x + 2, [x], calls=2, launches=1, repeats=1, clock="host")

@@ -6,6 +6,9 @@ it) with an optimization barrier between calls (so XLA cannot fuse across them).
 are rotated so that, when one call's data fits in L2, a call reads data last touched several calls
 earlier. The executable is launched `launches` times back to back before one host sync, so only one
 dispatch is exposed per `launches * calls` device calls; the result is the median over `repeats`.
+That holds while a launch's device work outlasts its dispatch; for calls of a few microseconds,
+`clock="trace"` sums the GPU's own kernel durations from a jax.profiler trace of the launches
+instead of the wall clock (copies left out; GPU only).
 PyTorch: CUDA events via triton.testing.do_bench (median, with an L2 flush between calls).
 """
 
@@ -16,10 +19,13 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 
+from jaxllm.profiling.trace import traced_kernel_seconds
+
+CLOCKS = ("wall", "trace")
 L2_BYTES = 50 * 2**20  # H100: rotate states until one pass over them is well above this
 
 
@@ -36,6 +42,7 @@ def chained_median_seconds(
     launches: int = 4,
     repeats: int = 5,
     unroll: int | None = None,
+    clock: Literal["wall", "trace"] = "wall",
 ) -> float:
     """Median device seconds per `step` call; `step(state) -> state` of the same structure.
 
@@ -55,7 +62,7 @@ def chained_median_seconds(
         held[0] = run(held[0])  # each launch continues from the last one's states
         return held[0]
 
-    return _median_per_call(launch, launches, calls, repeats)
+    return _median_per_call(launch, launches, calls, repeats, clock)
 
 
 @functools.lru_cache(maxsize=8)  # the same step timed again (trials) is not compiled again
@@ -78,11 +85,19 @@ def _chained_program(step: Callable[[Any], Any], n: int, per_iter: int, calls: i
     return run
 
 
-def _median_per_call(launch: Callable[[], Any], launches: int, calls: int, repeats: int) -> float:
+def _median_per_call(
+    launch: Callable[[], Any], launches: int, calls: int, repeats: int, clock: str = "wall"
+) -> float:
     """Median over `repeats` of the seconds per device call when `launches` launches of
-    `calls` calls each run back to back before one host sync."""
+    `calls` calls each run back to back before one host sync (`clock`: module docstring)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
     samples = []
     for _ in range(repeats):
+        if clock == "trace":
+            run = lambda: [launch() for _ in range(launches)][-1]  # noqa: E731
+            samples.append(traced_kernel_seconds(run) / (launches * calls))
+            continue
         t0 = time.perf_counter()
         for _ in range(launches):
             out = launch()
@@ -141,6 +156,7 @@ def live_chain_seconds(
     launches: int = 4,
     repeats: int = 5,
     run: Callable | None = None,
+    clock: Literal["wall", "trace"] = "wall",
 ) -> float:
     """Median device seconds per fn(*args) call, for ops whose output cannot be the next call's
     input (conv1d 'full': L + K - 1 rows out of L).
@@ -154,7 +170,7 @@ def live_chain_seconds(
     """
     run = run or live_chain(fn, len(arg_sets), calls)
     jax.block_until_ready(run(arg_sets))  # compile and warm up
-    return _median_per_call(lambda: run(arg_sets), launches, calls, repeats)
+    return _median_per_call(lambda: run(arg_sets), launches, calls, repeats, clock)
 
 
 def torch_median_seconds(fn: Callable[[], Any]) -> float:

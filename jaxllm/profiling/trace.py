@@ -31,6 +31,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -346,6 +347,24 @@ def _device_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                for e in events if e.get("name") == "thread_name"}  # fmt: skip
     streams = [e for e in on_gpu if threads.get((e["pid"], e.get("tid")), "").startswith("Stream")]
     return streams or on_gpu
+
+
+def kernel_seconds(events: list[dict[str, Any]]) -> float:
+    """Summed duration (s) of the GPU kernels of a trace's events, copies left out (a timed
+    chain's pass-through state: MemcpyD2D, memcpy32_post ...)."""
+    picked = [e for e in _device_events(events) if "memcpy" not in e["name"].lower()]
+    if not picked:
+        raise ValueError("the trace has no GPU kernel events: clock='trace' times GPU kernels")
+    return sum(float(e["dur"]) for e in picked) * 1e-6  # trace durations are in us
+
+
+def traced_kernel_seconds(run: Callable[[], Any]) -> float:
+    """`kernel_seconds` of what `run()` launches, recorded with jax.profiler into a temporary
+    directory (run's result is waited for inside the trace)."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            jax.block_until_ready(run())
+        return kernel_seconds(load_trace_events(log_dir))
 
 
 def _host_op_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
