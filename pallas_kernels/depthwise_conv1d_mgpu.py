@@ -49,12 +49,11 @@ class Config(NamedTuple):
 
 
 def default_config(shape: tuple[int, int, int], *, backward: bool = False) -> Config:
-    """128-channel tiles of 16 rows (forward) or 64 rows (backward; fewer when L is shorter).
-    H200, 2026-11-28, B = 1, K = 3, device-side kernel time against Triton's default over the
-    course rows L x D 1024 x 768 ... 8192 x 8192 (benchmarks/RESULTS.md): forward 0.87-1.03x
-    (bf16) and 0.96-1.13x (f32; the 1.13x at 1024 x 768, a 3 us call), backward 0.69-0.96x
-    (bf16) and 0.79-1.05x (f32); the 256-channel tiles used before took 1.00-1.16x forward and
-    up to 1.15x backward."""
+    """128-channel tiles of 16 rows (forward) or 64 rows (backward; fewer when L is shorter),
+    the best or near it of 8 tilings swept on an H200 (2026-11-28). Over the CS229S course grid
+    (B = 1, K = 3, L 1024-8192, D 768-8192, f32 and bf16; benchmarks/RESULTS.md) the kernels
+    took a median 0.96x (forward) and 0.97x (backward) Triton's kernel time there, 0.67-1.14x;
+    the float32 backward is the slower half."""
     rows.check_width("D", shape[2], "the channel count D")
     if backward:  # no taller than L needs (rounded up to the 8-row groups)
         return Config(min(64, -(-shape[1] // 8) * 8), 128)
