@@ -286,18 +286,20 @@ def pipelined_blocks(
     barrier: Any,
     compute: Callable[[jax.Array, jax.Array, Any], Any],
     init: Any = None,
+    copy: Callable[[Any, Any, Any], None] = copy_in,
 ) -> Any:
     """Run `compute(block, slot, carry) -> carry` over blocks first .. first + count - 1.
 
     loads / stores: (block -> GMEM ref view, SMEM buffer (stages, ...)) pairs; the view and one
     slot of the buffer have the same shape. With stages > 1 the next stages - 1 blocks' loads are
-    in flight while this one is computed, and the last stages - 1 blocks' stores. Copies are
-    contiguous bulk copies: `OOBFillMode.UNDEFINED` lets the copy engine clamp a ragged last block.
+    in flight while this one is computed, and the last stages - 1 blocks' stores. Loads are
+    `copy(src, dst, barrier)`: by default contiguous bulk copies (`copy_in`: the copy engine clamps
+    a ragged last block); plgpu.copy_gmem_to_smem for tensor copies that zero-fill out of bounds.
     """
 
     def fetch(k, slot):
         for view, smem in loads:
-            copy_in(view(first + k), smem.at[slot], barrier.at[slot])
+            copy(view(first + k), smem.at[slot], barrier.at[slot])
 
     fetch(jnp.int32(0), jnp.int32(0))
     for k in range(1, stages - 1):

@@ -336,14 +336,15 @@ def test_softmax_kernels_in_interpreter(float64_ref, tiling):
 
 
 @needs_interpreter
-def test_conv_kernels_interior_tiles_in_interpreter(float64_ref):
+@pytest.mark.parametrize("steps", [1, 2, 3])  # 4 tiles a column: one each, a ring, a short run
+def test_conv_kernels_interior_tiles_in_interpreter(float64_ref, steps):
     """Tiles whose halo lies inside [0, L): the interpreter clamps out-of-bounds copies where the
     GPU's copy engine zero-fills, so edge tiles (and dw, db) are checked on the GPU only."""
     rng = np.random.default_rng(2)
     u = jnp.asarray(rng.normal(size=(1, 48, 128)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(128, 3)), jnp.float32)
     b = jnp.asarray(rng.normal(size=(128,)), jnp.float32)
-    cfg = conv_mgpu.Config(block_t=16, block_d=128)
+    cfg = conv_mgpu.Config(block_t=16, block_d=128, steps=steps)
     it = InterpretGPUParams(out_of_bounds_reads="uninitialized")
     out = conv_mgpu.forward(u, w, b, "full", cfg, interpret=it)
     g = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
