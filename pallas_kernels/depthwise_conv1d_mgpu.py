@@ -102,11 +102,10 @@ def _params_in(w_g, b_g, sm, dblk) -> None:
 
 
 def _walk(cfg: Config, sm, n_tiles: int, loads, stores, compute, init=None):
-    """compute(tile, slot, carry) over this program's run of `steps` row tiles (grid axis "t"),
+    """compute(tile, slot, carry) over this program's run of `steps` row tiles (grid axis "p"),
     the next tile's loads in flight while one is computed (a 2-buffer ring when steps > 1); the
     parameters (`_params_in`) are waited for and the taps transposed before the first tile."""
-    first = jax.lax.axis_index("t").astype(jnp.int32) * cfg.steps
-    count = jnp.minimum(jnp.int32(cfg.steps), jnp.int32(n_tiles) - first)
+    first, count = rows.my_blocks(cfg.steps, n_tiles)
 
     def step(tile, slot, carry):
         @pl.when(tile == first)
@@ -117,13 +116,9 @@ def _walk(cfg: Config, sm, n_tiles: int, loads, stores, compute, init=None):
         return compute(tile, slot, carry)
 
     return rows.pipelined_blocks(
-        first=first, count=count, stages=_stages(cfg), loads=loads, stores=stores,
+        first=first, count=count, stages=min(cfg.steps, 2), loads=loads, stores=stores,
         barrier=sm["bar"], compute=step, init=init, copy=plgpu.copy_gmem_to_smem,
     )  # fmt: skip
-
-
-def _stages(cfg: Config) -> int:
-    return 2 if cfg.steps > 1 else 1
 
 
 def _fwd_kernel(u_g, w_g, b_g, o_g, sm, *, cfg: Config, pad: int, tiles: rows.Tiles, n_tiles):
@@ -168,7 +163,7 @@ def forward(u, w, b, mode: str, cfg: Config, interpret: Any = None) -> jax.Array
     out_len = n_len + left + right - k_size + 1
     itemsize = max(u.dtype.itemsize, w.dtype.itemsize, b.dtype.itemsize)
     tiles = rows.Tiles(cfg.rows, cfg.block_d, 1, rows.pick_vec(cfg.block_d, itemsize))
-    stages = _stages(cfg)
+    stages = min(cfg.steps, 2)
     scratch = dict(
         u=plgpu.SMEM((stages, cfg.block_t + k_size - 1, cfg.block_d), u.dtype),
         o=plgpu.SMEM((stages, cfg.block_t, cfg.block_d), u.dtype),
@@ -184,7 +179,7 @@ def forward(u, w, b, mode: str, cfg: Config, interpret: Any = None) -> jax.Array
         _fwd_kernel(u_g, w_g, b_g, o_g, sm, cfg=cfg, pad=left, tiles=tiles, n_tiles=n_tiles)
 
     out_type = jax.ShapeDtypeStruct((n_batch, out_len, n_channels), u.dtype)
-    grid = {"b": n_batch, "d": n_channels // cfg.block_d, "t": pl.cdiv(n_tiles, cfg.steps)}
+    grid = {"b": n_batch, "d": n_channels // cfg.block_d, "p": pl.cdiv(n_tiles, cfg.steps)}
     return rows.launch(kernel, "depthwise_conv1d_fwd_mgpu", out_type, scratch, grid,
                        SCRATCH_BYTES, interpret, (u, w.reshape(-1), b))  # fmt: skip
 
@@ -230,7 +225,7 @@ def _bwd_kernel(u_g, g_g, w_g, du_g, part_g, sm, *, cfg: Config, pad: int, tiles
     for k, total in enumerate(sums):
         sm["part"][k] = total
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(sm["part"], part_g.at[batch, jax.lax.axis_index("t"), :, d])
+    plgpu.copy_smem_to_gmem(sm["part"], part_g.at[batch, jax.lax.axis_index("p"), :, d])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -245,7 +240,7 @@ def backward(u, w, g, mode: str, cfg: Config, interpret: Any = None):
     n_tiles = pl.cdiv(max(n_len, g.shape[1] + k_size - 1 - left), cfg.block_t)
     itemsize = max(u.dtype.itemsize, w.dtype.itemsize, g.dtype.itemsize)
     tiles = rows.Tiles(cfg.rows, cfg.block_d, 1, rows.pick_vec(cfg.block_d, itemsize))
-    stages = _stages(cfg)
+    stages = min(cfg.steps, 2)
     scratch = dict(
         u=plgpu.SMEM((stages, cfg.block_t, cfg.block_d), u.dtype),
         g=plgpu.SMEM((stages, cfg.block_t + k_size - 1, cfg.block_d), g.dtype),
@@ -266,7 +261,7 @@ def backward(u, w, g, mode: str, cfg: Config, interpret: Any = None):
         jax.ShapeDtypeStruct(u.shape, u.dtype),
         jax.ShapeDtypeStruct((n_batch, programs, k_size + 1, n_channels), jnp.float32),
     )
-    grid = {"b": n_batch, "d": n_channels // cfg.block_d, "t": programs}
+    grid = {"b": n_batch, "d": n_channels // cfg.block_d, "p": programs}
     du, part = rows.launch(kernel, "depthwise_conv1d_bwd_mgpu", out_type, scratch, grid,
                            SCRATCH_BYTES, interpret, (u, g, w.reshape(-1)))  # fmt: skip
     sums = jnp.sum(part, axis=(0, 1))  # (K + 1, D)
