@@ -308,14 +308,16 @@ def pipelined_blocks(
         def _(k=k):
             fetch(jnp.int32(k), jnp.int32(k))
 
+    n_slots = jnp.int32(stages)  # int32 also under jax_enable_x64 (k is int32)
+
     def step(k, carry):
-        slot = jax.lax.rem(k, stages)
+        slot = jax.lax.rem(k, n_slots)
         if stages > 1:  # prefetch into the slot the previous step finished with
-            ahead = k + stages - 1
+            ahead = k + n_slots - 1
 
             @pl.when(ahead < count)
             def _():
-                fetch(ahead, jax.lax.rem(ahead, stages))
+                fetch(ahead, jax.lax.rem(ahead, n_slots))
 
         plgpu.barrier_wait(barrier.at[slot])
         # this slot's output buffer was last sent `stages` steps ago: its copy must have read it

@@ -267,6 +267,15 @@ def test_public_mosaic_path_lowers_for_cuda(pretend_gpu, name):
     assert "mosaic_gpu" in fwd and bwd.count("mosaic_gpu") >= 2  # the forward and backward kernels
 
 
+@pytest.mark.parametrize("name", ["layer_norm_rows", "softmax_warp_rows_bf16", "conv_full"])
+def test_public_mosaic_path_lowers_under_x64(pretend_gpu, name):
+    """With jax_enable_x64 on, the kernels' index arithmetic (the ring's slots) stays int32."""
+    fn, args = LOWERING_CASES[name]
+    with jax.enable_x64(True):
+        args = [a.astype(jnp.float32) if a.dtype == jnp.float64 else a for a in args]
+        assert "mosaic_gpu" in _lower_for_cuda(_grad_of_sum(fn, (0,)), *args)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("tiling", ["chunks", "whole_rows", "ring3", "ring4"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])

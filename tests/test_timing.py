@@ -66,6 +66,7 @@ def test_trace_clock_sums_gpu_kernels_without_copies():
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
         {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
         {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #13"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops"}},
     ]
     events = meta + [
         {"ph": "X", "pid": 1, "tid": 7, "name": "conv_fwd_mosaic_gpu_kernel", "dur": 2.5},
@@ -73,6 +74,7 @@ def test_trace_clock_sums_gpu_kernels_without_copies():
         {"ph": "X", "pid": 1, "tid": 7, "name": "MemcpyD2D", "dur": 9.0},  # the chain's copies
         {"ph": "X", "pid": 1, "tid": 7, "name": "memcpy32_post", "dur": 9.0},
         {"ph": "X", "pid": 2, "tid": 3, "name": "host op", "dur": 50.0},
+        {"ph": "X", "pid": 1, "tid": 8, "name": "fusion.3", "dur": 3.5},  # the same time again
     ]
     assert kernel_seconds(events) == pytest.approx(3.5e-6)
     with pytest.raises(ValueError, match="no GPU kernel events"):

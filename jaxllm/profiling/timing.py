@@ -52,6 +52,7 @@ def chained_median_seconds(
     GPU kernel copy is compiled on its own); the loop adds its per-iteration device-to-host
     sync, a few microseconds per k calls. The compiled program is kept per step function (the
     last 8): pass a plain function, the same object to time it again without recompiling."""
+    _check_clock(clock)
     n = len(states)
     per_iter = n * max(1, -(-(unroll or calls) // n))
     calls = per_iter * max(1, -(-calls // per_iter))
@@ -85,18 +86,27 @@ def _chained_program(step: Callable[[Any], Any], n: int, per_iter: int, calls: i
     return run
 
 
+def _check_clock(clock: str) -> None:
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
+
+
+def _launch_n(launch: Callable[[], Any], n: int) -> Any:
+    for _ in range(n):
+        out = launch()
+    return out
+
+
 def _median_per_call(
     launch: Callable[[], Any], launches: int, calls: int, repeats: int, clock: str = "wall"
 ) -> float:
     """Median over `repeats` of the seconds per device call when `launches` launches of
     `calls` calls each run back to back before one host sync (`clock`: module docstring)."""
-    if clock not in CLOCKS:
-        raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
     samples = []
     for _ in range(repeats):
         if clock == "trace":
-            run = lambda: [launch() for _ in range(launches)][-1]  # noqa: E731
-            samples.append(traced_kernel_seconds(run) / (launches * calls))
+            samples.append(traced_kernel_seconds(lambda: _launch_n(launch, launches)))
+            samples[-1] /= launches * calls
             continue
         t0 = time.perf_counter()
         for _ in range(launches):
@@ -168,6 +178,7 @@ def live_chain_seconds(
     dead code, and no input is returned (which would cost a copy). `run`: `live_chain(...)`,
     possibly compiled ahead (`run.lower(arg_sets).compile()`).
     """
+    _check_clock(clock)
     run = run or live_chain(fn, len(arg_sets), calls)
     jax.block_until_ready(run(arg_sets))  # compile and warm up
     return _median_per_call(lambda: run(arg_sets), launches, calls, repeats, clock)

@@ -337,22 +337,26 @@ class KernelSummary:
     arg_keys: tuple[str, ...] = ()  # the argument names the events carried
 
 
-def _device_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _device_events(
+    events: list[dict[str, Any]], streams_only: bool = False
+) -> list[dict[str, Any]]:
     """Complete events on the GPU timelines: kernel (and memcpy) events of the 'Stream #N'
-    lines when the trace has them, else every event of the GPU processes."""
+    lines when the trace has them (or `streams_only`), else every event of the GPU processes."""
     gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") ==
                 "process_name" and "GPU" in str(e.get("args", {}).get("name", ""))}  # fmt: skip
     on_gpu = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
     threads = {(e.get("pid"), e.get("tid")): str(e.get("args", {}).get("name", ""))
                for e in events if e.get("name") == "thread_name"}  # fmt: skip
     streams = [e for e in on_gpu if threads.get((e["pid"], e.get("tid")), "").startswith("Stream")]
-    return streams or on_gpu
+    return streams if streams or streams_only else on_gpu
 
 
 def kernel_seconds(events: list[dict[str, Any]]) -> float:
-    """Summed duration (s) of the GPU kernels of a trace's events, copies left out (a timed
-    chain's pass-through state: MemcpyD2D, memcpy32_post ...)."""
-    picked = [e for e in _device_events(events) if "memcpy" not in e["name"].lower()]
+    """Summed duration (s) of the GPU kernels of a trace's events (its 'Stream #N' lines; the
+    GPU's other lines summarise the same time), copies left out (a timed chain's pass-through
+    state: MemcpyD2D, memcpy32_post ...)."""
+    streams = _device_events(events, streams_only=True)
+    picked = [e for e in streams if "memcpy" not in e["name"].lower()]
     if not picked:
         raise ValueError("the trace has no GPU kernel events: clock='trace' times GPU kernels")
     return sum(float(e["dur"]) for e in picked) * 1e-6  # trace durations are in us
