@@ -31,6 +31,8 @@ profiling.timing.interleaved_samples: 11 rounds, each one sample of XLA, Pallas 
 others) in turn, each sample >= 5 ms of device work; ms = median, `spread_pct` = (max - min) /
 min of a version's own samples (its run-to-run noise), `xla_ratio_rounds` = XLA / Pallas per
 round. A row under 1.0x XLA by less than both versions' spread is reported as within noise.
+`--clock trace`: each sample is the GPU's kernel time from a profiler trace, not the wall clock
+(which dispatch bounds for calls of a few us; jaxllm/profiling/timing.py).
 Backward rows time (u, w, b, g) -> (du, dw, db) with jax.vjp inside the timed function, for
 Pallas and XLA alike; its forward output is unused and XLA drops it. All executables of one
 shape x dtype are built (lowered in turn, XLA-compiled in parallel threads) before any of them
@@ -62,6 +64,7 @@ import numpy as np  # noqa: E402
 from jaxllm.profiling import kernel_bench as kb  # noqa: E402
 from jaxllm.profiling.harness import append_jsonl  # noqa: E402
 from jaxllm.profiling.timing import (  # noqa: E402
+    CLOCKS,
     chained_median_seconds,
     interleaved_samples,
     live_chain,
@@ -518,6 +521,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=200.0, help="seconds for all (%(default)s)")
     p.add_argument("--calls", type=int, default=16, help="calls per timed executable")
     p.add_argument("--repeats", type=int, default=11, help="timing rounds per median")
+    p.add_argument("--clock", choices=CLOCKS, default="wall", help="trace: GPU kernel time")
     p.add_argument("--max-sets", type=int, default=8, help="max rotated input sets")
     p.add_argument("--threads", type=int, default=8, help="parallel compiles / error chunks")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
@@ -525,6 +529,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, short timing (CPU check)")
     args = p.parse_args()
+    if args.clock == "trace" and jax.default_backend() != "gpu":
+        p.error(f"--clock trace times GPU kernels; this backend is {jax.default_backend()}")
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     args.dirs = [d for d in args.dirs.split(",") if d]
     bad = [d for d in args.dtypes if d not in DTYPES] + [
@@ -556,7 +562,8 @@ def priority(lengths, channels, group) -> tuple:
 def main() -> None:
     t_start = time.perf_counter()
     args = parse_args()
-    timing = dict(calls=args.calls, launches=1 if args.smoke else 4, repeats=args.repeats)
+    timing = dict(calls=args.calls, launches=1 if args.smoke else 4, repeats=args.repeats,
+                  clock=args.clock)  # fmt: skip
     device = jax.devices()[0]
     print(f"device: {device.device_kind}; jax {jax.__version__}; backend {jax.default_backend()}"
           f"{' (Pallas interpret mode)' if args.interpret else ''}")  # fmt: skip

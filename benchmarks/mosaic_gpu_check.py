@@ -442,6 +442,8 @@ def main() -> None:
         help="trace: the GPU's kernel durations from a profiler trace (calls of a few us)",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.clock == "trace" and jax.default_backend() != "gpu":
+        parser.error(f"--clock trace times GPU kernels; this backend is {jax.default_backend()}")
     kernels = [k for k in args.only.split(",") if k]
     unknown = set(kernels) - set(MAKERS)
     if unknown:

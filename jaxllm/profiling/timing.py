@@ -123,13 +123,16 @@ def interleaved_samples(
     launches: int = 4,
     repeats: int = 11,
     min_sample_s: float = 5e-3,
+    clock: Literal["wall", "trace"] = "wall",
 ) -> dict[str, list[float]]:
     """Seconds per device call of each launcher (one launch = `calls` device calls), sampled in
     turn: `repeats` rounds, each taking one sample of every launcher (A B C A B C ...), so a
     drift of the GPU's clocks or load hits all of them alike and their ratio stays fair. A sample
     is `n` launches before one host sync, n >= `launches` grown until a sample lasts
     `min_sample_s` (launch latency and the clocks' ramp-up out of idle otherwise dominate
-    10-microsecond kernels). Each launcher is warmed up (compiled, loaded) first."""
+    10-microsecond kernels). Each launcher is warmed up (compiled, loaded) first. `clock`: module
+    docstring (the sample length is still sized by the wall clock)."""
+    _check_clock(clock)
     n_launch = {}
     for name, launch in launchers.items():
         jax.block_until_ready(launch())
@@ -138,7 +141,7 @@ def interleaved_samples(
     samples: dict[str, list[float]] = {name: [] for name in launchers}
     for _ in range(repeats):
         for name, launch in launchers.items():
-            samples[name].append(_median_per_call(launch, n_launch[name], calls, 1))
+            samples[name].append(_median_per_call(launch, n_launch[name], calls, 1, clock))
     return samples
 
 
