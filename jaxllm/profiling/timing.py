@@ -105,14 +105,12 @@ def _median_per_call(
     samples = []
     for _ in range(repeats):
         if clock == "trace":
-            samples.append(traced_kernel_seconds(lambda: _launch_n(launch, launches)))
-            samples[-1] /= launches * calls
-            continue
-        t0 = time.perf_counter()
-        for _ in range(launches):
-            out = launch()
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / (launches * calls))
+            seconds = traced_kernel_seconds(lambda: _launch_n(launch, launches))
+        else:
+            t0 = time.perf_counter()
+            jax.block_until_ready(_launch_n(launch, launches))
+            seconds = time.perf_counter() - t0
+        samples.append(seconds / (launches * calls))
     return statistics.median(samples)
 
 
