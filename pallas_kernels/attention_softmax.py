@@ -27,12 +27,17 @@ from .common import check_backend, check_config, first_order_rules, resolve_inte
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
+# Jitted (here and _backward) so that call sites of one shape and config lower the kernels once.
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "scale", "causal", "lay", "interpret", "backend")
+)
 def _forward(x, mask, cfg, scale, causal, lay, interpret, backend: str):
     if backend == "mosaic_gpu":
         return mgpu.forward(x, mask, cfg[0], scale, causal, lay)
     return triton.forward(x, mask, cfg, scale, causal, lay, interpret)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "scale", "n_queries", "interpret", "backend"))
 def _backward(y, dy, cfg, scale, n_queries: int, interpret, backend: str):
     if backend == "mosaic_gpu":
         return mgpu.backward(y, dy, cfg[1], scale, n_queries)

@@ -31,12 +31,15 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_KERNEL = 7  # the K taps are unrolled
 
 
+# Jitted (here and _backward) so that call sites of one shape and config lower the kernels once.
+@functools.partial(jax.jit, static_argnames=("mode", "interpret", "cfg", "backend"))
 def _forward(u, w, b, mode: str, interpret: bool, cfg, backend: str) -> jax.Array:
     if backend == "mosaic_gpu":
         return mgpu.forward(u, w, b, mode, cfg)
     return triton.forward(u, w, b, mode, cfg, interpret)
 
 
+@functools.partial(jax.jit, static_argnames=("mode", "interpret", "cfg", "backend"))
 def _backward(u, w, g, mode: str, interpret: bool, cfg, backend: str):
     if backend == "mosaic_gpu":
         return mgpu.backward(u, w, g, mode, cfg)

@@ -24,19 +24,24 @@ from .common import check_config, first_order_rules
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 
+# Jitted so that call sites of one shape and config lower the kernels once (an unrolled model or
+# a pipeline's ticks call them hundreds of times in one step).
+_forward = jax.jit(mgpu.forward, static_argnames=("cfg", "scale", "causal"))
+_backward = jax.jit(mgpu.backward, static_argnames=("cfg", "scale", "causal"))
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _attention(q, k, v, cfg, bwd_cfg, scale, causal):
-    return mgpu.forward(q, k, v, cfg, scale, causal)[0]
+    return _forward(q, k, v, cfg, scale, causal)[0]
 
 
 def _attention_fwd(q, k, v, cfg, bwd_cfg, scale, causal):
-    o, lse = mgpu.forward(q, k, v, cfg, scale, causal)
+    o, lse = _forward(q, k, v, cfg, scale, causal)
     return o, (q, k, v, o, lse)
 
 
 def _attention_bwd(cfg, bwd_cfg, scale, causal, res, do):
-    return mgpu.backward(*res, do, bwd_cfg, scale, causal)
+    return _backward(*res, do, bwd_cfg, scale, causal)
 
 
 _attention.defvjp(*first_order_rules("flash_attention", 3, _attention_fwd, _attention_bwd))

@@ -42,6 +42,8 @@ DTYPES = (jnp.float32, jnp.bfloat16)
 MAX_HIDDEN = 16384  # one row lives in registers; 16k float32 over 16 warps is 32 per thread
 
 
+# Jitted (here and _backward) so that call sites of one shape and config lower the kernels once.
+@functools.partial(jax.jit, static_argnames=("eps", "out_dtype", "interpret", "cfg", "backend"))
 def _forward(x, h, gamma, beta, eps: float, out_dtype, interpret: bool, cfg, backend: str):
     """(y, mean, rstd), or (s = x + h, y, mean, rstd) when h is given; beta None is RMSNorm
     (mean is then None)."""
@@ -50,6 +52,7 @@ def _forward(x, h, gamma, beta, eps: float, out_dtype, interpret: bool, cfg, bac
     return triton.forward(x, h, gamma, beta, eps, out_dtype, cfg, interpret)
 
 
+@functools.partial(jax.jit, static_argnames=("h_dtype", "interpret", "cfg", "backend"))
 def _backward(x, gamma, dy, ds, h_dtype, mean, rstd, interpret: bool, cfg, backend: str):
     """(dx, dgamma, dbeta), or (dx, dh, dgamma, dbeta) when ds (the gradient of s) is given;
     mean None is RMSNorm (dbeta is then None)."""

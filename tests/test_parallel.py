@@ -657,8 +657,8 @@ def _check_pallas_on_mesh() -> None:
         step = parallel.jit_train_step(train_step, state, mesh, c.parallel.microbatches)
         rng = jax.random.PRNGKey(1)
         if name in ("single", "data8"):
-            jaxpr = str(jax.make_jaxpr(step)(state, sharded[0], rng))
-            out[f"{name}_shard_maps"] = jaxpr.count("shard_map[")
+            jaxpr = jax.make_jaxpr(step)(state, sharded[0], rng)
+            out[f"{name}_shard_maps"] = str(jaxpr).count("shard_map[")
             out[f"{name}_kernels"] = pallas_kernel_names(jaxpr)
         sums = parallel.jit_eval_step(eval_step, state, mesh)(
             state, parallel.shard_batch(odd, mesh)
