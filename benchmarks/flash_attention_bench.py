@@ -14,8 +14,7 @@ jax.nn.dot_product_attention(implementation="cudnn", is_causal=True) and the sam
     dv of max |error| / max |reference| against the reference's VJP;
   * median device ms per call (jaxllm/profiling/timing.chained_median_seconds: one executable,
     each call's output feeding the next call's q, states rotated to miss L2; a loop of --unroll
-    calls per iteration, as a program of 16 copies of our three kernels compiles for minutes:
-    the same for every implementation), measured in
+    calls per iteration, the same for every implementation), measured in
     --trials separate runs: the median of those and their spread ((max - min) / median);
   * TFLOP/s over the causal flops: forward 2 * B*H*T^2*D (two matmuls, half the score matrix),
     fwd+bwd 3.5 times that; and the ratio of cuDNN's time to this row's (> 1: faster than cuDNN);

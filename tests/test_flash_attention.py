@@ -135,9 +135,10 @@ def test_public_function_and_gradients_in_interpreter(
     """flash_attention's custom VJP end to end (both kernels interpreted), called as the model
     calls it (jaxllm.ops, path "flash"), T not a multiple of the tile (causal: padded): the
     output and the gradients of q, k, v against the float64 reference's."""
-    for name in ("forward", "backward"):  # the module's jitted entries, not interpreted
+    for name in ("forward", "backward"):  # the module's jitted entries, interpreted
         fn = functools.partial(getattr(fa_mgpu, name), interpret=interpreter)
-        monkeypatch.setattr(flash_module, f"_{name}", fn)
+        jitted = jax.jit(fn, static_argnames=("cfg", "scale", "causal"))
+        monkeypatch.setattr(flash_module, f"_{name}", jitted)
     q, k, v = _qkv((1, 100, 1, 64), seed=1)  # T padded to 128 inside
     w = jax.random.normal(jax.random.PRNGKey(2), q.shape, jnp.float32)
 

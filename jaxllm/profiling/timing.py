@@ -48,8 +48,8 @@ def chained_median_seconds(
 
     `unroll`: None runs the calls as straight-line code (the program holds `calls` copies of
     step); k: a loop whose iterations run k calls (rounded up to a multiple of the states; calls
-    then rounded up to a multiple of that), for steps whose kernels compile slowly (each Mosaic
-    GPU kernel copy is compiled on its own); the loop adds its per-iteration device-to-host
+    then rounded up to a multiple of that), for steps that compile slowly as straight-line
+    copies; the loop adds its per-iteration device-to-host
     sync, a few microseconds per k calls. The compiled program is kept per step function (the
     last 8): pass a plain function, the same object to time it again without recompiling."""
     _check_clock(clock)
