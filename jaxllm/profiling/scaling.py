@@ -36,7 +36,9 @@ IB_GBPS = 50.0  # InfiniBand NDR, 400 Gb/s per GPU (one NIC per GPU, as in a DGX
 # Fraction of the line rate the step's collectives reach with nothing hidden. Fitted: 2 and 4
 # H200s, GPT-2 124M, the DP gradient all-reduce adds 3.2 ms for 498 MB (155 GB/s) and 3.8 ms
 # for 746 MB (196 GB/s), well under nccl-tests' large-message bus bandwidth (near line rate);
-# why is not measured here. Used for both links.
+# why is not measured here. Used for both links and for the pipeline's sends too: a ppermute
+# alone reaches 0.53-0.70 of NVLink (25-200 MB, 2 H200s), but 0.4 fits the pipeline's steps
+# better (the rest of a send's cost is in them).
 ACHIEVED = 0.4
 # One H200, GPT-2 124M, Pallas kernels + fused loss + cuDNN attention, batch 32 x 1024: 60.2 ms
 # a step, 544,658 tokens/s x 855.2 MFLOPs per token. Other models: same FLOP rate.
