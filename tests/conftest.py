@@ -149,17 +149,17 @@ def pallas_kernels_in(fn, *args) -> Counter:
     return pallas_kernel_names(jax.make_jaxpr(fn)(*args))
 
 
-def pallas_kernel_names(closed) -> Counter:
-    """{kernel name: count} of the pallas_calls in a ClosedJaxpr, one per call site: a nested
-    jaxpr that several call sites share (a jitted kernel entry) counts once per site."""
-    names = Counter()
+def eqn_counts(closed, key) -> Counter:
+    """{key(eqn): count} over a ClosedJaxpr's equations and its nested jaxprs' (not a kernel's
+    body), one per call site: a nested jaxpr that several call sites share (a jitted kernel
+    entry; the printed jaxpr shows it once) counts once per site. key -> None: not counted."""
+    counts = Counter()
 
     def walk(jaxpr) -> None:
         for eqn in jaxpr.eqns:
+            if (k := key(eqn)) is not None:
+                counts[k] += 1
             if eqn.primitive.name == "pallas_call":
-                # the param's name differs across jax versions
-                info = eqn.params.get("name_and_src_info", eqn.params.get("name"))
-                names[getattr(info, "name", info)] += 1
                 continue
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else (value,):
@@ -169,7 +169,19 @@ def pallas_kernel_names(closed) -> Counter:
                         walk(sub.jaxpr)
 
     walk(closed.jaxpr)
-    return names
+    return counts
+
+
+def _kernel_name(eqn) -> str | None:
+    if eqn.primitive.name != "pallas_call":
+        return None
+    info = eqn.params.get("name_and_src_info", eqn.params.get("name"))  # differs across jax
+    return getattr(info, "name", info)
+
+
+def pallas_kernel_names(closed) -> Counter:
+    """{kernel name: count} of the pallas_calls in a ClosedJaxpr, one per call site."""
+    return eqn_counts(closed, _kernel_name)
 
 
 @pytest.fixture
