@@ -100,7 +100,6 @@ def recorded_sha256(path: str | Path) -> str | None:
 
 def load_tokens(
     path: str | Path,
-    expect_tokenizer: str = TOKENIZER_NAME,
     verify_hash: bool = False,
     vocab_size: int | None = None,
 ) -> np.memmap:
@@ -115,8 +114,6 @@ def load_tokens(
     given; re-running jaxllm.data.prepare records it.
     """
     path = Path(path)
-    if expect_tokenizer != TOKENIZER_NAME:
-        raise ValueError(f"unknown tokenizer {expect_tokenizer!r}; supported: {TOKENIZER_NAME!r}")
     if not path.is_file():
         raise FileNotFoundError(
             f"token file not found: {path} (make it: python -m jaxllm.data.prepare)"
@@ -138,7 +135,7 @@ def load_tokens(
     expected = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
-        "tokenizer": expect_tokenizer,
+        "tokenizer": TOKENIZER_NAME,
         "bpe_sha256": BPE_SHA256,
         "dtype": token_dtype(N_VOCAB).name,
     }
