@@ -160,8 +160,10 @@ class ExecutionConfig(Section):
     # Which implementation runs is decided in jaxllm/ops.py (`plan_ops`), which says it out loud:
     kernels: Literal["xla", "pallas"] = "xla"  # norms + attention softmax via pallas_kernels
     # "dot_product_attention": cuDNN flash attention on a GPU; "pallas": our flash attention
-    # (pallas_kernels.flash_attention, Mosaic GPU, Hopper-class GPUs); else the `kernels` path
-    attention_impl: Literal["xla", "dot_product_attention", "pallas"] = "xla"
+    # (pallas_kernels.flash_attention, Mosaic GPU, Hopper-class GPUs); "xla": the `kernels`
+    # path; "auto": the fastest of those that can run (jaxllm.ops.plan_ops; with dropout > 0
+    # the `kernels` path, the only one with attention dropout)
+    attention_impl: Literal["auto", "xla", "dot_product_attention", "pallas"] = "auto"
     # Training loss: "xla" = logits, then softmax_loss; "pallas" = the fused LM head +
     # cross-entropy kernel (pallas_kernels.linear_cross_entropy), which never keeps the logits.
     loss_impl: Literal["xla", "pallas"] = "xla"
@@ -223,7 +225,7 @@ class ExecutionConfig(Section):
                 "execution.label_smoothing needs execution.loss_impl=xla: the fused Pallas loss "
                 f"has no smoothing term (got label_smoothing={self.label_smoothing})"
             )
-        if self.attention_impl != "xla" and self.dropout > 0:
+        if self.attention_impl not in ("auto", "xla") and self.dropout > 0:
             raise ConfigError(
                 f"execution.attention_impl={self.attention_impl} has no attention dropout; set "
                 f"execution.dropout=0 (got {self.dropout}) or execution.attention_impl=xla"

@@ -9,7 +9,7 @@ config is loaded (cuDNN or flash attention with dropout) or when the plan is mad
 (execution.kernel_backend=mosaic_gpu off Hopper), or a path the plan names (cuDNN needs a GPU and
 bf16, our flash attention a Hopper-class GPU, 16-bit inputs and head dim 64 or 128: elsewhere
 attention runs on the `kernels` path, and `OpPlan.describe()` says so); nothing falls back
-silently.
+silently. `attention_impl: auto` asks for no path: it takes the fastest that can run.
 
 On a mesh of several devices (jaxllm.parallel) the plan also carries a `KernelShard`: every
 Pallas call then runs once per shard of the batch, inside `jax.shard_map` (a Pallas kernel is a
@@ -221,6 +221,44 @@ def _flash_refusal(cfg: ModelConfig, ex: ExecutionConfig, backend: str) -> str |
     return pallas_kernels.flash_attention_refusal(cfg.d_model // cfg.n_heads, ex.compute_dtype)
 
 
+def _attention_path(
+    cfg: ModelConfig, ex: ExecutionConfig, backend: str, notes: list[str]
+) -> AttentionPath:
+    """execution.attention_impl's path here (`auto`: ours where it measured faster than cuDNN,
+    pallas_kernels.faster_than_cudnn, else cuDNN, else the `kernels` path); a note in `notes`
+    where the one asked for cannot run."""
+
+    def kernels() -> AttentionPath:  # XLA's softmax or the Pallas one
+        return _lowering(
+            "attention", "pallas" if ex.kernels == "pallas" else "xla", cfg, ex, backend
+        )
+
+    cudnn = backend == "gpu" and ex.compute_dtype == "bfloat16"
+    flash_refusal = _flash_refusal(cfg, ex, backend)
+    if ex.attention_impl == "auto":
+        if ex.dropout > 0:  # the one path with attention dropout
+            return kernels()
+        faster = pallas_kernels.faster_than_cudnn(cfg.context_length, cfg.d_model // cfg.n_heads)
+        if flash_refusal is None and faster:
+            return "flash"
+        return "cudnn" if cudnn else kernels()
+    if ex.attention_impl == "dot_product_attention":
+        if cudnn:
+            return "cudnn"
+        notes.append(
+            f"attention_impl=dot_product_attention needs a GPU and bfloat16 for cuDNN "
+            f"(backend {backend}, {ex.compute_dtype}): attention runs on {kernels()}"
+        )
+    elif ex.attention_impl == "pallas":
+        if flash_refusal is None:
+            return "flash"
+        notes.append(
+            f"attention_impl=pallas (flash attention) needs {flash_refusal}: attention runs "
+            f"on {kernels()}"
+        )
+    return kernels()
+
+
 def plan_ops(
     cfg: ModelConfig,
     ex: ExecutionConfig,
@@ -231,27 +269,8 @@ def plan_ops(
     """The op paths model `cfg` run as `ex` takes on `backend` (default: jax.default_backend());
     `shard`: how Pallas calls run on a mesh of several devices (kept only if a path is Pallas)."""
     backend = backend or jax.default_backend()
-    notes = []
-    # the `kernels` path (XLA's softmax or the Pallas one), where no attention_impl takes over
-    fallback = "pallas" if ex.kernels == "pallas" else "xla"
-    cudnn = backend == "gpu" and ex.compute_dtype == "bfloat16"
-    attention: AttentionPath
-    if ex.attention_impl == "dot_product_attention" and cudnn:
-        attention = "cudnn"
-    elif ex.attention_impl == "pallas" and (refusal := _flash_refusal(cfg, ex, backend)) is None:
-        attention = "flash"
-    else:
-        attention = _lowering("attention", fallback, cfg, ex, backend)
-        if ex.attention_impl == "dot_product_attention":
-            notes.append(
-                f"attention_impl=dot_product_attention needs a GPU and bfloat16 for cuDNN "
-                f"(backend {backend}, {ex.compute_dtype}): attention runs on {attention}"
-            )
-        elif ex.attention_impl == "pallas":
-            notes.append(
-                f"attention_impl=pallas (flash attention) needs {refusal}: attention runs on "
-                f"{attention}"
-            )
+    notes: list[str] = []
+    attention = _attention_path(cfg, ex, backend, notes)
     pallas = "pallas" in (ex.kernels, ex.loss_impl) or attention == "flash"
     return OpPlan(
         norm=_lowering("norm", ex.kernels, cfg, ex, backend),  # LayerNorm and RMSNorm alike

@@ -12,7 +12,7 @@ from .attention_softmax import attention_softmax
 from .common import mosaic_gpu_refusal
 from .cross_entropy import head_chunk_rows, linear_cross_entropy, mosaic_loss_refusal
 from .depthwise_conv1d import depthwise_conv1d
-from .flash_attention import flash_attention, flash_attention_refusal
+from .flash_attention import faster_than_cudnn, flash_attention, flash_attention_refusal
 from .layer_norm import add_layer_norm, add_rms_norm, layer_norm, mosaic_norm_refusal, rms_norm
 from .reference import (
     add_layer_norm_ref,
@@ -34,6 +34,7 @@ __all__ = [
     "attention_softmax_ref",
     "depthwise_conv1d",
     "depthwise_conv1d_ref",
+    "faster_than_cudnn",
     "flash_attention",
     "flash_attention_refusal",
     "flash_attention_ref",

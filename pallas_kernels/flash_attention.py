@@ -53,6 +53,19 @@ def causal_tile(cfg: mgpu.Config, bwd_cfg: mgpu.BwdConfig) -> int:
     return math.lcm(fwd, mgpu.COMPUTE_WGS * max(bwd_cfg.block_q, bwd_cfg.block_kv))
 
 
+# head dim -> the longest T at which ours (forward + backward, default configs) measured faster
+# than cuDNN's, each pair in one call (benchmarks/RESULTS.md, "Flash attention"; H100 2026-11-27,
+# logs/flash_2026-11-27; H200 2026-11-28, logs/flash_2026-11-28 and flash_2026-11-28b). Head dim
+# 64: T 128-512 1.00-1.53x, T 1024 0.88-1.02x, T 2048 0.99x; head dim 128: T 128-2048
+# 1.11-1.47x (T 1024 not timed on the H100). Longer T: not measured.
+FASTER_THAN_CUDNN_UP_TO = {64: 512, 128: 2048}
+
+
+def faster_than_cudnn(seq_len: int, head_dim: int) -> bool:
+    """Whether our flash attention measured faster than cuDNN's at this T and head dim."""
+    return seq_len <= FASTER_THAN_CUDNN_UP_TO.get(head_dim, 0)
+
+
 def flash_attention_refusal(head_dim: int, compute_dtype) -> str | None:
     """Why flash_attention cannot run a model here, as "needs ..." would end (None: it can): a
     Hopper-class GPU, 16-bit inputs, a head dim the kernels take."""

@@ -183,7 +183,9 @@ def test_model_loss_reaches_the_mosaic_kernel_when_planned(monkeypatch):
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
-    model = tiny_model(loss_impl="pallas", compute_dtype="bfloat16", vocab_size=2100)
+    model = tiny_model(
+        loss_impl="pallas", compute_dtype="bfloat16", vocab_size=2100, attention_impl="xla"
+    )  # cuDNN attention (auto's pick on a GPU) does not trace on a CPU
     assert model.plan.loss == "pallas_mgpu"
     tokens = jnp.zeros((2, 8), jnp.int32)
     params = model.init(jax.random.PRNGKey(0), tokens)  # no loss in init: no kernel runs
@@ -207,7 +209,8 @@ def test_model_reaches_every_mosaic_kernel_when_planned(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
     model = tiny_model(kernels="pallas", kernel_backend="mosaic_gpu", compute_dtype="bfloat16",
-                       d_model=128, n_heads=2, context_length=128, short_conv=True)  # fmt: skip
+                       d_model=128, n_heads=2, context_length=128, short_conv=True,
+                       attention_impl="xla")  # fmt: skip
     tokens = jnp.zeros((2, 128), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
 
@@ -329,6 +332,32 @@ def test_flash_attention_needs_hopper_bf16_and_its_head_dims_and_the_plan_says_s
     assert p.attention == "pallas" and "Hopper-class" in p.describe()
     with pytest.raises(ConfigError, match="attention_impl=pallas has no attention dropout"):
         ExecutionConfig(attention_impl="pallas", dropout=0.1)
+
+
+def test_auto_attention_takes_the_fastest_path_that_can_run(monkeypatch):
+    """attention_impl: auto (the default) runs ours where it measured faster than cuDNN, else
+    cuDNN, else the `kernels` path (also with dropout, which neither flash attention has); the
+    ops line names the path, with no note (nothing asked for was refused)."""
+    import pallas_kernels.common as tb
+
+    monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
+    assert ExecutionConfig().attention_impl == "auto"
+    bf16 = dict(compute_dtype="bfloat16", d_model=128, n_heads=2)  # head dim 64
+    for backend, overrides, path in (
+        ("gpu", {"context_length": 512}, "flash"),
+        ("gpu", {"context_length": 513}, "cudnn"),  # past the measured range at head dim 64
+        ("gpu", {"context_length": 2048, "n_heads": 1}, "flash"),  # head dim 128
+        ("gpu", {"n_heads": 4}, "cudnn"),  # head dim 32: no flash kernel of ours
+        ("gpu", {"compute_dtype": "float32"}, "xla"),
+        ("gpu", {"dropout": 0.1}, "xla"),
+        ("gpu", {"dropout": 0.1, "kernels": "pallas"}, "pallas"),
+        ("cpu", {}, "xla"),
+    ):
+        p = plan_of(backend, "transformer_lm", **{**bf16, **overrides})
+        assert p.attention == path and not p.notes, (overrides, p.describe())
+        assert f"attention={path} " in p.describe()
+    monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: False)  # not Hopper: cuDNN
+    assert plan_of("gpu", "transformer_lm", **bf16, context_length=256).attention == "cudnn"
 
 
 def test_a_run_dir_written_with_loss_backend_still_loads():
