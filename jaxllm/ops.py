@@ -1,15 +1,16 @@
 """Which implementation runs for each op family, decided in one place and said out loud.
 
-`plan_ops(cfg, ex)` turns the execution config's switches (`kernels`, `attention_impl`,
-`loss_impl`) and the backend into an `OpPlan`: one named path per op family. Layers receive their
-path from the plan and call the functions below; nothing else in the library imports
-`pallas_kernels` (the kernel benchmark in `jaxllm.profiling.kernel_bench`, whose subject is the
-kernels themselves, is the one exception). A switch that cannot apply is a `ConfigError`, when the
-config is loaded (cuDNN or flash attention with dropout) or when the plan is made for the machine
-(execution.kernel_backend=mosaic_gpu off Hopper), or a path the plan names (cuDNN needs a GPU and
-bf16, our flash attention a Hopper-class GPU, 16-bit inputs and head dim 64 or 128: elsewhere
-attention runs on the `kernels` path, and `OpPlan.describe()` says so); nothing falls back
-silently. `attention_impl: auto` asks for no path: it takes the fastest that can run.
+`plan_ops(cfg, ex)` turns the execution config's switches (`kernels`, `attention_impl`, `loss_impl`)
+and the backend into an `OpPlan`: one named path per op family. Layers receive their path from the
+plan and call the functions below; nothing else in the library imports `pallas_kernels` (the kernel
+benchmark in `jaxllm.profiling.kernel_bench`, whose subject is the kernels themselves, is the one
+exception). A switch that cannot apply is a `ConfigError`, when the config is loaded (cuDNN or flash
+attention with dropout) or when the plan is made for the machine
+(execution.kernel_backend=mosaic_gpu off Hopper), or a path the plan names (cuDNN needs a GPU, bf16,
+a head dim that is a multiple of 8 up to 128 and an even context, our flash attention a Hopper-class
+GPU, 16-bit inputs and head dim 64 or 128: elsewhere attention runs on the `kernels` path, and
+`OpPlan.describe()` says so); nothing falls back silently. `attention_impl: auto` asks for no path:
+it takes the fastest that can run.
 
 On a mesh of several devices (jaxllm.parallel) the plan also carries a `KernelShard`: every
 Pallas call then runs once per shard of the batch, inside `jax.shard_map` (a Pallas kernel is a
@@ -221,6 +222,19 @@ def _flash_refusal(cfg: ModelConfig, ex: ExecutionConfig, backend: str) -> str |
     return pallas_kernels.flash_attention_refusal(cfg.d_model // cfg.n_heads, ex.compute_dtype)
 
 
+def _cudnn_refusal(cfg: ModelConfig, ex: ExecutionConfig, backend: str) -> str | None:
+    """What cuDNN's flash attention (jax.nn.dot_product_attention) needs that this run lacks, as
+    jax checks it only deep in the trace (None: it can run)."""
+    head_dim = cfg.d_model // cfg.n_heads
+    if backend != "gpu" or ex.compute_dtype != "bfloat16":
+        return f"a GPU and bfloat16 (backend {backend}, {ex.compute_dtype})"
+    if head_dim % 8 or head_dim > 128:
+        return f"a head dim that is a multiple of 8 up to 128 (got {head_dim})"
+    if cfg.context_length % 2:
+        return f"an even model.context_length (got {cfg.context_length})"
+    return None
+
+
 def _attention_path(
     cfg: ModelConfig, ex: ExecutionConfig, backend: str, notes: list[str]
 ) -> AttentionPath:
@@ -233,7 +247,7 @@ def _attention_path(
             "attention", "pallas" if ex.kernels == "pallas" else "xla", cfg, ex, backend
         )
 
-    cudnn = backend == "gpu" and ex.compute_dtype == "bfloat16"
+    cudnn_refusal = _cudnn_refusal(cfg, ex, backend)
     flash_refusal = _flash_refusal(cfg, ex, backend)
     if ex.attention_impl == "auto":
         if ex.dropout > 0:  # the one path with attention dropout
@@ -241,13 +255,13 @@ def _attention_path(
         faster = pallas_kernels.faster_than_cudnn(cfg.context_length, cfg.d_model // cfg.n_heads)
         if flash_refusal is None and faster:
             return "flash"
-        return "cudnn" if cudnn else kernels()
+        return "cudnn" if cudnn_refusal is None else kernels()
     if ex.attention_impl == "dot_product_attention":
-        if cudnn:
+        if cudnn_refusal is None:
             return "cudnn"
         notes.append(
-            f"attention_impl=dot_product_attention needs a GPU and bfloat16 for cuDNN "
-            f"(backend {backend}, {ex.compute_dtype}): attention runs on {kernels()}"
+            f"attention_impl=dot_product_attention (cuDNN) needs {cudnn_refusal}: attention "
+            f"runs on {kernels()}"
         )
     elif ex.attention_impl == "pallas":
         if flash_refusal is None:

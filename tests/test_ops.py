@@ -42,13 +42,21 @@ def test_gpt2_benchmark_preset_on_gpu(monkeypatch, hopper):
     assert not plan.notes and "(Pallas compiled)" in plan.describe()
 
 
-def test_cudnn_needs_gpu_and_bf16_and_the_plan_says_so():
-    dpa = dict(attention_impl="dot_product_attention")
-    assert plan_of("gpu", **dpa, compute_dtype="bfloat16").attention == "cudnn"
-    for backend, dtype in (("cpu", "bfloat16"), ("gpu", "float32")):
-        p = plan_of(backend, **dpa, compute_dtype=dtype)
-        assert p.attention == "xla"
-        assert "needs a GPU and bfloat16 for cuDNN" in p.describe()
+def test_cudnn_needs_what_jax_checks_and_the_plan_says_so():
+    """cuDNN's limits as jax checks them deep in the trace (an odd T raised NotImplementedError
+    there, on an H200 with jax 0.11.2): the plan names them and the path that runs instead."""
+    dpa = dict(attention_impl="dot_product_attention", compute_dtype="bfloat16")
+    assert plan_of("gpu", **dpa).attention == "cudnn"
+    for backend, overrides, missing in (
+        ("cpu", {}, "a GPU and bfloat16 (backend cpu, bfloat16)"),
+        ("gpu", {"compute_dtype": "float32"}, "a GPU and bfloat16 (backend gpu, float32)"),
+        ("gpu", {"context_length": 17}, "an even model.context_length (got 17)"),
+        ("gpu", {"d_model": 60, "n_heads": 6}, "a multiple of 8 up to 128 (got 10)"),
+    ):
+        p = plan_of(backend, **{**dpa, **overrides})
+        assert p.attention == "xla", overrides
+        assert "attention_impl=dot_product_attention (cuDNN) needs " in p.describe()
+        assert missing in p.describe() and "attention runs on xla" in p.describe()
     assert plan_of("cpu", **dpa, kernels="pallas").attention == "pallas"  # the softmax kernel
 
 
@@ -345,9 +353,10 @@ def test_auto_attention_takes_the_fastest_path_that_can_run(monkeypatch):
     bf16 = dict(compute_dtype="bfloat16", d_model=128, n_heads=2)  # head dim 64
     for backend, overrides, path in (
         ("gpu", {"context_length": 512}, "flash"),
-        ("gpu", {"context_length": 513}, "cudnn"),  # past the measured range at head dim 64
+        ("gpu", {"context_length": 514}, "cudnn"),  # past the measured range at head dim 64
         ("gpu", {"context_length": 2048, "n_heads": 1}, "flash"),  # head dim 128
         ("gpu", {"n_heads": 4}, "cudnn"),  # head dim 32: no flash kernel of ours
+        ("gpu", {"n_heads": 4, "context_length": 17}, "xla"),  # cuDNN refuses an odd T
         ("gpu", {"compute_dtype": "float32"}, "xla"),
         ("gpu", {"dropout": 0.1}, "xla"),
         ("gpu", {"dropout": 0.1, "kernels": "pallas"}, "pallas"),
