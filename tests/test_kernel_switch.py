@@ -13,7 +13,8 @@ from jaxllm.models import init_kv_cache
 from jaxllm.train.state import loss_and_sums
 
 # One layer, two heads: each Pallas kernel on CPU runs in (slow) interpret mode.
-TINY = dict(vocab_size=37, n_layers=1, n_heads=2)
+# attention on the `kernels` path (auto would take cuDNN on a GPU in bf16)
+TINY = dict(vocab_size=37, n_layers=1, n_heads=2, attention_impl="xla")
 # What the gradient of one layer's loss runs with kernels: pallas (the plan alone could say
 # "pallas" while a layer still called XLA): ln_1, then ln_2 and ln_f each with the residual add.
 NORM_KERNELS = {
