@@ -57,7 +57,7 @@ def causal_tile(cfg: mgpu.Config, bwd_cfg: mgpu.BwdConfig) -> int:
 # than cuDNN's, each pair in one call (benchmarks/RESULTS.md, "Flash attention"; H100 2026-11-27,
 # logs/flash_2026-11-27; H200 2026-11-28, logs/flash_2026-11-28 and flash_2026-11-28b). Head dim
 # 64: T 128-512 1.00-1.53x, T 1024 0.88-1.02x, T 2048 0.99x; head dim 128: T 128-2048
-# 1.11-1.47x (T 1024 not timed on the H100). Longer T: not measured.
+# 1.11-1.47x (on the H100 only T 512 was timed there). Longer T: not measured.
 FASTER_THAN_CUDNN_UP_TO = {64: 512, 128: 2048}
 
 
