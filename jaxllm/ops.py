@@ -60,7 +60,8 @@ ConvPath = Literal["xla", "pallas", "pallas_mgpu"]
 # GPU (benchmarks/RESULTS.md, "Mosaic GPU or Triton"): the fused loss (its kernel 2.0x XLA,
 # Triton's 1.27x) and the norms (GPT-2 124M's step at batch 64 a tie within noise on an H100 and
 # an H200, Mosaic 0.3-0.6% lower in alternate rounds). The softmax and the conv stay on Triton
-# (slower on Mosaic GPU at nearly every timed shape).
+# until an H100 has timed their Mosaic kernels (on an H200 both are within a few percent of
+# Triton's time or faster at nearly every timed shape).
 MOSAIC_AUTO = frozenset({"loss", "norm"})
 
 

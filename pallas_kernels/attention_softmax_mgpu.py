@@ -3,15 +3,17 @@
 The Mosaic GPU counterpart of attention_softmax_triton.py's kernels, same math; picked with
 `backend="mosaic_gpu"` on `attention_softmax`, which keeps the custom VJP.
 
-Scores (B, H, Tq, Tk) are B*H*Tq rows of Tk, Tk % 128 == 0. As layer_norm_mgpu: each program
-walks a contiguous run of `block_rows`-row blocks (one bulk TMA copy per block into shared
-memory, double buffered, rows_mgpu.pipelined_blocks) and computes `rows` rows at a time in column
+Scores (B, H, Tq, Tk) are B*H*Tq rows of Tk, Tk % 128 == 0, in blocks of `block_rows` rows
+(block_rows divides Tq, so a block is one (b, h) slice of consecutive queries: its additive mask
+rows are one row (mask without a query axis) or block_rows consecutive rows; the causal mask
+comes from the row and column indices). A block is computed `rows` rows at a time in column
 chunks: the row max, the sum of exponentials, then the normalised output (the backward: the row
-sum of y * dy, then dx), each a sweep over the row (a tile of whole rows read from shared memory
-once and held in registers: rows_mgpu.Tiles.once). block_rows divides Tq, so a
-block is one (b, h) slice of consecutive queries: its additive mask rows are one row (mask without
-a query axis) or block_rows consecutive rows, copied alongside the scores; the causal mask comes
-from the row and column indices.
+sum of y * dy, then dx), each a sweep over the row (a tile of whole rows read once and held in
+registers: rows_mgpu.Tiles.once). Two ways to move a block (Config.direct):
+- direct (rows of up to DIRECT_KEYS keys): one block a program, a warp per row, read from global
+  memory into registers and written back from them (rows_mgpu.direct_blocks);
+- otherwise as layer_norm_mgpu: each program walks a contiguous run of blocks, one bulk TMA copy
+  per block and operand into shared memory, double buffered (rows_mgpu.pipelined_blocks).
 
 Minimal memory traffic, R = B*H*Tq rows of Tk, s bytes per element (as the Triton kernels):
   forward : read scores, write probs           = 2 * R * Tk * s  (+ the mask rows of each block:
@@ -41,51 +43,53 @@ class Config(NamedTuple):
     programs_per_sm: int  # persistent programs per streaming multiprocessor
     stages: int = 2  # shared memory buffers per operand
     warp_rows: bool = False  # rows_mgpu.row_layout: a warp per row (rows % 4 == 0)
+    direct: bool = False  # rows_mgpu.direct_blocks: no shared memory (stages unused)
+
+
+# Rows of up to this many keys go `direct` (a warp per row, global memory <-> registers), the
+# whole Triton-timed range: on an H200 (2026-11-28, benchmarks/RESULTS.md) the TMA blocks took
+# 1.01-1.27x Triton's time forward and 0.99-1.13x backward at 128-2048 keys.
+DIRECT_KEYS = 2048
 
 
 def default_config(
     n_queries: int, n_keys: int, itemsize: int, n_operands: int, *, backward: bool
 ) -> Config:
-    """Block sizes for rows of Tk keys and `n_operands` block buffers per stage: whole rows in
-    registers up to 4096 keys (several rows at once for short rows), blocks of whole query runs
-    (block_rows a power of two dividing Tq) of about 8 KB per operand (forward) or 16 KB
-    (backward), as many programs per SM as are resident together (rows_mgpu.programs_per_sm).
-    8 KB forward blocks (2026-11-28, benchmarks/RESULTS.md): 1.55x -> 1.19x Triton's time at 128
-    bf16 keys on an H200, 1.30x -> 1.08x on an H100; at 1024 bf16 keys a tie on the H200 and
-    1.12x -> 1.14x on the H100."""
+    """Block sizes for rows of Tk keys. Up to DIRECT_KEYS keys (and Tq a multiple of 4): each
+    program reads one group of 4-16 whole rows (32 values a thread from 256 keys up to 1024), a
+    warp per row, straight from global memory into registers and back (`direct`), as many
+    programs as groups. Otherwise TMA blocks of `n_operands` buffers per stage: whole rows in
+    registers up to 4096 keys, blocks of whole query runs (block_rows a power of two dividing Tq)
+    of about 8 KB per operand (forward) or 16 KB (backward), as many programs per SM as are
+    resident together (rows_mgpu.programs_per_sm)."""
     rows.check_width("Tk", n_keys, "the key length Tk")
+    divisor = n_queries & -n_queries  # largest power of two dividing Tq
+    if n_keys <= DIRECT_KEYS and divisor >= 4:
+        group = min(divisor, 16, max(4, 4096 // n_keys))
+        return Config(group, group, n_keys, rows.ONE_BLOCK_EACH, 1, warp_rows=True, direct=True)
     budget = 4096
     if n_keys <= budget:
         group, chunk = min(8, pl.next_power_of_2(budget // n_keys + 1) // 2), n_keys
     else:
         group, chunk = 1, rows.pick_chunk(n_keys, rows.pick_vec(n_keys, itemsize), budget)
-    divisor = n_queries & -n_queries  # largest power of two dividing Tq
     block_bytes = 16384 if backward else 8192
     block = pl.next_power_of_2(block_bytes // (n_keys * itemsize) + 1) // 2
-    if n_keys <= 1024:  # at least 4 rows: a warp per row (below)
-        block = max(block, 4)
     block = max(1, min(divisor, block))
     group = min(group, block)
-    # rows of <= 1024 keys: a warp per row, several rows a warp (H100, 2026-11-27, 8 rows:
-    # forward 2.75x -> 1.31x Triton's time at 128 bf16 keys, 1.19x -> 1.11x at 1024;
-    # benchmarks/RESULTS.md)
-    warp_rows = chunk == n_keys <= 1024 and block >= 4
-    if warp_rows:
-        group = min(8 if backward else 16, block)
 
     def smem(stages: int) -> int:
         blocks = [stages * block * n_keys * itemsize] * n_operands
-        return rows.smem_bytes(blocks, _scratch_bytes(group))
+        return rows.smem_bytes(blocks, _scratch_bytes(group, False))
 
     stages = 2 if smem(2) <= rows.SMEM_BYTES else 1
     if smem(stages) > rows.SMEM_BYTES:
         raise ValueError(f"backend='mosaic_gpu': rows of Tk = {n_keys} do not fit in shared memory")
-    return Config(block, group, chunk, rows.programs_per_sm(smem(stages)), stages, warp_rows)
+    return Config(block, group, chunk, rows.programs_per_sm(smem(stages)), stages)
 
 
-def _scratch_bytes(group: int) -> int:
-    """Cross-warp reduction scratch for row groups of `group` rows."""
-    return 8 * rows.LANES * group
+def _scratch_bytes(group: int, warp_rows: bool) -> int:
+    """Cross-warp reduction scratch for row groups of `group` rows (none with a warp per row)."""
+    return 0 if warp_rows else 8 * rows.LANES * group
 
 
 def check_config(cfg: Config, n_rows: int, n_queries: int, n_keys: int) -> None:
@@ -94,14 +98,13 @@ def check_config(cfg: Config, n_rows: int, n_queries: int, n_keys: int) -> None:
         raise ValueError(f"invalid Mosaic GPU softmax config {cfg} for Tq={n_queries}, Tk={n_keys}")
 
 
-def _fwd_kernel(*refs, p: rows.BlockPlan, scale: float, causal: bool, lay: Layout):
+def _fwd_kernel(*refs, p: rows.BlockPlan, scale: float, causal: bool, lay: Layout, direct: bool):
     x_g, m_g, y_g, sm = refs if len(refs) == 4 else (refs[0], None, refs[1], refs[2])
     t = p.tiles
     n_keys = p.width
     first, count = rows.my_blocks(p.steps, pl.cdiv(p.n_rows, p.block_rows))
 
-    def compute(blk, slot, carry):
-        x_s, y_s = sm["x"].at[slot], sm["y"].at[slot]
+    def compute(blk, x_s, m_s, y_s):  # one block's (rows * n_chunks, chunk) refs
         q0 = blk * p.block_rows % lay.n_queries  # a block is a run of queries of one (b, h)
 
         def group(row0):
@@ -112,8 +115,7 @@ def _fwd_kernel(*refs, p: rows.BlockPlan, scale: float, causal: bool, lay: Layou
             @t.once  # the three sweeps' input
             def logits(ci):
                 x = t.load(x_s, row0, ci) * scale
-                if m_g is not None:
-                    m_s = sm["m"].at[slot]  # per-query rows, or one row for the block
+                if m_s is not None:  # per-query rows, or one row for the block
                     x = x + (t.load(m_s, row0, ci) if lay.mask_query else t.col(m_s.at[ci]))
                 if causal:
                     x = jnp.where(t.col_ids(ci * t.chunk) <= last_key, x, -jnp.inf)
@@ -133,13 +135,12 @@ def _fwd_kernel(*refs, p: rows.BlockPlan, scale: float, causal: bool, lay: Layou
             t.chunks(write, None)
 
         p.groups(blk, group)
-        return carry
 
-    loads = [(p.block_view(x_g), sm["x"])]
+    x_view, y_view, m_view = p.block_view(x_g), p.block_view(y_g), None
     if m_g is not None:
         mask_block = p.block_rows if lay.mask_query else 1
 
-        def mask_view(blk):
+        def m_view(blk):
             r0 = blk * p.block_rows
             m_row = (r0 % lay.n_queries) if lay.mask_query else 0
             if lay.mask_batch:
@@ -147,15 +148,23 @@ def _fwd_kernel(*refs, p: rows.BlockPlan, scale: float, causal: bool, lay: Layou
             n = mask_block * t.n_chunks
             return m_g.at[pl.ds(m_row * t.n_chunks, n)]
 
-        loads.append((mask_view, sm["m"]))
+    if direct:
+        rows.direct_blocks(
+            first, count, lambda b: compute(b, x_view(b), m_view(b) if m_view else None, y_view(b))
+        )
+        return
+
+    def staged(blk, slot, carry):
+        compute(blk, sm["x"].at[slot], sm["m"].at[slot] if m_view else None, sm["y"].at[slot])
+
     rows.pipelined_blocks(
         first=first,
         count=count,
         stages=p.stages,
-        loads=loads,
-        stores=[(p.block_view(y_g), sm["y"])],
+        loads=[(x_view, sm["x"])] + ([(m_view, sm["m"])] if m_view else []),
+        stores=[(y_view, sm["y"])],
         barrier=sm["bar"],
-        compute=compute,
+        compute=staged,
     )
 
 
@@ -181,20 +190,21 @@ def forward(x, mask, cfg: Config, scale: float, causal: bool, lay: Layout, inter
         args += (mask.reshape(-1, cfg.chunk),)
 
     def kernel(*refs, **scratch_refs):
-        _fwd_kernel(*refs, scratch_refs, p=p, scale=scale, causal=causal, lay=lay)
+        _fwd_kernel(*refs, scratch_refs, p=p, scale=scale, causal=causal, lay=lay,
+                    direct=cfg.direct)  # fmt: skip
 
     out_type = jax.ShapeDtypeStruct(sub, x.dtype)
+    scratch = {} if cfg.direct else scratch
     y = rows.launch(kernel, "attention_softmax_fwd_mgpu", out_type, scratch, {"p": programs},
-                    _scratch_bytes(cfg.rows), interpret, args)  # fmt: skip
+                    _scratch_bytes(cfg.rows, cfg.warp_rows), interpret, args)  # fmt: skip
     return y.reshape(x.shape)
 
 
-def _bwd_kernel(y_g, dy_g, dx_g, sm, *, p: rows.BlockPlan, scale: float):
+def _bwd_kernel(y_g, dy_g, dx_g, sm, *, p: rows.BlockPlan, scale: float, direct: bool):
     t = p.tiles
     first, count = rows.my_blocks(p.steps, pl.cdiv(p.n_rows, p.block_rows))
 
-    def compute(blk, slot, carry):
-        y_s, dy_s, dx_s = sm["y"].at[slot], sm["dy"].at[slot], sm["dx"].at[slot]
+    def compute(y_s, dy_s, dx_s):  # one block's (rows * n_chunks, chunk) refs
 
         def group(row0):
             @t.once  # the two sweeps' input
@@ -214,17 +224,24 @@ def _bwd_kernel(y_g, dy_g, dx_g, sm, *, p: rows.BlockPlan, scale: float):
 
             t.chunks(write, None)
 
-        p.groups(blk, group)
-        return carry
+        return group
+
+    views = [p.block_view(g) for g in (y_g, dy_g, dx_g)]
+    if direct:
+        rows.direct_blocks(first, count, lambda b: p.groups(b, compute(*(v(b) for v in views))))
+        return
+
+    def staged(blk, slot, carry):
+        p.groups(blk, compute(*(sm[k].at[slot] for k in ("y", "dy", "dx"))))
 
     rows.pipelined_blocks(
         first=first,
         count=count,
         stages=p.stages,
-        loads=[(p.block_view(y_g), sm["y"]), (p.block_view(dy_g), sm["dy"])],
-        stores=[(p.block_view(dx_g), sm["dx"])],
+        loads=[(views[0], sm["y"]), (views[1], sm["dy"])],
+        stores=[(views[2], sm["dx"])],
         barrier=sm["bar"],
-        compute=compute,
+        compute=staged,
     )
 
 
@@ -245,10 +262,11 @@ def backward(y, dy, cfg: Config, scale: float, n_queries: int, interpret: Any = 
     )
 
     def kernel(y_g, dy_g, dx_g, **scratch_refs):
-        _bwd_kernel(y_g, dy_g, dx_g, scratch_refs, p=p, scale=scale)
+        _bwd_kernel(y_g, dy_g, dx_g, scratch_refs, p=p, scale=scale, direct=cfg.direct)
 
     dx = rows.launch(kernel, "attention_softmax_bwd_mgpu", jax.ShapeDtypeStruct(sub, y.dtype),
-                     scratch, {"p": programs}, _scratch_bytes(cfg.rows), interpret,
+                     {} if cfg.direct else scratch, {"p": programs},
+                     _scratch_bytes(cfg.rows, cfg.warp_rows), interpret,
                      (y.reshape(sub), dy.reshape(sub)))  # fmt: skip
     return dx.reshape(y.shape)
 

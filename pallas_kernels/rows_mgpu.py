@@ -40,6 +40,7 @@ SMEM_BYTES = 227 * 1024  # H100 shared memory per block (opt-in maximum)
 SM_SMEM_BYTES = 228 * 1024  # ... per SM, shared by its resident blocks
 BLOCK_RESERVED_BYTES = 1024  # ... of which the driver reserves this much per resident block
 BARRIER_BYTES = 128  # a kernel's barriers (8 bytes each), a bound
+ONE_BLOCK_EACH = 1 << 30  # programs_per_sm that gives every block a program of its own
 LANES = 128  # threads of one warpgroup: the width one layout tile spreads a row over
 
 
@@ -340,6 +341,18 @@ def pipelined_blocks(
     return carry
 
 
+def direct_blocks(first: jax.Array, count: jax.Array, compute: Callable[[jax.Array], None]) -> None:
+    """`compute(block)` over blocks first .. first + count - 1 on the block's global-memory views:
+    registers load from and store to global memory directly, with no shared memory and no
+    copies, so the loads other resident programs have in flight hide each one's latency."""
+
+    def step(k, carry):
+        compute(first + k)
+        return carry
+
+    jax.lax.fori_loop(jnp.int32(0), count, step, None)
+
+
 def my_blocks(steps: int, n_blocks: int) -> tuple[jax.Array, jax.Array]:
     """(first block, block count) of this program (grid axis "p")."""
     first = jax.lax.axis_index("p").astype(jnp.int32) * steps
@@ -425,8 +438,6 @@ def plan(cfg: Any, n_rows: int, width: int, itemsize: int) -> tuple[BlockPlan, i
     steps = pl.cdiv(n_blocks, max(1, cfg.programs_per_sm * core_count()))
     programs = pl.cdiv(n_blocks, steps)
     vec = pick_vec(cfg.chunk, itemsize, 32 if cfg.warp_rows else LANES)
-    if cfg.warp_rows:  # at most 4 a lane: what the warp_rows A/B timed (benchmarks/RESULTS.md)
-        vec = min(vec, 4)
     tiles = Tiles(cfg.rows, cfg.chunk, width // cfg.chunk, vec, cfg.warp_rows)
     return BlockPlan(cfg.block_rows, cfg.rows, cfg.stages, n_rows, tiles, steps), programs, n_blocks
 

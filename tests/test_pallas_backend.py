@@ -176,10 +176,11 @@ def test_norm_configs_count_the_shared_memory_the_kernels_take(monkeypatch, case
 
 
 @needs_smem_spy
-@pytest.mark.parametrize("tk,dtype,mask", [(128, jnp.bfloat16, True), (1024, jnp.float32, False)])
-def test_softmax_configs_ask_for_resident_programs(monkeypatch, tk, dtype, mask):
-    """The programs per SM the softmax's default configs ask for fit in an SM together."""
-    tq = 128
+@pytest.mark.parametrize(
+    "tq,tk,dtype,mask", [(2, 1024, jnp.bfloat16, True), (128, 4096, jnp.float32, False)]
+)
+def test_softmax_configs_ask_for_resident_programs(monkeypatch, tq, tk, dtype, mask):
+    """The programs per SM the softmax's TMA configs ask for fit in an SM together."""
     x = jnp.ones((2 * tq, tk), dtype)
     m = jnp.zeros((tq, tk)) if mask else None
     lay = Layout(1, tq, mask_batch=False, mask_query=mask, mask_rows=tq if mask else 1)
@@ -188,18 +189,20 @@ def test_softmax_configs_ask_for_resident_programs(monkeypatch, tk, dtype, mask)
         (fwd, lambda x: softmax_mgpu.forward(x, m, fwd, 0.5, True, lay)),
         (bwd, lambda x: softmax_mgpu.backward(x, x, bwd, 0.5, tq)),
     ]:
+        assert not cfg.direct
         lowered = _lowered_smem(monkeypatch, fn, x)
         resident = rows_mgpu.SM_SMEM_BYTES // (lowered + rows_mgpu.BLOCK_RESERVED_BYTES)
         assert 1 <= cfg.programs_per_sm <= resident, (cfg, lowered)
 
 
-@pytest.mark.parametrize("tq,tk,dtype", [(1024, 128, jnp.bfloat16), (4, 1024, jnp.float32)])
-def test_softmax_configs_put_a_warp_per_row_on_short_rows(tq, tk, dtype):
+@pytest.mark.parametrize("tq,tk,dtype", [(1024, 128, jnp.bfloat16), (4, 2048, jnp.float32)])
+def test_softmax_configs_read_short_rows_directly_a_warp_each(tq, tk, dtype):
     for has_mask in (False, True):
         for cfg in softmax_mgpu.configs(tq, tk, dtype, has_mask):
-            assert cfg.warp_rows and cfg.rows % 4 == 0
+            assert cfg.direct and cfg.warp_rows and cfg.rows % 4 == 0
             softmax_mgpu.check_config(cfg, 8 * tq, tq, tk)
-    assert not any(c.warp_rows for c in softmax_mgpu.configs(64, 2048, jnp.bfloat16, False))
+    assert not any(c.direct for c in softmax_mgpu.configs(64, 4096, jnp.bfloat16, False))
+    assert not any(c.direct for c in softmax_mgpu.configs(6, 128, jnp.bfloat16, False))
     with pytest.raises(ValueError, match="invalid Mosaic GPU softmax config"):
         softmax_mgpu.check_config(softmax_mgpu.Config(8, 2, 128, 1, 2, True), 64, 8, 128)
 
@@ -316,10 +319,10 @@ def test_layer_norm_kernels_in_interpreter(float64_ref, monkeypatch, rms, tiling
 
 
 @needs_interpreter
-@pytest.mark.parametrize("tiling", ["whole_rows", "warp_rows", "chunks"])
+@pytest.mark.parametrize("tiling", ["whole_rows", "warp_rows", "chunks", "direct"])
 def test_softmax_kernels_in_interpreter(float64_ref, tiling):
-    """Two whole rows at a time (held in registers across the sweeps), four rows a warp each, or
-    one row in two column chunks."""
+    """Two whole rows at a time (held in registers across the sweeps), four rows a warp each, one
+    row in two column chunks, or four rows a warp read from and written to global memory."""
     b, h, tq, tk = 2, 2, 4, 256
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(b, h, tq, tk)), jnp.float32)
@@ -331,6 +334,8 @@ def test_softmax_kernels_in_interpreter(float64_ref, tiling):
         cfg = cfg._replace(rows=4, warp_rows=True)
     if tiling == "chunks":
         cfg = cfg._replace(rows=1, chunk=128)
+    if tiling == "direct":
+        cfg = cfg._replace(rows=4, warp_rows=True, direct=True)
     it = InterpretGPUParams()
     flat = x.reshape(-1, tk)
     y = softmax_mgpu.forward(flat, mask.reshape(b, tk), cfg, 0.5, True, lay, interpret=it)
