@@ -6,7 +6,10 @@ picked with `backend="mosaic_gpu"` on `layer_norm` / `add_layer_norm` / `rms_nor
 (beta None in `forward`, mean None in `backward`): no mean sweep (the first sweep sums x^2 instead
 of x), no beta, no mean saved, no dbeta partials.
 
-x (N, D), D % 128 == 0. Each program walks a contiguous run of `block_rows`-row blocks
+x (N, D), D % 128 == 0. The forward, where DIRECT_COLS says, gives each block of rows a program
+of its own that reads it from global memory into registers and writes y and the statistics
+back from them (rows_mgpu.direct_blocks; gamma and beta read by every row group). Otherwise each
+program walks a contiguous run of `block_rows`-row blocks
 (rows_mgpu.pipelined_blocks: one bulk TMA copy per block and operand into shared memory, a ring of
 `stages` buffers, one bulk copy back per output), and computes a block `rows` rows at a time in
 column chunks (rows_mgpu.row_layout): mean, then the centred variance, then the normalised output,
@@ -49,6 +52,7 @@ class Config(NamedTuple):
     programs_per_sm: int  # persistent programs per streaming multiprocessor
     stages: int = 2  # shared memory buffers per operand (2: copy the next block during compute)
     warp_rows: bool = False  # a warp per row (rows_mgpu.row_layout): slower for the norms
+    direct: bool = False  # forward: rows_mgpu.direct_blocks, one block a program (N % rows == 0)
 
 
 def rows_round(n: int) -> int:
@@ -75,6 +79,13 @@ def _smem_bytes(
     )
 
 
+# The forward reads whole rows straight from global memory (Config.direct) up to this width, and
+# at any width held whole for 4-byte elements: on an H200 (2026-11-28, benchmarks/RESULTS.md)
+# 0.90-0.97x Triton's time at 768-8192 columns, where the TMA blocks took 0.98-1.09x; at 8192
+# bf16 columns direct took 1.18x, TMA 1.13x.
+DIRECT_COLS = 4096
+
+
 def default_config(
     n_rows: int,
     n_cols: int,
@@ -91,7 +102,9 @@ def default_config(
     up to 4 forward stages (16384 x 8192 bf16 on an H100, 2026-11-28, benchmarks/RESULTS.md:
     1.09x -> 0.95x Triton's time). Whole rows rather than 2048-column chunks in the backward,
     16384 x 8192 on an H100 (2026-11-28): the kernel alone 1.11x -> 0.89x (bf16) and 1.01x ->
-    0.93x (f32) Triton's time."""
+    0.93x (f32) Triton's time. The forward goes `direct` (one block a program, rows read from and
+    written to global memory by registers, no shared memory) where whole rows are held, N is a
+    multiple of the row group and D <= DIRECT_COLS or the operands have 4-byte elements."""
     rows.check_width("D", n_cols, "the hidden size D")
     budget = 2048 if backward else 4096
     if n_cols <= 8192:  # whole rows in registers
@@ -117,6 +130,9 @@ def default_config(
                 f"backend='mosaic_gpu': rows of D = {n_cols} do not fit in shared memory for "
                 "this layer norm; use backend='triton'"
             )
+    wide = n_cols > DIRECT_COLS and max(itemsizes) < 4
+    if not backward and chunk == n_cols and n_rows % group == 0 and not wide:
+        return cfg._replace(programs_per_sm=rows.ONE_BLOCK_EACH, stages=1, direct=True)
     per_sm = rows.programs_per_sm(smem(cfg))
     while not backward and per_sm == 1 and cfg.stages < 4:  # one program: more blocks in flight
         if smem(cfg._replace(stages=cfg.stages + 1)) > rows.SMEM_BYTES:
@@ -128,7 +144,7 @@ def default_config(
 def check_config(cfg: Config, n_rows: int, n_cols: int) -> None:
     """The tiling rules the kernels rely on (default_config obeys them; benchmarks may not)."""
     rows.check_width("D", n_cols, "the hidden size D")
-    if not rows.tiling_ok(cfg, n_rows, n_cols):
+    if not rows.tiling_ok(cfg, n_rows, n_cols) or (cfg.direct and n_rows % cfg.rows):
         raise ValueError(
             f"invalid Mosaic GPU layer norm config {cfg} for x of ({n_rows}, {n_cols})"
         )
@@ -145,26 +161,29 @@ def _present(**scratch) -> dict:
     return {k: v for k, v in scratch.items() if v is not None}
 
 
-def _fwd_kernel(*refs, p: rows.BlockPlan, eps: float, residual: bool, rms: bool):
+def _fwd_kernel(*refs, p: rows.BlockPlan, eps: float, residual: bool, rms: bool, direct: bool):
     r = dict(zip((*operands("fwd", residual, rms), "sm"), refs, strict=True))
     sm = r["sm"]
     t = p.tiles
-    rows.copy_in(r["g"], sm["g"], sm["params_bar"])
-    if not rms:
-        rows.copy_in(r["b"], sm["b"], sm["params_bar"])
-    plgpu.barrier_wait(sm["params_bar"])
+    if direct:  # gamma and beta read from global memory (L2) by every row group
+        params = r
+    else:  # copied into shared memory once per program
+        params = sm
+        rows.copy_in(r["g"], sm["g"], sm["params_bar"])
+        if not rms:
+            rows.copy_in(r["b"], sm["b"], sm["params_bar"])
+        plgpu.barrier_wait(sm["params_bar"])
     first, count = rows.my_blocks(p.steps, r["rstd"].shape[0])
 
-    def compute(blk, slot, carry):
-        x_s, y_s = sm["x"].at[slot], sm["y"].at[slot]
+    def compute(blk, v):  # v: this block's refs by operand name
         # with the residual, s = x + h (in x's dtype) is written out and the statistics read it
-        src = sm["s"].at[slot] if residual else x_s
+        src = v["s"] if residual else v["x"]
 
         def group(row0):
             def first(ci):  # x, or s = x + h rounded to x's dtype (and written out)
-                x = t.load(x_s, row0, ci)
+                x = t.load(v["x"], row0, ci)
                 if residual:
-                    x = (x + t.load(sm["h"].at[slot], row0, ci)).astype(src.dtype)
+                    x = (x + t.load(v["h"], row0, ci)).astype(src.dtype)
                     t.store(src, row0, ci, x)
                 return x.astype(jnp.float32)
 
@@ -191,32 +210,34 @@ def _fwd_kernel(*refs, p: rows.BlockPlan, eps: float, residual: bool, rms: bool)
             rstd_t = t.bcast(rstd)
 
             def write(ci, carry):
-                y = centre(read(ci)) * rstd_t * t.col(sm["g"].at[ci])
-                t.store(y_s, row0, ci, y if rms else y + t.col(sm["b"].at[ci]))
+                y = centre(read(ci)) * rstd_t * t.col(params["g"].at[ci])
+                t.store(v["y"], row0, ci, y if rms else y + t.col(params["b"].at[ci]))
                 return carry
 
             t.chunks(write, None)
             if not rms:
-                t.store_rows(sm["mean"].at[slot], row0, moment)
-            t.store_rows(sm["rstd"].at[slot], row0, rstd)
+                t.store_rows(v["mean"], row0, moment)
+            t.store_rows(v["rstd"], row0, rstd)
 
         p.groups(blk, group)
-        return carry
 
-    loads = [(p.block_view(r["x"]), sm["x"])]
-    stores = [(p.block_view(r["y"]), sm["y"])]
-    if residual:
-        loads.append((p.block_view(r["h"]), sm["h"]))
-        stores.append((p.block_view(r["s"]), sm["s"]))
-    stores += [(lambda blk, g=r[k]: g.at[blk], sm[k]) for k in ("mean", "rstd") if k in r]
+    views = {k: p.block_view(r[k]) for k in ("x", "h", "y", "s") if k in r}
+    views.update({k: (lambda blk, g=r[k]: g.at[blk]) for k in ("mean", "rstd") if k in r})
+    if direct:
+        rows.direct_blocks(first, count, lambda b: compute(b, {k: f(b) for k, f in views.items()}))
+        return
+
+    def staged(blk, slot, carry):
+        compute(blk, {k: sm[k].at[slot] for k in views})
+
     rows.pipelined_blocks(
         first=first,
         count=count,
         stages=p.stages,
-        loads=loads,
-        stores=stores,
+        loads=[(views[k], sm[k]) for k in ("x", "h") if k in views],
+        stores=[(views[k], sm[k]) for k in ("y", "s", "mean", "rstd") if k in views],
         barrier=sm["bar"],
-        compute=compute,
+        compute=staged,
     )
 
 
@@ -255,7 +276,11 @@ def forward(x, h, gamma, beta, eps: float, out_dtype, cfg: Config, interpret: An
         args = (args[0], h.reshape(sub), *args[1:])
 
     def kernel(*refs, **scratch_refs):
-        _fwd_kernel(*refs, scratch_refs, p=p, eps=eps, residual=residual, rms=rms)
+        _fwd_kernel(*refs, scratch_refs, p=p, eps=eps, residual=residual, rms=rms,
+                    direct=cfg.direct)  # fmt: skip
+
+    if cfg.direct:
+        scratch = {}
 
     name = kernel_name("fwd", residual, rms) + "_mgpu"
     outs = rows.launch(kernel, name, tuple(out_type), scratch, {"p": programs},

@@ -155,7 +155,8 @@ SMEM_CASES = {  # name -> (N, D, dtype, with the residual add)
 @pytest.mark.parametrize("case", sorted(SMEM_CASES))
 def test_norm_configs_count_the_shared_memory_the_kernels_take(monkeypatch, case):
     """The default configs' shared-memory count bounds what the lowered kernels request (within
-    3 KB), so the programs per SM they ask for are resident together."""
+    3 KB), so the programs per SM they ask for are resident together; a direct forward takes
+    none but the reduction scratch."""
     n, d, dtype, residual = SMEM_CASES[case]
     x, g, b = _ln_args((n, d), dtype)
     h = x if residual else None
@@ -169,6 +170,9 @@ def test_norm_configs_count_the_shared_memory_the_kernels_take(monkeypatch, case
          lambda x: ln_mgpu.backward(x, g, x, h, dtype, stats, stats, bwd)),
     ]:  # fmt: skip
         lowered = _lowered_smem(monkeypatch, fn, x)
+        if cfg.direct:  # no blocks in shared memory: the cross-warp reduction scratch only
+            assert lowered <= ln_mgpu._scratch_bytes(cfg, backward) + 1024, (cfg, lowered)
+            continue
         counted = ln_mgpu._smem_bytes(cfg, d, sizes, columns, backward)
         assert lowered <= counted <= lowered + 3 * 1024, (cfg, lowered, counted)
         resident = rows_mgpu.SM_SMEM_BYTES // (lowered + rows_mgpu.BLOCK_RESERVED_BYTES)
@@ -280,13 +284,16 @@ def test_public_mosaic_path_lowers_under_x64(pretend_gpu, name):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("tiling", ["chunks", "whole_rows", "ring3", "ring4"])
+@pytest.mark.parametrize(
+    "tiling", ["chunks", "whole_rows", "ring3", "ring4", "direct", "direct_chunks"]
+)
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_layer_norm_kernels_in_interpreter(float64_ref, monkeypatch, rms, tiling):
     """One row at a time in two column chunks, two whole rows at a time (their tile held in
-    registers across the sweeps), or one program walking one-row blocks through a ring of three
-    or four buffers (two or three loads ahead); RMSNorm is the same kernels with beta None (no
-    mean, no dbeta)."""
+    registers across the sweeps), one program walking one-row blocks through a ring of three
+    or four buffers (two or three loads ahead), or a forward reading and writing global memory
+    directly (4-row blocks of 2-row groups, or of one row in chunks: s written, then re-read);
+    RMSNorm is the same kernels with beta None (no mean, no dbeta)."""
     n_rows, n_cols = 8, 256
     rng = np.random.default_rng(0)
     x, h, dy = (jnp.asarray(rng.normal(size=(n_rows, n_cols)), jnp.float32) for _ in range(3))
@@ -299,6 +306,10 @@ def test_layer_norm_kernels_in_interpreter(float64_ref, monkeypatch, rms, tiling
     if tiling.startswith("ring"):
         monkeypatch.setattr(rows_mgpu, "core_count", lambda: 1)
         cfg = cfg._replace(block_rows=1, stages=int(tiling[-1]))
+    if tiling == "direct":
+        cfg = cfg._replace(block_rows=4, rows=2, chunk=n_cols, direct=True)
+    if tiling == "direct_chunks":
+        cfg = cfg._replace(block_rows=4, direct=True)
     it = InterpretGPUParams()
     s, y, mean, rstd = ln_mgpu.forward(x, h, gamma, beta, 1e-5, jnp.float32, cfg, interpret=it)
     dx, dh, dg, db = ln_mgpu.backward(s, gamma, dy, dy, jnp.float32, mean, rstd, cfg, interpret=it)
