@@ -179,7 +179,7 @@ def test_steps_count_out_of_range_ids_under_jit():
         copy = jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), state)  # donated
         _, metrics = train_step(copy, batch, jax.random.PRNGKey(1))
         assert metrics["bad_ids"].dtype == jnp.int32 and int(metrics["bad_ids"]) == n_bad
-    raise_for_bad_ids(0, step=5, where="train")  # nothing to report
+    raise_for_bad_ids(0, step=5, where="train", vocab_size=61)  # nothing to report
     with pytest.raises(BadTokenIdsError, match=r"step 5.*3 token ids.*\[0, 60\]") as err:
         raise_for_bad_ids(jnp.int32(3), step=5, where="train", vocab_size=61)
     assert isinstance(err.value, ValueError)

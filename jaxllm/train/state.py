@@ -57,9 +57,7 @@ def count_bad_ids(batch: Batch, vocab_size: int) -> jax.Array:
     return jnp.sum(bad_in, dtype=jnp.int32) + jnp.sum(bad_tgt, dtype=jnp.int32)
 
 
-def raise_for_bad_ids(
-    count: int | jax.Array, step: int, where: str, vocab_size: int | None = None
-) -> None:
+def raise_for_bad_ids(count: int | jax.Array, step: int, where: str, vocab_size: int) -> None:
     """Raise BadTokenIdsError when `count` (a fetched metrics["bad_ids"]) is > 0.
 
     `step` and `where` ("train", "eval", ...) name the batch in the message; vocab_size (the
@@ -68,13 +66,12 @@ def raise_for_bad_ids(
     count = int(count)
     if count <= 0:
         return
-    top = "vocab_size - 1" if vocab_size is None else f"{vocab_size - 1}"
-    size = "" if vocab_size is None else f" (vocab_size {vocab_size})"
+    top = vocab_size - 1
     raise BadTokenIdsError(
         f"{where} batch at step {step} holds {count} token ids outside the model's vocabulary: "
-        f"inputs must be in [0, {top}], targets in [0, {top}] or -1 (no loss){size}. The data "
-        "was made for another vocabulary, or model.vocab_size is too small; re-run "
-        "jaxllm.data.prepare or fix the config"
+        f"inputs must be in [0, {top}], targets in [0, {top}] or -1 (no loss) (vocab_size "
+        f"{vocab_size}). The data was made for another vocabulary, or model.vocab_size is too "
+        "small; re-run jaxllm.data.prepare or fix the config"
     )
 
 
