@@ -130,6 +130,7 @@ def test_layer_norm_configs_share_block_rows():
     for n_cols in (256, 768, 3072, 8192):
         fwd, bwd = ln_mgpu.configs(1000, n_cols, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16)
         assert fwd.block_rows == bwd.block_rows
+        assert fwd.direct == (n_cols <= ln_mgpu.DIRECT_COLS) and not bwd.direct
         for cfg in (fwd, bwd):
             ln_mgpu.check_config(cfg, 1000, n_cols)
 
