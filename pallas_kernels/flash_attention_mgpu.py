@@ -46,6 +46,7 @@ class Config(NamedTuple):
     block_q: int = 64  # queries per compute warpgroup (a CUDA block holds 2 * block_q)
     block_kv: int = 128  # keys per K/V block
     stages: int = 2  # K/V blocks in flight (shared-memory ring slots)
+    ctas: int = 0  # CUDA blocks, each running a share of the tiles (0: one per SM)
 
 
 # head dim -> forward config (to be replaced by measured tables in tuning/ once timed)
@@ -58,8 +59,8 @@ SMEM_SLACK = 2048
 
 
 def smem_bytes(cfg: Config, d: int, itemsize: int = 2) -> int:
-    """Shared memory of one CUDA block: Q/O tiles, the K and V rings, lse rows, slack."""
-    return (COMPUTE_WGS * cfg.block_q + 2 * cfg.stages * cfg.block_kv) * d * itemsize + (
+    """Shared memory of one CUDA block: Q and O tiles, the K and V rings, lse rows, slack."""
+    return (2 * COMPUTE_WGS * cfg.block_q + 2 * cfg.stages * cfg.block_kv) * d * itemsize + (
         COMPUTE_WGS * cfg.block_q * 4 + SMEM_SLACK
     )
 
@@ -90,28 +91,57 @@ def _take_turn(sched) -> None:
     plgpu.barrier_wait(sched)
 
 
-def _kernel(q_g, k_g, v_g, o_g, lse_g, sm, *, cfg: Config, scale: float, causal: bool):
-    t = q_g.shape[1]
+def n_units(bsz: int, t: int, n_heads: int, cfg: Config) -> int:
+    """Units of work the CUDA blocks share: pairs of query tiles (see _tiles)."""
+    return (bsz * n_heads * (t // (COMPUTE_WGS * cfg.block_q)) + 1) // 2
+
+
+def _tiles(q_g, cfg: Config, causal: bool, n_ctas: int):
+    """(tiles of this CUDA block, tile i -> (b, h, query tile, key blocks to load)).
+
+    All tiles in one order: (b, h) groups, heads fastest, and in each group the query tiles
+    longest, shortest, second longest, second shortest, ...; consecutive pairs in that order are
+    the units, each about n_q + 1 key blocks of causal work, and CUDA block p runs units p, p +
+    n_ctas, ... (both tiles of each). Equal units balance the CUDA blocks (a static round robin
+    of single causal tiles does not); consecutive units share (b, h), so that CUDA blocks
+    running together read the same K/V from L2."""
+    bsz, t, n_heads = q_g.shape[:3]
     n_q = t // (COMPUTE_WGS * cfg.block_q)
-    b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
-    qi = n_q - 1 - jax.lax.axis_index("q")  # longest causal tiles first
+    n_tiles = bsz * n_heads * n_q
+    units = (n_tiles + 1) // 2
+    p = jax.lax.axis_index("p")
+    mine = (units - 1 - p) // n_ctas + 1
+    # an odd number of tiles leaves the last unit one tile
+    count = 2 * mine - jnp.int32(n_tiles % 2) * (jax.lax.rem(units - 1 - p, jnp.int32(n_ctas)) == 0)
+
+    def tile(i):
+        tt = 2 * (p + (i // 2) * n_ctas) + jax.lax.rem(i, jnp.int32(2))
+        k = jax.lax.rem(tt, jnp.int32(n_q))
+        qi = jnp.where(jax.lax.rem(k, jnp.int32(2)) == 0, n_q - 1 - k // 2, k // 2)
+        g = tt // n_q
+        # key blocks this CUDA block loads (both compute warpgroups step through all of them);
+        # block_kv divides 2 * block_q. int32 also under jax_enable_x64, as the axis indices.
+        n_kv = i32((qi + 1) * (COMPUTE_WGS * cfg.block_q) // cfg.block_kv if causal
+                   else t // cfg.block_kv)  # fmt: skip
+        return g // n_heads, jax.lax.rem(g, jnp.int32(n_heads)), qi, n_kv
+
+    return count, tile
+
+
+def _kernel(q_g, k_g, v_g, o_g, lse_g, sm, *, cfg: Config, scale: float, causal: bool,
+            n_ctas: int):  # fmt: skip
+    count, tile = _tiles(q_g, cfg, causal, n_ctas)
     wg = jax.lax.axis_index("wg")
-    # key blocks this CUDA block loads (both compute warpgroups step through all of them);
-    # block_kv divides 2 * block_q. int32 also under jax_enable_x64, as the axis indices.
-    n_kv = i32(
-        (qi + 1) * (COMPUTE_WGS * cfg.block_q) // cfg.block_kv if causal else t // cfg.block_kv
-    )
 
     @pl.when(wg < COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(232, action="increase")
-        q0 = qi * (COMPUTE_WGS * cfg.block_q) + wg * cfg.block_q
-        _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, cfg=cfg, scale=scale, causal=causal)
+        _compute_wg(q_g, o_g, lse_g, sm, wg, count, tile, cfg=cfg, scale=scale, causal=causal)
 
     @pl.when(wg == COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(40, action="decrease")
-        _copy_wg(k_g, v_g, sm, b, h, n_kv, cfg)
+        _copy_wg(k_g, v_g, sm, count, tile, cfg)
 
 
 def _masked(s, q0, k0, transposed: bool):
@@ -122,27 +152,62 @@ def _masked(s, q0, k0, transposed: bool):
     return jnp.where(kid <= qid, s, -jnp.inf)
 
 
-def _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, *, cfg: Config, scale: float,
+def _compute_wg(q_g, o_g, lse_g, sm, wg, count, tile, *, cfg: Config, scale: float,
                 causal: bool):  # fmt: skip
-    """Queries q0 .. q0 + block_q - 1 of (b, h): o and lse."""
+    """Compute warpgroup wg: block_q queries of each of the CUDA block's tiles. The next tile's Q
+    load is issued once this tile's last S is computed; O and lse leave through their own
+    buffers without waiting, so both overlap the next tile."""
+    bq, dtype = cfg.block_q, q_g.dtype
+    q_s, o_s, lse_s = sm["q"].at[wg], sm["o"].at[wg], sm["lse"].at[wg]
+
+    def load_q(i):
+        b, h, qi, _ = tile(i)
+        q0 = qi * (COMPUTE_WGS * bq) + wg * bq
+        plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(q0, bq), h], q_s, sm["q_bar"].at[wg])
+
+    load_q(jnp.int32(0))
+
+    def run_tile(i, base):
+        b, h, qi, n_kv = tile(i)
+        q0 = qi * (COMPUTE_WGS * bq) + wg * bq
+        plgpu.barrier_wait(sm["q_bar"].at[wg])
+        acc, m, l = _attend(sm, wg, q0, base, n_kv, cfg=cfg, scale=scale, causal=causal,
+                            dtype=dtype, d=q_g.shape[3])  # fmt: skip
+        pl.when(i + 1 < count)(lambda: load_q(i + 1))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's o and lse are out
+        o_s[...] = (acc * jax.lax.broadcast_in_dim(1.0 / l, acc.shape, [0])).astype(dtype)
+        lse_s[...] = (m + jnp.log2(l)) * math.log(2.0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, o_g.at[b, pl.ds(q0, bq), h])
+        plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, pl.ds(q0, bq)])
+        return base + n_kv
+
+    jax.lax.fori_loop(jnp.int32(0), count, run_tile, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _attend(sm, wg, q0, base, n_kv, *, cfg: Config, scale: float, causal: bool, dtype, d):
+    """Unnormalised O (block_q, d) f32, running max m (log2 units) and sum l of queries q0 ..
+    q0 + block_q - 1 against key blocks 0 .. n_kv - 1, streamed as ring steps base + kv."""
     bq, bkv, stages = cfg.block_q, cfg.block_kv, cfg.stages
-    dtype, d = q_g.dtype, q_g.shape[3]
     k_bar, v_bar, sched = sm["k_bar"], sm["v_bar"], sm["sched"]
-    q_s, lse_s = sm["qo"].at[wg], sm["lse"].at[wg]
+    q_s = sm["q"].at[wg]
     own = (q0 + bq + bkv - 1) // bkv if causal else n_kv  # key blocks with keys <= the last query
-    plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(q0, bq), h], q_s, sm["q_bar"].at[wg])
-    plgpu.barrier_wait(sm["q_bar"].at[wg])
     row = plgpu.Layout.WGMMA.reduce(1)
     m = rows.cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)  # running max, log2 units
     l = rows.cast(jnp.zeros((bq,), jnp.float32), row)  # running sum of exp2
     acc = rows.cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
     c = scale * math.log2(math.e)  # exp(scale * s) = exp2(c * s)
-    plgpu.barrier_wait(k_bar.at[0])
+
+    def slot_of(kv):
+        return jax.lax.rem(base + kv, jnp.int32(stages))
+
+    plgpu.barrier_wait(k_bar.at[slot_of(0)])
     pl.when(wg == 1)(lambda: _take_turn(sched))
 
     def step(kv, carry, masked: bool):
         acc, m, l = carry
-        slot = jax.lax.rem(kv, jnp.int32(stages))
+        slot = slot_of(kv)
 
         def qk(ref):
             plgpu.wgmma(ref, q_s, sm["k"].at[slot].T)
@@ -169,14 +234,14 @@ def _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, *, cfg: Config, scale: 
 
             @pl.when(kv + 1 < own)
             def _():
-                plgpu.barrier_wait(k_bar.at[jax.lax.rem(kv + 1, jnp.int32(stages))])
+                plgpu.barrier_wait(k_bar.at[slot_of(kv + 1)])
 
         acc = rows.acc_mma(acc, pv)
         plgpu.barrier_arrive(sm["v_free"].at[slot])
         return acc, m_new, l
 
     def skip(kv, carry):  # a block only the other warpgroup needs: barriers only
-        slot = jax.lax.rem(kv, jnp.int32(stages))
+        slot = slot_of(kv)
         plgpu.barrier_wait(k_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
         plgpu.barrier_arrive(sm["k_free"].at[slot])
@@ -193,55 +258,59 @@ def _compute_wg(q_g, o_g, lse_g, sm, wg, b, h, q0, n_kv, *, cfg: Config, scale: 
         jax.lax.fori_loop(own, n_kv, skip, None)
     else:
         carry = jax.lax.fori_loop(jnp.int32(0), n_kv, lambda i, c: step(i, c, False), carry)
-    acc, m, l = carry
     pl.when(wg == 0)(lambda: _take_turn(sched))
-
-    acc = acc * jax.lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
-    q_s[...] = acc.astype(dtype)  # O reuses Q's buffer
-    lse_s[...] = (m + jnp.log2(l)) * math.log(2.0)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_s, o_g.at[b, pl.ds(q0, bq), h])
-    plgpu.copy_smem_to_gmem(lse_s, lse_g.at[b, h, pl.ds(q0, bq)])
-    plgpu.wait_smem_to_gmem(0)
+    return carry
 
 
-def _copy_wg(k_g, v_g, sm, b, h, n_kv, cfg: Config):
-    """K/V blocks 0 .. n_kv - 1 of (b, h) through the ring of `stages` slots."""
-    views = {name: (lambda i, ref=ref: ref.at[b, pl.ds(i * cfg.block_kv, cfg.block_kv), h])
-             for name, ref in (("k", k_g), ("v", v_g))}  # fmt: skip
-    _ring_copy(sm, views, ("k_free", "v_free"), n_kv, cfg.stages)
+def _copy_wg(k_g, v_g, sm, count, tile, cfg: Config):
+    """K/V blocks of each of the CUDA block's tiles through one ring of `stages` slots: the next
+    tile's first blocks load while the compute warpgroups finish this one."""
+
+    def copy_tile(i, g):
+        b, h, _, n_kv = tile(i)
+        views = {name: (lambda j, ref=ref: ref.at[b, pl.ds(j * cfg.block_kv, cfg.block_kv), h])
+                 for name, ref in (("k", k_g), ("v", v_g))}  # fmt: skip
+        return _ring_load(sm, views, ("k_free", "v_free"), n_kv, cfg.stages, g)
+
+    g = jax.lax.fori_loop(jnp.int32(0), count, copy_tile, jnp.int32(0))
+    _ring_drain(sm, ("k_free", "v_free"), g, cfg.stages)
+
+
+def _ring_load(sm, views: dict, frees: tuple[str, ...], n, stages: int, g0):
+    """Copy warpgroup: step i = 0 .. n - 1 loads views[name](i) into slot (g0 + i) % stages of
+    ring sm[name] (arriving on sm[name + "_bar"]), once the consumers released the slot's
+    previous step on every barrier in `frees`. Returns g0 + n, the next ring step."""
+
+    def load(i, g):
+        slot = jax.lax.rem(g, jnp.int32(stages))
+
+        @pl.when(g >= stages)
+        def _():
+            for name in frees:
+                plgpu.barrier_wait(sm[name].at[slot])
+
+        for name, view in views.items():
+            plgpu.copy_gmem_to_smem(view(i), sm[name].at[slot], sm[f"{name}_bar"].at[slot])
+        return g + 1
+
+    return jax.lax.fori_loop(jnp.int32(0), n, load, g0)
+
+
+def _ring_drain(sm, frees: tuple[str, ...], g, stages: int):
+    """Wait for the releases of the last `stages` ring steps before g, so that every barrier
+    phase is observed."""
+
+    def drain(i, carry):
+        for name in frees:
+            plgpu.barrier_wait(sm[name].at[jax.lax.rem(i, jnp.int32(stages))])
+        return carry
+
+    jax.lax.fori_loop(jnp.maximum(g - stages, 0), g, drain, None)
 
 
 def _ring_copy(sm, views: dict, frees: tuple[str, ...], n, stages: int):
-    """Copy warpgroup: step i = 0 .. n - 1 loads views[name](i) into slot i % stages of ring
-    sm[name] (arriving on sm[name + "_bar"]) once the consumers released the slot's previous
-    step on every barrier in `frees`; then waits for the last releases, so that every barrier
-    phase is observed."""
-
-    def load(i, slot):
-        for name, view in views.items():
-            plgpu.copy_gmem_to_smem(view(i), sm[name].at[slot], sm[f"{name}_bar"].at[slot])
-
-    def wait_free(i):
-        slot = jax.lax.rem(i, jnp.int32(stages))
-        for name in frees:
-            plgpu.barrier_wait(sm[name].at[slot])
-        return slot
-
-    for i in range(stages):
-        pl.when(jnp.int32(i) < n)(lambda i=i: load(jnp.int32(i), jnp.int32(i)))
-
-    def refill(i, carry):  # step i + stages into step i's slot
-        load(i + stages, wait_free(i))
-        return carry
-
-    def drain(i, carry):
-        wait_free(i)
-        return carry
-
-    refills = jnp.maximum(n - stages, 0)
-    jax.lax.fori_loop(jnp.int32(0), refills, refill, None)
-    jax.lax.fori_loop(refills, n, drain, None)
+    """Steps 0 .. n - 1 through the ring (_ring_load from step 0), then _ring_drain."""
+    _ring_drain(sm, frees, _ring_load(sm, views, frees, n, stages, jnp.int32(0)), stages)
 
 
 def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = None):
@@ -252,8 +321,10 @@ def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = N
     check(cfg, t, d)
     swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     kv_ring = (cfg.stages, cfg.block_kv, d)
+    own = (COMPUTE_WGS, cfg.block_q, d)
     scratch = dict(
-        qo=plgpu.SMEM((COMPUTE_WGS, cfg.block_q, d), q.dtype, **swizzled),
+        q=plgpu.SMEM(own, q.dtype, **swizzled),
+        o=plgpu.SMEM(own, q.dtype, **swizzled),
         k=plgpu.SMEM(kv_ring, q.dtype, **swizzled),
         v=plgpu.SMEM(kv_ring, q.dtype, **swizzled),
         lse=plgpu.SMEM((COMPUTE_WGS, cfg.block_q), jnp.float32),
@@ -266,13 +337,17 @@ def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = N
     )
 
     def kernel(q_g, k_g, v_g, o_g, lse_g, **sm):
-        _kernel(q_g, k_g, v_g, o_g, lse_g, sm, cfg=cfg, scale=scale, causal=causal)
+        _kernel(q_g, k_g, v_g, o_g, lse_g, sm, cfg=cfg, scale=scale, causal=causal,
+                n_ctas=n_ctas)  # fmt: skip
 
     out_type = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((bsz, n_heads, t), jnp.float32),
     )
-    grid = {"h": n_heads, "q": t // (COMPUTE_WGS * cfg.block_q), "b": bsz}
+    # one CUDA block per SM (the CPU interpreter's device has no SM count: one runs every tile)
+    sms = cfg.ctas or getattr(jax.devices()[0], "core_count", None) or 1
+    n_ctas = min(n_units(bsz, t, n_heads, cfg), sms)
+    grid = {"p": n_ctas}
     return rows.launch(kernel, "flash_attention_fwd_mgpu", out_type, scratch, grid, 0, interpret,
                        (q, k, v), approx_math=True, threads=COMPUTE_WGS + 1)  # fmt: skip
 

@@ -73,6 +73,8 @@ CASES = {  # name -> (D, causal, config); T = 256: two query tiles of 2 x 64
     # tile's 2 blocks
     "causal_d64_kv64_3stages": (64, True, fa_mgpu.Config(64, 64, 3)),
     "full_d64": (64, False, fa_mgpu.Config(64, 128, 2)),
+    # 4 tiles on 3 CUDA blocks: block 0 runs two, its ring continuing into the second
+    "causal_d64_3ctas": (64, True, fa_mgpu.Config(64, 64, 3, ctas=3)),
 }
 
 
@@ -259,7 +261,7 @@ def test_bench_refuses_off_gpu_and_times_xla_on_cpu():
             bench.main(["--quick", "--configs", "64,64,2", "--shapes", "1,128,2,64"])
     args = argparse.Namespace(calls=4, launches=1, repeats=1, unroll=2)
     impls = bench.implementations([None, fa_mgpu.Config()], [None, fa_mgpu.BwdConfig(64, 128, 2)])
-    assert "ours-64-128-2-bwd64-128-2" in impls and "ours" in impls
+    assert "ours-64-128-2-0-bwd64-128-2" in impls and "ours" in impls
     xla = impls["xla"]
     fwd, fwd_bwd = (
         bench.measure(xla, direction, (1, 128, 2, 64), args, bench_ref, trials=2)
