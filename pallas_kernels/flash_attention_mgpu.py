@@ -89,6 +89,8 @@ def check(cfg: Config, t: int, d: int) -> None:
     """Stages >= 2: a warpgroup waits for the next K block before it releases this V block."""
     tile = math.lcm(COMPUTE_WGS * cfg.block_q, cfg.block_kv)
     _check("flash attention config", cfg, 2, smem_bytes(cfg, d), tile, t, d)
+    if cfg.ctas < 0:
+        raise ValueError(f"invalid flash attention config {cfg}: ctas >= 0 (0: one per SM)")
 
 
 def _take_turn(sched) -> None:
