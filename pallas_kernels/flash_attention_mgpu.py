@@ -13,7 +13,7 @@ shared-memory slots. Per key block a compute warpgroup does
 
 and releases the slot with "consumed" barriers the copy warpgroup waits on before refilling it.
 The ring runs on across tiles, and each compute warpgroup issues its next tile's Q load as soon
-as its last S is computed and stores O and lse without waiting: a tile's start and end overlap
+as its last matmul is done and stores O and lse without waiting: a tile's start and end overlap
 its neighbours' work (with a CUDA block per tile they do not: 0.41 ms against 0.35 at GPT-2's
 shape on an H200, RESULTS.md). A schedule barrier alternates the two compute warpgroups, so that
 one's softmax overlaps the other's matmuls. Causal: key blocks past a warpgroup's last query are
@@ -163,7 +163,7 @@ def _masked(s, q0, k0, transposed: bool):
 def _compute_wg(q_g, o_g, lse_g, sm, wg, count, tile, *, cfg: Config, scale: float,
                 causal: bool):  # fmt: skip
     """Compute warpgroup wg: block_q queries of each of the CUDA block's tiles. The next tile's Q
-    load is issued once this tile's last S is computed; O and lse leave through their own
+    load is issued once this tile's last matmul is done; O and lse leave through their own
     buffers without waiting, so both overlap the next tile."""
     bq, dtype = cfg.block_q, q_g.dtype
     q_s, o_s, lse_s = sm["q"].at[wg], sm["o"].at[wg], sm["lse"].at[wg]
