@@ -109,8 +109,9 @@ def _tiles(q_g, cfg: Config, causal: bool, n_ctas: int):
 
     All tiles in one order: (b, h) groups, heads fastest, and in each group the query tiles
     longest, shortest, second longest, second shortest, ...; consecutive pairs in that order are
-    the units, each about n_q + 1 key blocks of causal work, and CUDA block p runs units p, p +
-    n_ctas, ... (both tiles of each). Equal units balance the CUDA blocks (a static round robin
+    the units, each about n_q + 1 key blocks of causal work (with n_q odd a unit may span two
+    groups and be less even), and CUDA block p runs units p, p + n_ctas, ... (both tiles of
+    each). Equal units balance the CUDA blocks (a static round robin
     of single causal tiles does not); consecutive units share (b, h), so that CUDA blocks
     running together read the same K/V from L2."""
     bsz, t, n_heads = q_g.shape[:3]

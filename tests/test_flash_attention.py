@@ -66,15 +66,16 @@ def _lse_ref(q, k, causal):
     return jax.nn.logsumexp(s, axis=-1)
 
 
-CASES = {  # name -> (D, causal, config); T = 256: two query tiles of 2 x 64
+CASES = {  # name -> (D, causal, config[, (B, T, H)]); (1, 256, 2) unless given: 4 query tiles
+    # of 2 x 64 (on the CPU one CUDA block runs them all)
     "causal_d64": (64, True, fa_mgpu.Config(64, 128, 2)),
     "causal_d128": (128, True, fa_mgpu.Config(64, 128, 2)),
     # 64-key blocks: warpgroup 0 skips the block only warpgroup 1 needs; 3 slots > the first
     # tile's 2 blocks
     "causal_d64_kv64_3stages": (64, True, fa_mgpu.Config(64, 64, 3)),
     "full_d64": (64, False, fa_mgpu.Config(64, 128, 2)),
-    # 4 tiles on 3 CUDA blocks: block 0 runs two, its ring continuing into the second
-    "causal_d64_3ctas": (64, True, fa_mgpu.Config(64, 64, 3, ctas=3)),
+    # 9 tiles (5 units, the last one tile) on 2 CUDA blocks: block 0 runs units 0, 2, 4
+    "causal_d64_odd_2ctas": (64, True, fa_mgpu.Config(64, 64, 3, ctas=2), (1, 384, 3)),
 }
 
 
@@ -82,10 +83,10 @@ CASES = {  # name -> (D, causal, config); T = 256: two query tiles of 2 x 64
     "name", [n if n == "causal_d64" else pytest.param(n, marks=pytest.mark.slow) for n in CASES]
 )
 def test_forward_in_interpreter(interpreter, float64_ref, name):
-    d, causal, cfg = CASES[name]
-    q, k, v = _qkv((1, 256, 2, d))
+    d, causal, cfg, (b, t, h) = (*CASES[name], (1, 256, 2))[:4]
+    q, k, v = _qkv((b, t, h, d))
     o, lse = fa_mgpu.forward(q, k, v, cfg, d**-0.5, causal, interpret=interpreter)
-    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (1, 2, 256)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (b, h, t)
     ref = float64_ref(lambda q, k, v: flash_attention_ref(q, k, v, causal=causal), q, k, v)
     np.testing.assert_allclose(np.asarray(o, np.float64), ref, atol=2e-2)  # bf16 output and P
     np.testing.assert_allclose(lse, float64_ref(_lse_ref, q, k, causal=causal), atol=1e-4)
