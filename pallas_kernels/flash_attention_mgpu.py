@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from . import rows_mgpu as rows
-from .common import i32
+from .common import core_count, i32
 
 COMPUTE_WGS = 2
 HEAD_DIMS = (64, 128)
@@ -353,9 +353,7 @@ def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = N
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((bsz, n_heads, t), jnp.float32),
     )
-    # one CUDA block per SM (the CPU interpreter's device has no SM count: one runs every tile)
-    sms = cfg.ctas or getattr(jax.devices()[0], "core_count", None) or 1
-    n_ctas = min(n_units(bsz, t, n_heads, cfg), sms)
+    n_ctas = min(n_units(bsz, t, n_heads, cfg), cfg.ctas or core_count())  # one per SM
     grid = {"p": n_ctas}
     return rows.launch(kernel, "flash_attention_fwd_mgpu", out_type, scratch, grid, 0, interpret,
                        (q, k, v), approx_math=True, threads=COMPUTE_WGS + 1)  # fmt: skip
