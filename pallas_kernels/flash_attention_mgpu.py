@@ -99,47 +99,56 @@ def _take_turn(sched) -> None:
     plgpu.barrier_wait(sched)
 
 
-def n_units(bsz: int, t: int, n_heads: int, cfg: Config) -> int:
-    """Units of work the CUDA blocks share: pairs of query tiles (see _tiles)."""
-    return (bsz * n_heads * (t // (COMPUTE_WGS * cfg.block_q)) + 1) // 2
+def n_ctas(bsz: int, n_heads: int, n: int, ctas: int) -> int:
+    """CUDA blocks of a persistent kernel over B * H groups of n tiles (see _tiles): `ctas`, or
+    one per SM (the CPU interpreter's device has no SM count: one runs every tile), at most one
+    per unit of work."""
+    sms = ctas or getattr(jax.devices()[0], "core_count", None) or 1
+    return min((bsz * n_heads * n + 1) // 2, sms)
 
 
-def _tiles(q_g, cfg: Config, causal: bool, n_ctas: int):
-    """(tiles of this CUDA block, tile i -> (b, h, query tile, key blocks to load)).
+def _tiles(bsz: int, n_heads: int, n: int, n_ctas: int):
+    """(tiles of this CUDA block, tile i -> (b, h, j)): the B * H * n tiles of a persistent
+    kernel, n per (b, h) group, j their index in the group (a causal tile's work grows or falls
+    with j).
 
-    All tiles in one order: (b, h) groups, heads fastest, and in each group the query tiles
-    longest, shortest, second longest, second shortest, ...; consecutive pairs in that order are
-    the units, each about n_q + 1 key blocks of causal work (with n_q odd a unit may span two
-    groups and be less even), and CUDA block p runs units p, p + n_ctas, ... (both tiles of
-    each). Equal units balance the CUDA blocks (a static round robin
-    of single causal tiles does not); consecutive units share (b, h), so that CUDA blocks
-    running together read the same K/V from L2."""
-    bsz, t, n_heads = q_g.shape[:3]
-    n_q = t // (COMPUTE_WGS * cfg.block_q)
-    n_tiles = bsz * n_heads * n_q
+    All tiles in one order: the groups, heads fastest, and in each the tiles j = n - 1, 0, n - 2,
+    1, ...; consecutive pairs in that order are the units, each a long and a short tile (causal
+    work about n + 1 blocks; with n odd a unit may span two groups and be less even), and CUDA
+    block p runs units p, p + n_ctas, ... (both tiles of each). Equal units balance the CUDA
+    blocks (a static round robin of single causal tiles does not); consecutive units share
+    (b, h), so that CUDA blocks running together read the same streamed blocks from L2."""
+    n_tiles = bsz * n_heads * n
     units = (n_tiles + 1) // 2
     p = jax.lax.axis_index("p")
     mine = (units - 1 - p) // n_ctas + 1
-    # an odd number of tiles leaves the last unit one tile
-    count = 2 * mine - jnp.int32(n_tiles % 2) * (jax.lax.rem(units - 1 - p, jnp.int32(n_ctas)) == 0)
+    last = jax.lax.rem(units - 1 - p, jnp.int32(n_ctas)) == 0
+    count = 2 * mine - jnp.int32(n_tiles % 2) * last  # an odd count: the last unit one tile
 
     def tile(i):
         tt = 2 * (p + (i // 2) * n_ctas) + jax.lax.rem(i, jnp.int32(2))
-        k = jax.lax.rem(tt, jnp.int32(n_q))
-        qi = jnp.where(jax.lax.rem(k, jnp.int32(2)) == 0, n_q - 1 - k // 2, k // 2)
-        g = tt // n_q
-        # key blocks this CUDA block loads (both compute warpgroups step through all of them);
-        # block_kv divides 2 * block_q. int32 also under jax_enable_x64, as the axis indices.
-        n_kv = i32((qi + 1) * (COMPUTE_WGS * cfg.block_q) // cfg.block_kv if causal
-                   else t // cfg.block_kv)  # fmt: skip
-        return g // n_heads, jax.lax.rem(g, jnp.int32(n_heads)), qi, n_kv
+        k = jax.lax.rem(tt, jnp.int32(n))
+        j = jnp.where(jax.lax.rem(k, jnp.int32(2)) == 0, n - 1 - k // 2, k // 2)
+        g = tt // n
+        return g // n_heads, jax.lax.rem(g, jnp.int32(n_heads)), j
 
     return count, tile
 
 
 def _kernel(q_g, k_g, v_g, o_g, lse_g, sm, *, cfg: Config, scale: float, causal: bool,
             n_ctas: int):  # fmt: skip
-    count, tile = _tiles(q_g, cfg, causal, n_ctas)
+    bsz, t, n_heads = q_g.shape[:3]
+    n_q = t // (COMPUTE_WGS * cfg.block_q)
+    count, tiles = _tiles(bsz, n_heads, n_q, n_ctas)
+
+    def tile(i):  # (b, h, query tile, key blocks to load)
+        b, h, qi = tiles(i)
+        # key blocks this CUDA block loads (both compute warpgroups step through all of them);
+        # block_kv divides 2 * block_q. int32 also under jax_enable_x64, as the axis indices.
+        n_kv = i32((qi + 1) * (COMPUTE_WGS * cfg.block_q) // cfg.block_kv if causal
+                   else t // cfg.block_kv)  # fmt: skip
+        return b, h, qi, n_kv
+
     wg = jax.lax.axis_index("wg")
 
     @pl.when(wg < COMPUTE_WGS)
@@ -347,14 +356,14 @@ def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = N
 
     def kernel(q_g, k_g, v_g, o_g, lse_g, **sm):
         _kernel(q_g, k_g, v_g, o_g, lse_g, sm, cfg=cfg, scale=scale, causal=causal,
-                n_ctas=n_ctas)  # fmt: skip
+                n_ctas=n_blocks)  # fmt: skip
 
     out_type = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((bsz, n_heads, t), jnp.float32),
     )
-    n_ctas = min(n_units(bsz, t, n_heads, cfg), cfg.ctas or core_count())  # one per SM
-    grid = {"p": n_ctas}
+    n_blocks = n_ctas(bsz, n_heads, t // (COMPUTE_WGS * cfg.block_q), cfg.ctas)
+    grid = {"p": n_blocks}
     return rows.launch(kernel, "flash_attention_fwd_mgpu", out_type, scratch, grid, 0, interpret,
                        (q, k, v), approx_math=True, threads=COMPUTE_WGS + 1)  # fmt: skip
 
@@ -368,6 +377,7 @@ class BwdConfig(NamedTuple):
     # streamed blocks in flight (shared-memory ring slots); 3: GPT-2's shape fwd+bwd 1.545 ms
     # against 1.672 at 2 (H100, 2026-11-27, benchmarks/logs/flash_2026-11-27)
     stages: int = 3
+    ctas: int = 0  # CUDA blocks of each kernel, each running a share of the tiles (0: one per SM)
 
 
 def bwd_smem_bytes(cfg: BwdConfig, d: int, itemsize: int = 2) -> int:
@@ -407,12 +417,12 @@ def _load_own(sm, wg, views: dict) -> None:
         plgpu.barrier_wait(sm["own_bar"].at[wg * n + i])
 
 
-def _skip(sm, names: tuple[str, ...], stages: int):
-    """A streamed block only the other compute warpgroup needs: its arrivals waited for and its
-    slot released, so that every barrier phase is observed."""
+def _skip(sm, names: tuple[str, ...], stages: int, base):
+    """A streamed block (ring step base + i) only the other compute warpgroup needs: its arrivals
+    waited for and its slot released, so that every barrier phase is observed."""
 
     def skip(i, carry):
-        slot = jax.lax.rem(i, jnp.int32(stages))
+        slot = jax.lax.rem(base + i, jnp.int32(stages))
         for name in names:
             plgpu.barrier_wait(sm[f"{name}_bar"].at[slot])
         plgpu.barrier_arrive(sm["free"].at[slot])
@@ -437,128 +447,174 @@ def _roles(copy, compute) -> None:
 
 
 def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig, scale: float,
-               causal: bool):  # fmt: skip
-    """dq of 2 * block_q queries of (b, h), block_q per compute warpgroup: a loop over the key
-    blocks up to the later warpgroup's diagonal; the earlier one skips the blocks past its own."""
+               causal: bool, n_ctas: int):  # fmt: skip
+    """dq of tiles of 2 * block_q queries of one (b, h), block_q per compute warpgroup, persistent
+    (_tiles): a loop over the key blocks up to the later warpgroup's diagonal; the earlier one
+    skips the blocks past its own. The ring runs on across tiles."""
     bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, q_g.shape[1]
-    b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
     tile = COMPUTE_WGS * bq
-    tile0 = (t // tile - 1 - jax.lax.axis_index("q")) * tile  # longest causal tiles first
-    n_kv = i32((tile0 + tile + bkv - 1) // bkv if causal else t // bkv)
+    count, tiles = _tiles(q_g.shape[0], q_g.shape[2], t // tile, n_ctas)
+
+    def n_kv_of(j):
+        return i32((j * tile + tile + bkv - 1) // bkv if causal else t // bkv)
 
     def copy():
-        views = {name: (lambda i, ref=ref: ref.at[b, pl.ds(i * bkv, bkv), h])
-                 for name, ref in (("k", k_g), ("v", v_g))}  # fmt: skip
-        _ring_copy(sm, views, ("free",), n_kv, stages)
+        def copy_tile(i, g):
+            b, h, j = tiles(i)
+            views = {name: (lambda i, ref=ref: ref.at[b, pl.ds(i * bkv, bkv), h])
+                     for name, ref in (("k", k_g), ("v", v_g))}  # fmt: skip
+            return _ring_load(sm, views, ("free",), n_kv_of(j), stages, g)
+
+        _ring_drain(sm, ("free",), jax.lax.fori_loop(jnp.int32(0), count, copy_tile,
+                                                     jnp.int32(0)), stages)  # fmt: skip
 
     def compute(wg):
-        q0 = tile0 + wg * bq
-        qs = pl.ds(q0, bq)
-        _load_own(sm, wg, {"q": q_g.at[b, qs, h], "do": do_g.at[b, qs, h],
-                           "lse": lse_g.at[b, h, qs], "delta": delta_g.at[b, h, qs]})  # fmt: skip
-        q_s, do_s = sm["q"].at[wg], sm["do"].at[wg]
-        row = plgpu.Layout.WGMMA.reduce(1)
-        lse = rows.load(sm["lse"].at[wg], row) * math.log2(math.e)  # (bq,), log2 units
-        delta = rows.load(sm["delta"].at[wg], row)  # (bq,)
-        c = scale * math.log2(math.e)
+        def run_tile(i, base):
+            b, h, j = tiles(i)
+            n_kv = n_kv_of(j)
+            _dq_tile(q_g, do_g, lse_g, delta_g, dq_g, sm, wg, b, h, j * tile + wg * bq, base,
+                     n_kv, cfg=cfg, scale=scale, causal=causal)  # fmt: skip
+            return base + n_kv
 
-        def step(kv, dq, masked: bool):
-            slot = jax.lax.rem(kv, jnp.int32(stages))
-            k_s, v_s = sm["k"].at[slot], sm["v"].at[slot]
-            plgpu.barrier_wait(sm["k_bar"].at[slot])
-            plgpu.barrier_wait(sm["v_bar"].at[slot])
-            s, dp = _mms((bq, bkv), (q_s, k_s.T), (do_s, v_s.T))  # S, dP (bq, bkv)
-            if masked:
-                s = _masked(s, q0, kv * bkv, transposed=False)
-            p = jnp.exp2(s * c - jax.lax.broadcast_in_dim(lse, s.shape, [0]))
-            ds = p * (dp - jax.lax.broadcast_in_dim(delta, s.shape, [0]))
-            dq = rows.acc_mma(dq, lambda ref: plgpu.wgmma(ref, ds.astype(k_s.dtype), k_s))
-            plgpu.barrier_arrive(sm["free"].at[slot])
-            return dq
-
-        dq = rows.cast(jnp.zeros((bq, q_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
-        below = q0 // bkv if causal else n_kv  # key blocks with every key <= the first query
-        own = (q0 + bq + bkv - 1) // bkv if causal else n_kv  # ... with a key <= the last one
-        dq = jax.lax.fori_loop(jnp.int32(0), below, lambda i, x: step(i, x, False), dq)
-        dq = jax.lax.fori_loop(below, own, lambda i, x: step(i, x, True), dq)
-        jax.lax.fori_loop(own, n_kv, _skip(sm, ("k", "v"), stages), None)
-        q_s[...] = (dq * scale).astype(dq_g.dtype)  # dq reuses q's buffer
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_s, dq_g.at[b, qs, h])
+        jax.lax.fori_loop(jnp.int32(0), count, run_tile, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
     _roles(copy, compute)
+
+
+def _dq_tile(q_g, do_g, lse_g, delta_g, dq_g, sm, wg, b, h, q0, base, n_kv, *, cfg: BwdConfig,
+             scale: float, causal: bool):  # fmt: skip
+    """dq of queries q0 .. q0 + block_q - 1 of (b, h); key block kv is ring step base + kv."""
+    bq, bkv, stages = cfg.block_q, cfg.block_kv, cfg.stages
+    qs = pl.ds(q0, bq)
+    _load_own(sm, wg, {"q": q_g.at[b, qs, h], "do": do_g.at[b, qs, h],
+                       "lse": lse_g.at[b, h, qs], "delta": delta_g.at[b, h, qs]})  # fmt: skip
+    q_s, do_s = sm["q"].at[wg], sm["do"].at[wg]
+    row = plgpu.Layout.WGMMA.reduce(1)
+    lse = rows.load(sm["lse"].at[wg], row) * math.log2(math.e)  # (bq,), log2 units
+    delta = rows.load(sm["delta"].at[wg], row)  # (bq,)
+    c = scale * math.log2(math.e)
+
+    def step(kv, dq, masked: bool):
+        slot = jax.lax.rem(base + kv, jnp.int32(stages))
+        k_s, v_s = sm["k"].at[slot], sm["v"].at[slot]
+        plgpu.barrier_wait(sm["k_bar"].at[slot])
+        plgpu.barrier_wait(sm["v_bar"].at[slot])
+        s, dp = _mms((bq, bkv), (q_s, k_s.T), (do_s, v_s.T))  # S, dP (bq, bkv)
+        if masked:
+            s = _masked(s, q0, kv * bkv, transposed=False)
+        p = jnp.exp2(s * c - jax.lax.broadcast_in_dim(lse, s.shape, [0]))
+        ds = p * (dp - jax.lax.broadcast_in_dim(delta, s.shape, [0]))
+        dq = rows.acc_mma(dq, lambda ref: plgpu.wgmma(ref, ds.astype(k_s.dtype), k_s))
+        plgpu.barrier_arrive(sm["free"].at[slot])
+        return dq
+
+    dq = rows.cast(jnp.zeros((bq, q_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
+    below = q0 // bkv if causal else n_kv  # key blocks with every key <= the first query
+    own = (q0 + bq + bkv - 1) // bkv if causal else n_kv  # ... with a key <= the last one
+    dq = jax.lax.fori_loop(jnp.int32(0), below, lambda i, x: step(i, x, False), dq)
+    dq = jax.lax.fori_loop(below, own, lambda i, x: step(i, x, True), dq)
+    jax.lax.fori_loop(own, n_kv, _skip(sm, ("k", "v"), stages, base), None)
+    q_s[...] = (dq * scale).astype(dq_g.dtype)  # dq reuses q's buffer
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_s, dq_g.at[b, qs, h])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # before the next tile's q overwrites it
 
 
 def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: BwdConfig,
-                scale: float, causal: bool):  # fmt: skip
-    """dk, dv of 2 * block_kv keys of (b, h), block_kv per compute warpgroup: a loop over the
-    query blocks from the earlier warpgroup's diagonal to the end (the later one skips those
-    wholly before its keys), computed transposed (keys along the rows): no register transposes."""
+                scale: float, causal: bool, n_ctas: int):  # fmt: skip
+    """dk, dv of tiles of 2 * block_kv keys of one (b, h), block_kv per compute warpgroup,
+    persistent (_tiles): a loop over the query blocks from the earlier warpgroup's diagonal to
+    the end (the later one skips those wholly before its keys), computed transposed (keys along
+    the rows): no register transposes. The ring runs on across tiles."""
     bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, q_g.shape[1]
-    b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
-    tile0 = jax.lax.axis_index("k") * (COMPUTE_WGS * bkv)
-    first = i32(tile0 // bq if causal else 0)  # the first query block with a query >= tile0
-    n = i32(t // bq) - first
-    names = ("q", "do", "lse", "delta")
+    tile = COMPUTE_WGS * bkv
+    count, tiles = _tiles(q_g.shape[0], q_g.shape[2], t // tile, n_ctas)
+
+    def first_of(j):  # the first query block with a query >= the tile's first key
+        return i32(j * tile // bq if causal else 0)
 
     def copy():
-        def view(ref):
-            return lambda i: ref.at[b, pl.ds((first + i) * bq, bq), h]
+        def copy_tile(i, g):
+            b, h, j = tiles(i)
+            first = first_of(j)
 
-        def row_view(ref):
-            return lambda i: ref.at[b, h, pl.ds((first + i) * bq, bq)]
+            def view(ref):
+                return lambda i: ref.at[b, pl.ds((first + i) * bq, bq), h]
 
-        views = {"q": view(q_g), "do": view(do_g), "lse": row_view(lse_g),
-                 "delta": row_view(delta_g)}  # fmt: skip
-        _ring_copy(sm, views, ("free",), n, stages)
+            def row_view(ref):
+                return lambda i: ref.at[b, h, pl.ds((first + i) * bq, bq)]
+
+            views = {"q": view(q_g), "do": view(do_g), "lse": row_view(lse_g),
+                     "delta": row_view(delta_g)}  # fmt: skip
+            return _ring_load(sm, views, ("free",), i32(t // bq) - first, stages, g)
+
+        _ring_drain(sm, ("free",), jax.lax.fori_loop(jnp.int32(0), count, copy_tile,
+                                                     jnp.int32(0)), stages)  # fmt: skip
 
     def compute(wg):
-        k0 = tile0 + wg * bkv
-        ks = pl.ds(k0, bkv)
-        _load_own(sm, wg, {"k": k_g.at[b, ks, h], "v": v_g.at[b, ks, h]})
-        k_s, v_s = sm["k"].at[wg], sm["v"].at[wg]
-        col = plgpu.Layout.WGMMA.reduce(0)
-        c = scale * math.log2(math.e)
+        def run_tile(i, base):
+            b, h, j = tiles(i)
+            first = first_of(j)
+            _dkv_tile(q_g, k_g, v_g, dk_g, dv_g, sm, wg, b, h, j * tile + wg * bkv, first, base,
+                      cfg=cfg, scale=scale, causal=causal)  # fmt: skip
+            return base + i32(t // bq) - first
 
-        def step(i, carry, masked: bool):
-            dk, dv = carry
-            slot = jax.lax.rem(i, jnp.int32(stages))
-            q_s, do_s = sm["q"].at[slot], sm["do"].at[slot]
-            for name in names:
-                plgpu.barrier_wait(sm[f"{name}_bar"].at[slot])
-            st, dpt = _mms((bkv, bq), (k_s, q_s.T), (v_s, do_s.T))  # S^T, dP^T (bkv, bq)
-            if masked:
-                st = _masked(st, (first + i) * bq, k0, transposed=True)
-            lse = rows.load(sm["lse"].at[slot], col) * math.log2(math.e)
-            delta = rows.load(sm["delta"].at[slot], col)
-            pt = jnp.exp2(st * c - jax.lax.broadcast_in_dim(lse, st.shape, [1]))
-            dst = pt * (dpt - jax.lax.broadcast_in_dim(delta, st.shape, [1]))
-
-            def grads(refs):
-                plgpu.wgmma(refs[0], dst.astype(q_s.dtype), q_s)
-                plgpu.wgmma(refs[1], pt.astype(q_s.dtype), do_s)
-
-            dk, dv = rows.acc_mma((dk, dv), grads)
-            plgpu.barrier_arrive(sm["free"].at[slot])
-            return dk, dv
-
-        zeros = rows.cast(jnp.zeros((bkv, q_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
-        # query blocks wholly before the keys are skipped; those holding a query < the last key
-        # need the mask
-        skipped = i32(k0 // bq) - first if causal else 0
-        masked = i32((k0 + bkv - 1) // bq + 1) - first if causal else 0
-        jax.lax.fori_loop(jnp.int32(0), skipped, _skip(sm, names, stages), None)
-        carry = jax.lax.fori_loop(skipped, masked, lambda i, x: step(i, x, True), (zeros, zeros))
-        dk, dv = jax.lax.fori_loop(masked, n, lambda i, x: step(i, x, False), carry)
-        k_s[...] = (dk * scale).astype(dk_g.dtype)  # dk, dv reuse k's and v's buffers
-        v_s[...] = dv.astype(dv_g.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_s, dk_g.at[b, ks, h])
-        plgpu.copy_smem_to_gmem(v_s, dv_g.at[b, ks, h])
+        jax.lax.fori_loop(jnp.int32(0), count, run_tile, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
     _roles(copy, compute)
+
+
+def _dkv_tile(q_g, k_g, v_g, dk_g, dv_g, sm, wg, b, h, k0, first, base, *, cfg: BwdConfig,
+              scale: float, causal: bool):  # fmt: skip
+    """dk, dv of keys k0 .. k0 + block_kv - 1 of (b, h) against query blocks first .. T / block_q
+    - 1; query block first + i is ring step base + i."""
+    bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, q_g.shape[1]
+    names = ("q", "do", "lse", "delta")
+    n = i32(t // bq) - first
+    ks = pl.ds(k0, bkv)
+    _load_own(sm, wg, {"k": k_g.at[b, ks, h], "v": v_g.at[b, ks, h]})
+    k_s, v_s = sm["k"].at[wg], sm["v"].at[wg]
+    col = plgpu.Layout.WGMMA.reduce(0)
+    c = scale * math.log2(math.e)
+
+    def step(i, carry, masked: bool):
+        dk, dv = carry
+        slot = jax.lax.rem(base + i, jnp.int32(stages))
+        q_s, do_s = sm["q"].at[slot], sm["do"].at[slot]
+        for name in names:
+            plgpu.barrier_wait(sm[f"{name}_bar"].at[slot])
+        st, dpt = _mms((bkv, bq), (k_s, q_s.T), (v_s, do_s.T))  # S^T, dP^T (bkv, bq)
+        if masked:
+            st = _masked(st, (first + i) * bq, k0, transposed=True)
+        lse = rows.load(sm["lse"].at[slot], col) * math.log2(math.e)
+        delta = rows.load(sm["delta"].at[slot], col)
+        pt = jnp.exp2(st * c - jax.lax.broadcast_in_dim(lse, st.shape, [1]))
+        dst = pt * (dpt - jax.lax.broadcast_in_dim(delta, st.shape, [1]))
+
+        def grads(refs):
+            plgpu.wgmma(refs[0], dst.astype(q_s.dtype), q_s)
+            plgpu.wgmma(refs[1], pt.astype(q_s.dtype), do_s)
+
+        dk, dv = rows.acc_mma((dk, dv), grads)
+        plgpu.barrier_arrive(sm["free"].at[slot])
+        return dk, dv
+
+    zeros = rows.cast(jnp.zeros((bkv, q_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
+    # query blocks wholly before the keys are skipped; those holding a query < the last key
+    # need the mask
+    skipped = i32(k0 // bq) - first if causal else 0
+    masked = i32((k0 + bkv - 1) // bq + 1) - first if causal else 0
+    jax.lax.fori_loop(jnp.int32(0), skipped, _skip(sm, names, stages, base), None)
+    carry = jax.lax.fori_loop(skipped, masked, lambda i, x: step(i, x, True), (zeros, zeros))
+    dk, dv = jax.lax.fori_loop(masked, n, lambda i, x: step(i, x, False), carry)
+    k_s[...] = (dk * scale).astype(dk_g.dtype)  # dk, dv reuse k's and v's buffers
+    v_s[...] = dv.astype(dv_g.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_s, dk_g.at[b, ks, h])
+    plgpu.copy_smem_to_gmem(v_s, dv_g.at[b, ks, h])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # before the next tile's k, v overwrite them
 
 
 def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
@@ -567,9 +623,10 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
 
     delta = rowsum(o * do) (B, H, T) is one XLA fusion (a read of o and do at memory speed, the
     cost a kernel would have too); then two kernels, neither needing atomics, each with two
-    compute warpgroups sharing what a third streams: dq (grid: tiles of 2 * block_q queries;
-    K/V blocks 0 .. diagonal streamed) and dk/dv (grid: tiles of 2 * block_kv keys; Q, dO, lse,
-    delta blocks diagonal .. end streamed). Both recompute P = exp(scale * q k^T - lse) and
+    compute warpgroups sharing what a third streams, both persistent like the forward (a CUDA
+    block per SM running pairs of tiles, `_tiles`): dq (tiles of 2 * block_q queries; K/V blocks
+    0 .. diagonal streamed) and dk/dv (tiles of 2 * block_kv keys; Q, dO, lse, delta blocks
+    diagonal .. end streamed). Both recompute P = exp(scale * q k^T - lse) and
     dS = P * (dO V^T - delta); dq = scale * dS K, dv = P^T dO, dk = scale * dS^T Q; f32
     accumulation, only the diagonal blocks masked.
 
@@ -600,12 +657,14 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
         **ring("k", (bkv, d), dt, **sw), **ring("v", (bkv, d), dt, **sw),
     )  # fmt: skip
 
+    dq_ctas = n_ctas(bsz, n_heads, t // (w * bq), cfg.ctas)
+
     def dq_body(*refs, **sm):
-        _dq_kernel(*refs, sm, **kw)
+        _dq_kernel(*refs, sm, **kw, n_ctas=dq_ctas)
 
     dq = rows.launch(dq_body, "flash_attention_dq_mgpu", jax.ShapeDtypeStruct(q.shape, dt),
-                     dq_scratch, {"q": t // (w * bq), "h": n_heads, "b": bsz}, 0, interpret,
-                     args, approx_math=True, threads=w + 1)  # fmt: skip
+                     dq_scratch, {"p": dq_ctas}, 0, interpret, args, approx_math=True,
+                     threads=w + 1)  # fmt: skip
     dkv_scratch = dict(
         k=plgpu.SMEM((w, bkv, d), dt, **sw), v=plgpu.SMEM((w, bkv, d), dt, **sw),
         own_bar=plgpu.Barrier(num_barriers=2 * w), free=free,
@@ -613,11 +672,13 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
         **ring("lse", (bq,), jnp.float32), **ring("delta", (bq,), jnp.float32),
     )  # fmt: skip
 
+    dkv_ctas = n_ctas(bsz, n_heads, t // (w * bkv), cfg.ctas)
+
     def dkv_body(*refs, **sm):
-        _dkv_kernel(*refs, sm, **kw)
+        _dkv_kernel(*refs, sm, **kw, n_ctas=dkv_ctas)
 
     grads = jax.ShapeDtypeStruct(q.shape, dt)
     dk, dv = rows.launch(dkv_body, "flash_attention_dkv_mgpu", (grads, grads), dkv_scratch,
-                         {"k": t // (w * bkv), "h": n_heads, "b": bsz}, 0, interpret, args,
-                         approx_math=True, threads=w + 1)  # fmt: skip
+                         {"p": dkv_ctas}, 0, interpret, args, approx_math=True,
+                         threads=w + 1)  # fmt: skip
     return dq, dk, dv

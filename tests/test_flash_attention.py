@@ -105,6 +105,8 @@ BWD_CASES = {  # name -> (D, causal, config[, T]); T = 256 unless given
     # T = 512: two dk/dv tiles of 2 x 128 keys, the second starting past query block 0
     "causal_d64_kv128_t512": (64, True, fa_mgpu.BwdConfig(64, 128, 2), 512),
     "full_d128": (128, False, fa_mgpu.BwdConfig(64, 64, 2)),
+    # 8 dq and 8 dk/dv tiles (4 units each) on 3 CUDA blocks: the rings run on across tiles
+    "causal_d64_t512_3ctas": (64, True, fa_mgpu.BwdConfig(64, 64, 2, ctas=3), 512),
 }
 
 
@@ -264,7 +266,7 @@ def test_bench_refuses_off_gpu_and_times_xla_on_cpu():
             bench.main(["--quick", "--configs", "64,64,2", "--shapes", "1,128,2,64"])
     args = argparse.Namespace(calls=4, launches=1, repeats=1, unroll=2)
     impls = bench.implementations([None, fa_mgpu.Config()], [None, fa_mgpu.BwdConfig(64, 128, 2)])
-    assert "ours-64-128-2-0-bwd64-128-2" in impls and "ours" in impls
+    assert "ours-64-128-2-0-bwd64-128-2-0" in impls and "ours" in impls
     xla = impls["xla"]
     fwd, fwd_bwd = (
         bench.measure(xla, direction, (1, 128, 2, 64), args, bench_ref, trials=2)
