@@ -78,6 +78,8 @@ def _check(what: str, cfg: Any, min_stages: int, smem: int, tile: int, t: int, d
     if cfg.block_q != 64 or cfg.block_kv not in (64, 128) or cfg.stages < min_stages:
         raise ValueError(f"invalid {what} {cfg}: block_q 64, block_kv 64 or 128, stages >= "
                          f"{min_stages}")  # fmt: skip
+    if cfg.ctas < 0:
+        raise ValueError(f"invalid {what} {cfg}: ctas >= 0 (0: one per SM)")
     if smem > rows.SMEM_BYTES:
         raise ValueError(f"{what} {cfg} needs {smem} bytes of shared memory at D = {d}; at most "
                          f"{rows.SMEM_BYTES}")  # fmt: skip
@@ -89,8 +91,6 @@ def check(cfg: Config, t: int, d: int) -> None:
     """Stages >= 2: a warpgroup waits for the next K block before it releases this V block."""
     tile = math.lcm(COMPUTE_WGS * cfg.block_q, cfg.block_kv)
     _check("flash attention config", cfg, 2, smem_bytes(cfg, d), tile, t, d)
-    if cfg.ctas < 0:
-        raise ValueError(f"invalid flash attention config {cfg}: ctas >= 0 (0: one per SM)")
 
 
 def _take_turn(sched) -> None:

@@ -196,6 +196,7 @@ def test_lowers_for_cuda(pretend_gpu, d, cfg, bwd_cfg, causal, x64):
         ((1, 256, 2, 128), fa_mgpu.Config(64, 128, 4), "shared memory"),
         ((1, 256, 2, 64), fa_mgpu.Config(64, 128, 1), "stages >= 2"),
         ((1, 256, 2, 64), fa_mgpu.Config(64, 128, 2, ctas=-1), "ctas >= 0"),
+        ((1, 256, 2, 64), fa_mgpu.BwdConfig(64, 64, 2, ctas=-1), "backward config .* ctas >= 0"),
         ((1, 256, 2, 128), fa_mgpu.BwdConfig(64, 64, 5), "backward config .* shared memory"),
         ((1, 256, 2, 64), fa_mgpu.BwdConfig(128, 64, 2), "block_q 64, block_kv 64 or 128"),
     ],
