@@ -99,12 +99,10 @@ def _take_turn(sched) -> None:
     plgpu.barrier_wait(sched)
 
 
-def n_ctas(bsz: int, n_heads: int, n: int, ctas: int) -> int:
+def grid_size(bsz: int, n_heads: int, n: int, ctas: int) -> int:
     """CUDA blocks of a persistent kernel over B * H groups of n tiles (see _tiles): `ctas`, or
-    one per SM (the CPU interpreter's device has no SM count: one runs every tile), at most one
-    per unit of work."""
-    sms = ctas or getattr(jax.devices()[0], "core_count", None) or 1
-    return min((bsz * n_heads * n + 1) // 2, sms)
+    one per SM, at most one per unit of work."""
+    return min((bsz * n_heads * n + 1) // 2, ctas or core_count())
 
 
 def _tiles(bsz: int, n_heads: int, n: int, n_ctas: int):
@@ -326,11 +324,6 @@ def _ring_drain(sm, frees: tuple[str, ...], g, stages: int):
     jax.lax.fori_loop(jnp.maximum(g - stages, 0), g, drain, None)
 
 
-def _ring_copy(sm, views: dict, frees: tuple[str, ...], n, stages: int):
-    """Steps 0 .. n - 1 through the ring (_ring_load from step 0), then _ring_drain."""
-    _ring_drain(sm, frees, _ring_load(sm, views, frees, n, stages, jnp.int32(0)), stages)
-
-
 def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = None):
     """(o (B, T, H, D), lse (B, H, T) float32) of q, k, v (B, T, H, D).
 
@@ -356,14 +349,14 @@ def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = N
 
     def kernel(q_g, k_g, v_g, o_g, lse_g, **sm):
         _kernel(q_g, k_g, v_g, o_g, lse_g, sm, cfg=cfg, scale=scale, causal=causal,
-                n_ctas=n_blocks)  # fmt: skip
+                n_ctas=n_ctas)  # fmt: skip
 
     out_type = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((bsz, n_heads, t), jnp.float32),
     )
-    n_blocks = n_ctas(bsz, n_heads, t // (COMPUTE_WGS * cfg.block_q), cfg.ctas)
-    grid = {"p": n_blocks}
+    n_ctas = grid_size(bsz, n_heads, t // (COMPUTE_WGS * cfg.block_q), cfg.ctas)
+    grid = {"p": n_ctas}
     return rows.launch(kernel, "flash_attention_fwd_mgpu", out_type, scratch, grid, 0, interpret,
                        (q, k, v), approx_math=True, threads=COMPUTE_WGS + 1)  # fmt: skip
 
@@ -461,7 +454,7 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig,
     def copy():
         def copy_tile(i, g):
             b, h, j = tiles(i)
-            views = {name: (lambda i, ref=ref: ref.at[b, pl.ds(i * bkv, bkv), h])
+            views = {name: (lambda j, ref=ref: ref.at[b, pl.ds(j * bkv, bkv), h])
                      for name, ref in (("k", k_g), ("v", v_g))}  # fmt: skip
             return _ring_load(sm, views, ("free",), n_kv_of(j), stages, g)
 
@@ -657,7 +650,7 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
         **ring("k", (bkv, d), dt, **sw), **ring("v", (bkv, d), dt, **sw),
     )  # fmt: skip
 
-    dq_ctas = n_ctas(bsz, n_heads, t // (w * bq), cfg.ctas)
+    dq_ctas = grid_size(bsz, n_heads, t // (w * bq), cfg.ctas)
 
     def dq_body(*refs, **sm):
         _dq_kernel(*refs, sm, **kw, n_ctas=dq_ctas)
@@ -672,7 +665,7 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
         **ring("lse", (bq,), jnp.float32), **ring("delta", (bq,), jnp.float32),
     )  # fmt: skip
 
-    dkv_ctas = n_ctas(bsz, n_heads, t // (w * bkv), cfg.ctas)
+    dkv_ctas = grid_size(bsz, n_heads, t // (w * bkv), cfg.ctas)
 
     def dkv_body(*refs, **sm):
         _dkv_kernel(*refs, sm, **kw, n_ctas=dkv_ctas)

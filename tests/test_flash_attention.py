@@ -93,7 +93,7 @@ def test_forward_in_interpreter(interpreter, float64_ref, name):
     np.testing.assert_allclose(lse, float64_ref(_lse_ref, q, k, causal=causal), atol=1e-4)
 
 
-BWD_CASES = {  # name -> (D, causal, config[, T]); T = 256 unless given
+BWD_CASES = {  # name -> (D, causal, config[, (B, T, H)]); (1, 256, 2) unless given
     "causal_d64": (64, True, fa_mgpu.BwdConfig(64, 64, 2)),
     # 128-key blocks: the dq kernel masks one key block, the dk/dv kernel two query blocks and
     # its second warpgroup skips two
@@ -103,10 +103,12 @@ BWD_CASES = {  # name -> (D, causal, config[, T]); T = 256 unless given
     # one ring slot: skipped and computed blocks share it
     "causal_d64_1stage": (64, True, fa_mgpu.BwdConfig(64, 64, 1)),
     # T = 512: two dk/dv tiles of 2 x 128 keys, the second starting past query block 0
-    "causal_d64_kv128_t512": (64, True, fa_mgpu.BwdConfig(64, 128, 2), 512),
+    "causal_d64_kv128_t512": (64, True, fa_mgpu.BwdConfig(64, 128, 2), (1, 512, 2)),
     "full_d128": (128, False, fa_mgpu.BwdConfig(64, 64, 2)),
     # 8 dq and 8 dk/dv tiles (4 units each) on 3 CUDA blocks: the rings run on across tiles
-    "causal_d64_t512_3ctas": (64, True, fa_mgpu.BwdConfig(64, 64, 2, ctas=3), 512),
+    "causal_d64_t512_3ctas": (64, True, fa_mgpu.BwdConfig(64, 64, 2, ctas=3), (1, 512, 2)),
+    # 9 tiles a kernel (5 units, the last one tile) on 2 CUDA blocks
+    "causal_d64_odd_2ctas": (64, True, fa_mgpu.BwdConfig(64, 64, 2, ctas=2), (1, 384, 3)),
 }
 
 
@@ -122,8 +124,8 @@ def _grad_close(got, ref):
 def test_backward_in_interpreter(interpreter, float64_ref, name):
     """dq, dk, dv of the backward kernels, given the exact o and lse (rounded as the forward
     stores them), against the float64 reference's VJP."""
-    d, causal, cfg, *t = BWD_CASES[name]
-    q, k, v = _qkv((1, *(t or [256]), 2, d))
+    d, causal, cfg, (b, t, h) = (*BWD_CASES[name], (1, 256, 2))[:4]
+    q, k, v = _qkv((b, t, h, d))
     do = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.bfloat16)
     o = float64_ref(flash_attention_ref, q, k, v, causal=causal).astype(jnp.bfloat16)
     lse = float64_ref(_lse_ref, q, k, causal=causal).astype(np.float32)
