@@ -374,10 +374,11 @@ class BwdConfig(NamedTuple):
 
 
 def bwd_smem_bytes(cfg: BwdConfig, d: int, itemsize: int = 2) -> int:
-    """Shared memory of the larger backward kernel's CUDA block: two own tiles per compute
-    warpgroup and two rings of `stages` streamed tiles (+ float32 lse and delta rows, slack)."""
+    """Shared memory of the larger backward kernel's CUDA block: own tiles per compute warpgroup
+    (q, do, dq; k, v) and two rings of `stages` streamed tiles (+ float32 lse and delta rows,
+    slack)."""
     bq, bkv, st, w = cfg.block_q, cfg.block_kv, cfg.stages, COMPUTE_WGS
-    dq = (2 * w * bq + 2 * st * bkv) * d * itemsize + 8 * w * bq
+    dq = (3 * w * bq + 2 * st * bkv) * d * itemsize + 8 * w * bq
     dkv = (2 * w * bkv + 2 * st * bq) * d * itemsize + 8 * st * bq
     return max(dq, dkv) + SMEM_SLACK
 
@@ -462,11 +463,29 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig,
                                                      jnp.int32(0)), stages)  # fmt: skip
 
     def compute(wg):
+        def load_own(i):  # tile i's q, do, lse, delta rows of this warpgroup
+            b, h, j = tiles(i)
+            qs = pl.ds(j * tile + wg * bq, bq)
+            views = {"q": q_g.at[b, qs, h], "do": do_g.at[b, qs, h],
+                     "lse": lse_g.at[b, h, qs], "delta": delta_g.at[b, h, qs]}  # fmt: skip
+            for k, (name, view) in enumerate(views.items()):
+                plgpu.copy_gmem_to_smem(view, sm[name].at[wg], sm["own_bar"].at[wg * 4 + k])
+
+        load_own(jnp.int32(0))
+
         def run_tile(i, base):
             b, h, j = tiles(i)
             n_kv = n_kv_of(j)
-            _dq_tile(q_g, do_g, lse_g, delta_g, dq_g, sm, wg, b, h, j * tile + wg * bq, base,
-                     n_kv, cfg=cfg, scale=scale, causal=causal)  # fmt: skip
+            for k in range(4):
+                plgpu.barrier_wait(sm["own_bar"].at[wg * 4 + k])
+            dq = _dq_tile(sm, wg, j * tile + wg * bq, base, n_kv, cfg=cfg, scale=scale,
+                          causal=causal, d=q_g.shape[3])  # fmt: skip
+            pl.when(i + 1 < count)(lambda: load_own(i + 1))  # its last matmul is done
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dq is out
+            dq_s = sm["dq"].at[wg]
+            dq_s[...] = (dq * scale).astype(dq_g.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dq_s, dq_g.at[b, pl.ds(j * tile + wg * bq, bq), h])
             return base + n_kv
 
         jax.lax.fori_loop(jnp.int32(0), count, run_tile, jnp.int32(0))
@@ -475,13 +494,10 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig,
     _roles(copy, compute)
 
 
-def _dq_tile(q_g, do_g, lse_g, delta_g, dq_g, sm, wg, b, h, q0, base, n_kv, *, cfg: BwdConfig,
-             scale: float, causal: bool):  # fmt: skip
-    """dq of queries q0 .. q0 + block_q - 1 of (b, h); key block kv is ring step base + kv."""
+def _dq_tile(sm, wg, q0, base, n_kv, *, cfg: BwdConfig, scale: float, causal: bool, d: int):
+    """dq / scale (block_q, d) f32 of queries q0 .. q0 + block_q - 1, whose q, do, lse, delta
+    are in warpgroup wg's buffers; key block kv is ring step base + kv."""
     bq, bkv, stages = cfg.block_q, cfg.block_kv, cfg.stages
-    qs = pl.ds(q0, bq)
-    _load_own(sm, wg, {"q": q_g.at[b, qs, h], "do": do_g.at[b, qs, h],
-                       "lse": lse_g.at[b, h, qs], "delta": delta_g.at[b, h, qs]})  # fmt: skip
     q_s, do_s = sm["q"].at[wg], sm["do"].at[wg]
     row = plgpu.Layout.WGMMA.reduce(1)
     lse = rows.load(sm["lse"].at[wg], row) * math.log2(math.e)  # (bq,), log2 units
@@ -502,16 +518,13 @@ def _dq_tile(q_g, do_g, lse_g, delta_g, dq_g, sm, wg, b, h, q0, base, n_kv, *, c
         plgpu.barrier_arrive(sm["free"].at[slot])
         return dq
 
-    dq = rows.cast(jnp.zeros((bq, q_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
+    dq = rows.cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
     below = q0 // bkv if causal else n_kv  # key blocks with every key <= the first query
     own = (q0 + bq + bkv - 1) // bkv if causal else n_kv  # ... with a key <= the last one
     dq = jax.lax.fori_loop(jnp.int32(0), below, lambda i, x: step(i, x, False), dq)
     dq = jax.lax.fori_loop(below, own, lambda i, x: step(i, x, True), dq)
     jax.lax.fori_loop(own, n_kv, _skip(sm, ("k", "v"), stages, base), None)
-    q_s[...] = (dq * scale).astype(dq_g.dtype)  # dq reuses q's buffer
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_s, dq_g.at[b, qs, h])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # before the next tile's q overwrites it
+    return dq
 
 
 def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: BwdConfig,
@@ -645,6 +658,7 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
     free = plgpu.Barrier(num_arrivals=w, num_barriers=st)
     dq_scratch = dict(
         q=plgpu.SMEM((w, bq, d), dt, **sw), do=plgpu.SMEM((w, bq, d), dt, **sw),
+        dq=plgpu.SMEM((w, bq, d), dt, **sw),
         lse=plgpu.SMEM((w, bq), jnp.float32), delta=plgpu.SMEM((w, bq), jnp.float32),
         own_bar=plgpu.Barrier(num_barriers=4 * w), free=free,
         **ring("k", (bkv, d), dt, **sw), **ring("v", (bkv, d), dt, **sw),
