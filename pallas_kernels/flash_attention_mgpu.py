@@ -100,9 +100,10 @@ def _take_turn(sched) -> None:
 
 
 def grid_size(bsz: int, n_heads: int, n: int, ctas: int) -> int:
-    """CUDA blocks of a persistent kernel over B * H groups of n tiles (see _tiles): `ctas`, or
-    one per SM, at most one per unit of work."""
-    return min((bsz * n_heads * n + 1) // 2, ctas or core_count())
+    """CUDA blocks of a persistent kernel over B * H groups of n tiles (see _tiles): a tile each
+    where the tiles fit in `ctas` (or one per SM), else `ctas` at most, one per unit of work."""
+    n_tiles, most = bsz * n_heads * n, ctas or core_count()
+    return n_tiles if n_tiles <= most else min((n_tiles + 1) // 2, most)
 
 
 def _tiles(bsz: int, n_heads: int, n: int, n_ctas: int):
@@ -115,20 +116,27 @@ def _tiles(bsz: int, n_heads: int, n: int, n_ctas: int):
     work about n + 1 blocks; with n odd a unit may span two groups and be less even), and CUDA
     block p runs units p, p + n_ctas, ... (both tiles of each). Equal units balance the CUDA
     blocks (a static round robin of single causal tiles does not); consecutive units share
-    (b, h), so that CUDA blocks running together read the same streamed blocks from L2."""
+    (b, h), so that CUDA blocks running together read the same streamed blocks from L2. With a
+    CUDA block per tile (grid_size: where the tiles fit on the SMs) CUDA block p runs tile p
+    alone: pairs would halve the CUDA blocks there."""
     n_tiles = bsz * n_heads * n
-    units = (n_tiles + 1) // 2
     p = jax.lax.axis_index("p")
+
+    def at(tt):  # position in the order -> (b, h, j)
+        k = jax.lax.rem(tt, jnp.int32(n))
+        j = jnp.where(jax.lax.rem(k, jnp.int32(2)) == 0, n - 1 - k // 2, k // 2)
+        g = tt // n
+        return g // n_heads, jax.lax.rem(g, jnp.int32(n_heads)), j
+
+    if n_ctas == n_tiles:
+        return jnp.int32(1), lambda i: at(p)
+    units = (n_tiles + 1) // 2
     mine = (units - 1 - p) // n_ctas + 1
     last = jax.lax.rem(units - 1 - p, jnp.int32(n_ctas)) == 0
     count = 2 * mine - jnp.int32(n_tiles % 2) * last  # an odd count: the last unit one tile
 
     def tile(i):
-        tt = 2 * (p + (i // 2) * n_ctas) + jax.lax.rem(i, jnp.int32(2))
-        k = jax.lax.rem(tt, jnp.int32(n))
-        j = jnp.where(jax.lax.rem(k, jnp.int32(2)) == 0, n - 1 - k // 2, k // 2)
-        g = tt // n
-        return g // n_heads, jax.lax.rem(g, jnp.int32(n_heads)), j
+        return at(2 * (p + (i // 2) * n_ctas) + jax.lax.rem(i, jnp.int32(2)))
 
     return count, tile
 
