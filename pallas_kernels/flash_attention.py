@@ -54,11 +54,12 @@ def causal_tile(cfg: mgpu.Config, bwd_cfg: mgpu.BwdConfig) -> int:
 
 
 # head dim -> the longest T at which ours (forward + backward, default configs) measured faster
-# than cuDNN's, each pair in one call (benchmarks/RESULTS.md, "Flash attention"; H100 2026-11-27,
-# logs/flash_2026-11-27; H200 2026-11-28, logs/flash_2026-11-28 and flash_2026-11-28b). Head dim
-# 64: T 128-512 1.00-1.53x, T 1024 0.88-1.02x, T 2048 0.99x; head dim 128: T 128-2048
-# 1.11-1.47x (on the H100 only T 512 was timed there). Longer T: not measured.
-FASTER_THAN_CUDNN_UP_TO = {64: 512, 128: 2048}
+# than cuDNN's, each pair in one call (benchmarks/RESULTS.md, "Flash attention"): the persistent
+# kernels on an H200 (2026-11-28, logs/flash_2026-11-28d): head dim 64 at T 128-2048 1.02-1.35x
+# (GPT-2's shape 1.02x), head dim 128 at T 128, 512, 2048 1.12-1.51x. The H100 timed only the
+# earlier, non-persistent kernels (head dim 64: T 128-512 faster, T 1024 0.88-1.02x).
+# Longer T: not measured.
+FASTER_THAN_CUDNN_UP_TO = {64: 2048, 128: 2048}
 
 
 def faster_than_cudnn(seq_len: int, head_dim: int) -> bool:
