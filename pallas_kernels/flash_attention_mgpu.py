@@ -1,12 +1,13 @@
 """Flash attention on Pallas' Mosaic GPU lowering (Hopper): forward (FlashAttention-3 structure)
 and backward (`backward`: dq and dk/dv kernels, see its docstring).
 
-q, k, v (B, T, H, D) bfloat16/float16, D in {64, 128}. The forward is persistent: one CUDA block
-per SM (`Config.ctas`), each running its share of the query tiles (2 * block_q queries of one
-(batch, head)) in pairs, a long causal tile with a short one (`_tiles`), so that the shares
-are equal. A CUDA block runs three warpgroups: warpgroups 0 and 1 each compute block_q queries
-of a tile, warpgroup 2 only issues TMA copies of the K and V blocks into a ring of `stages`
-shared-memory slots. Per key block a compute warpgroup does
+q, k, v (B, T, H, D) bfloat16/float16, D in {64, 128}. Both directions are persistent: one CUDA
+block per SM (at most `Config.ctas`), each running its share of the tiles (in the forward 2 *
+block_q queries of one (batch, head)) in pairs, a long causal tile with a short one (`_tiles`),
+so that the shares are equal; where the tiles fit on the SMs, a CUDA block per tile. A forward
+CUDA block runs three warpgroups: warpgroups 0 and 1 each compute block_q queries of a tile,
+warpgroup 2 only issues TMA copies of the K and V blocks into a ring of `stages` shared-memory
+slots. Per key block a compute warpgroup does
 
   S = Q K^T (wgmma, f32)  ->  online softmax in f32 (base 2, the 1/sqrt(D) scale folded into the
   exp2 constant)  ->  O += P V (wgmma, P from registers)
@@ -14,8 +15,8 @@ shared-memory slots. Per key block a compute warpgroup does
 and releases the slot with "consumed" barriers the copy warpgroup waits on before refilling it.
 The ring runs on across tiles, and each compute warpgroup issues its next tile's Q load as soon
 as its last matmul is done and stores O and lse without waiting: a tile's start and end overlap
-its neighbours' work (with a CUDA block per tile they do not: 0.41 ms against 0.35 at GPT-2's
-shape on an H200, RESULTS.md). A schedule barrier alternates the two compute warpgroups, so that
+its neighbours' work (a CUDA block per tile at GPT-2's shape: 0.41 ms against 0.35 on an H200,
+RESULTS.md). A schedule barrier alternates the two compute warpgroups, so that
 one's softmax overlaps the other's matmuls. Causal: key blocks past a warpgroup's last query are
 skipped, blocks wholly below its diagonal run unmasked and only the diagonal block(s) are
 masked; the copy warpgroup loads the blocks the later of the two warpgroups needs, and the
@@ -52,7 +53,7 @@ class Config(NamedTuple):
     block_q: int = 64  # queries per compute warpgroup (a CUDA block holds 2 * block_q)
     block_kv: int = 128  # keys per K/V block
     stages: int = 2  # K/V blocks in flight (shared-memory ring slots)
-    ctas: int = 0  # CUDA blocks, each running a share of the tiles (0: one per SM)
+    ctas: int = 0  # at most this many CUDA blocks, each running a share of the tiles (0: the SMs)
 
 
 # head dim -> forward config (to be replaced by measured tables in tuning/ once timed)
@@ -378,7 +379,8 @@ class BwdConfig(NamedTuple):
     # streamed blocks in flight (shared-memory ring slots); 3: GPT-2's shape fwd+bwd 1.545 ms
     # against 1.672 at 2 (H100, 2026-11-27, benchmarks/logs/flash_2026-11-27)
     stages: int = 3
-    ctas: int = 0  # CUDA blocks of each kernel, each running a share of the tiles (0: one per SM)
+    ctas: int = 0  # at most this many CUDA blocks a kernel, each running a share of the tiles
+    # (0: the SMs)
 
 
 def bwd_smem_bytes(cfg: BwdConfig, d: int, itemsize: int = 2) -> int:
@@ -463,7 +465,7 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig,
     def copy():
         def copy_tile(i, g):
             b, h, j = tiles(i)
-            views = {name: (lambda j, ref=ref: ref.at[b, pl.ds(j * bkv, bkv), h])
+            views = {name: (lambda s, ref=ref: ref.at[b, pl.ds(s * bkv, bkv), h])
                      for name, ref in (("k", k_g), ("v", v_g))}  # fmt: skip
             return _ring_load(sm, views, ("free",), n_kv_of(j), stages, g)
 
@@ -637,12 +639,11 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
 
     delta = rowsum(o * do) (B, H, T) is one XLA fusion (a read of o and do at memory speed, the
     cost a kernel would have too); then two kernels, neither needing atomics, each with two
-    compute warpgroups sharing what a third streams, both persistent like the forward (a CUDA
-    block per SM running pairs of tiles, `_tiles`): dq (tiles of 2 * block_q queries; K/V blocks
-    0 .. diagonal streamed) and dk/dv (tiles of 2 * block_kv keys; Q, dO, lse, delta blocks
-    diagonal .. end streamed). Both recompute P = exp(scale * q k^T - lse) and
-    dS = P * (dO V^T - delta); dq = scale * dS K, dv = P^T dO, dk = scale * dS^T Q; f32
-    accumulation, only the diagonal blocks masked.
+    compute warpgroups sharing what a third streams, both persistent like the forward (`_tiles`):
+    dq (tiles of 2 * block_q queries; K/V blocks 0 .. diagonal streamed) and dk/dv (tiles of
+    2 * block_kv keys; Q, dO, lse, delta blocks diagonal .. end streamed). Both recompute
+    P = exp(scale * q k^T - lse) and dS = P * (dO V^T - delta); dq = scale * dS K, dv = P^T dO,
+    dk = scale * dS^T Q; f32 accumulation, only the diagonal blocks masked.
 
     Memory traffic (causal, s bytes per element, N = B*T*H*D): delta reads o and do (2 N s) and
     writes 4 B*H*T bytes; dq reads q, do, lse, delta once, K and V about (n + 1) / 2 times

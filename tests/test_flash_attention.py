@@ -99,11 +99,13 @@ BWD_CASES = {  # name -> (D, causal, config[, (B, T, H)]); (1, 256, 2) unless gi
     # its second warpgroup skips two
     "causal_d64_kv128_3stages": (64, True, fa_mgpu.BwdConfig(64, 128, 3)),
     "causal_d128_kv128": (128, True, fa_mgpu.BwdConfig(64, 128, 2)),
-    "full_d64_1stage": (64, False, fa_mgpu.BwdConfig(64, 128, 1)),
+    # one CUDA block: 4 dq tiles (2 units) and 2 dk/dv tiles (1 unit) in turn
+    "full_d64_1stage_1cta": (64, False, fa_mgpu.BwdConfig(64, 128, 1, ctas=1)),
     # one ring slot: skipped and computed blocks share it
     "causal_d64_1stage": (64, True, fa_mgpu.BwdConfig(64, 64, 1)),
-    # T = 512: two dk/dv tiles of 2 x 128 keys, the second starting past query block 0
-    "causal_d64_kv128_t512": (64, True, fa_mgpu.BwdConfig(64, 128, 2), (1, 512, 2)),
+    # T = 512: two dk/dv tiles of 2 x 128 keys a head, the second starting past query block 0;
+    # 2 CUDA blocks, a unit (pair) of them each
+    "causal_d64_kv128_t512_2ctas": (64, True, fa_mgpu.BwdConfig(64, 128, 2, ctas=2), (1, 512, 2)),
     "full_d128": (128, False, fa_mgpu.BwdConfig(64, 64, 2)),
     # 8 dq and 8 dk/dv tiles (4 units each) on 3 CUDA blocks: the rings run on across tiles
     "causal_d64_t512_3ctas": (64, True, fa_mgpu.BwdConfig(64, 64, 2, ctas=3), (1, 512, 2)),
