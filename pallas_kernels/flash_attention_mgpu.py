@@ -166,7 +166,12 @@ def _kernel(q_g, k_g, v_g, o_g, lse_g, sm, *, cfg: Config, scale: float, causal:
     @pl.when(wg == COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(40, action="decrease")
-        _copy_wg(k_g, v_g, sm, count, tile, cfg)
+
+        def tile_views(i):  # one ring for all tiles: the next one's first blocks load early
+            b, h, _, n_kv = tile(i)
+            return _kv_views(k_g, v_g, b, h, cfg.block_kv), n_kv
+
+        _ring_tiles(sm, ("k_free", "v_free"), cfg.stages, count, tile_views)
 
 
 def _masked(s, q0, k0, transposed: bool):
@@ -287,18 +292,21 @@ def _attend(sm, wg, q0, base, n_kv, *, cfg: Config, scale: float, causal: bool, 
     return carry
 
 
-def _copy_wg(k_g, v_g, sm, count, tile, cfg: Config):
-    """K/V blocks of each of the CUDA block's tiles through one ring of `stages` slots: the next
-    tile's first blocks load while the compute warpgroups finish this one."""
+def _kv_views(k_g, v_g, b, h, bkv: int) -> dict:
+    """name -> (s -> streamed block s of K / V of (b, h): keys s * bkv .. (s + 1) * bkv - 1)."""
+    return {name: (lambda s, ref=ref: ref.at[b, pl.ds(s * bkv, bkv), h])
+            for name, ref in (("k", k_g), ("v", v_g))}  # fmt: skip
+
+
+def _ring_tiles(sm, frees: tuple[str, ...], stages: int, count, tile_views) -> None:
+    """Copy warpgroup: the streamed blocks of the CUDA block's `count` tiles through one ring
+    (tile_views(i) -> (views, blocks) of tile i; _ring_load), then _ring_drain."""
 
     def copy_tile(i, g):
-        b, h, _, n_kv = tile(i)
-        views = {name: (lambda j, ref=ref: ref.at[b, pl.ds(j * cfg.block_kv, cfg.block_kv), h])
-                 for name, ref in (("k", k_g), ("v", v_g))}  # fmt: skip
-        return _ring_load(sm, views, ("k_free", "v_free"), n_kv, cfg.stages, g)
+        views, n = tile_views(i)
+        return _ring_load(sm, views, frees, n, stages, g)
 
-    g = jax.lax.fori_loop(jnp.int32(0), count, copy_tile, jnp.int32(0))
-    _ring_drain(sm, ("k_free", "v_free"), g, cfg.stages)
+    _ring_drain(sm, frees, jax.lax.fori_loop(jnp.int32(0), count, copy_tile, jnp.int32(0)), stages)
 
 
 def _ring_load(sm, views: dict, frees: tuple[str, ...], n, stages: int, g0):
@@ -412,11 +420,17 @@ def _mms(shape, *operands):
     return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32)] * len(operands))
 
 
-def _load_own(sm, wg, views: dict) -> None:
-    """Compute warpgroup wg's own tiles into sm[name].at[wg] (one TMA each), waited for."""
+def _load_own(sm, wg, views: dict, wait: bool = True) -> None:
+    """Compute warpgroup wg's own tiles into sm[name].at[wg] (one TMA each), waited for unless
+    `wait` is False (then _wait_own(sm, wg, len(views)) waits)."""
     n = len(views)
     for i, (name, view) in enumerate(views.items()):
         plgpu.copy_gmem_to_smem(view, sm[name].at[wg], sm["own_bar"].at[wg * n + i])
+    if wait:
+        _wait_own(sm, wg, n)
+
+
+def _wait_own(sm, wg, n: int) -> None:
     for i in range(n):
         plgpu.barrier_wait(sm["own_bar"].at[wg * n + i])
 
@@ -463,31 +477,26 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig,
         return i32((j * tile + tile + bkv - 1) // bkv if causal else t // bkv)
 
     def copy():
-        def copy_tile(i, g):
+        def tile_views(i):
             b, h, j = tiles(i)
-            views = {name: (lambda s, ref=ref: ref.at[b, pl.ds(s * bkv, bkv), h])
-                     for name, ref in (("k", k_g), ("v", v_g))}  # fmt: skip
-            return _ring_load(sm, views, ("free",), n_kv_of(j), stages, g)
+            return _kv_views(k_g, v_g, b, h, bkv), n_kv_of(j)
 
-        _ring_drain(sm, ("free",), jax.lax.fori_loop(jnp.int32(0), count, copy_tile,
-                                                     jnp.int32(0)), stages)  # fmt: skip
+        _ring_tiles(sm, ("free",), stages, count, tile_views)
 
     def compute(wg):
-        def load_own(i):  # tile i's q, do, lse, delta rows of this warpgroup
+        def load_own(i):  # tile i's q, do, lse, delta rows of this warpgroup, not waited for
             b, h, j = tiles(i)
             qs = pl.ds(j * tile + wg * bq, bq)
-            views = {"q": q_g.at[b, qs, h], "do": do_g.at[b, qs, h],
-                     "lse": lse_g.at[b, h, qs], "delta": delta_g.at[b, h, qs]}  # fmt: skip
-            for k, (name, view) in enumerate(views.items()):
-                plgpu.copy_gmem_to_smem(view, sm[name].at[wg], sm["own_bar"].at[wg * 4 + k])
+            _load_own(sm, wg, {"q": q_g.at[b, qs, h], "do": do_g.at[b, qs, h],
+                               "lse": lse_g.at[b, h, qs], "delta": delta_g.at[b, h, qs]},
+                      wait=False)  # fmt: skip
 
         load_own(jnp.int32(0))
 
         def run_tile(i, base):
             b, h, j = tiles(i)
             n_kv = n_kv_of(j)
-            for k in range(4):
-                plgpu.barrier_wait(sm["own_bar"].at[wg * 4 + k])
+            _wait_own(sm, wg, 4)
             dq = _dq_tile(sm, wg, j * tile + wg * bq, base, n_kv, cfg=cfg, scale=scale,
                           causal=causal, d=q_g.shape[3])  # fmt: skip
             pl.when(i + 1 < count)(lambda: load_own(i + 1))  # its last matmul is done
@@ -551,7 +560,7 @@ def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: Bwd
         return i32(j * tile // bq if causal else 0)
 
     def copy():
-        def copy_tile(i, g):
+        def tile_views(i):
             b, h, j = tiles(i)
             first = first_of(j)
 
@@ -563,10 +572,9 @@ def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: Bwd
 
             views = {"q": view(q_g), "do": view(do_g), "lse": row_view(lse_g),
                      "delta": row_view(delta_g)}  # fmt: skip
-            return _ring_load(sm, views, ("free",), i32(t // bq) - first, stages, g)
+            return views, i32(t // bq) - first
 
-        _ring_drain(sm, ("free",), jax.lax.fori_loop(jnp.int32(0), count, copy_tile,
-                                                     jnp.int32(0)), stages)  # fmt: skip
+        _ring_tiles(sm, ("free",), stages, count, tile_views)
 
     def compute(wg):
         def run_tile(i, base):
