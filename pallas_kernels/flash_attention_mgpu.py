@@ -408,14 +408,14 @@ def check_bwd(cfg: BwdConfig, t: int, d: int) -> None:
     _check("flash attention backward config", cfg, 1, bwd_smem_bytes(cfg, d), tile, t, d)
 
 
-def _mms(shape, *operands):
-    """[a @ b for a, b in operands], float32 `shape` each, a and b shared-memory refs: the
-    wgmmas issued together and waited for once."""
+def _mms(shape, operands, then):
+    """then(*refs): a @ b for (a, b) in operands (shared-memory refs) issued into fresh float32
+    `shape` accumulators, one wgmma group each in order, not waited for (rows.acc_load waits)."""
 
     def run(*refs):
         for ref, (a, b) in zip(refs, operands, strict=True):
             plgpu.wgmma(ref, a, b)
-        return [ref[...] for ref in refs]
+        return then(*refs)
 
     return pl.run_scoped(run, *[plgpu.ACC(shape, jnp.float32)] * len(operands))
 
@@ -528,11 +528,15 @@ def _dq_tile(sm, wg, q0, base, n_kv, *, cfg: BwdConfig, scale: float, causal: bo
         k_s, v_s = sm["k"].at[slot], sm["v"].at[slot]
         plgpu.barrier_wait(sm["k_bar"].at[slot])
         plgpu.barrier_wait(sm["v_bar"].at[slot])
-        s, dp = _mms((bq, bkv), (q_s, k_s.T), (do_s, v_s.T))  # S, dP (bq, bkv)
-        if masked:
-            s = _masked(s, q0, kv * bkv, transposed=False)
-        p = jnp.exp2(s * c - jax.lax.broadcast_in_dim(lse, s.shape, [0]))
-        ds = p * (dp - jax.lax.broadcast_in_dim(delta, s.shape, [0]))
+        def d_scores(s_ref, dp_ref):  # dS (bq, bkv); P's exponentials run during dP's wgmma
+            s = rows.acc_load(s_ref, pending=1)  # S (bq, bkv)
+            if masked:
+                s = _masked(s, q0, kv * bkv, transposed=False)
+            p = jnp.exp2(s * c - jax.lax.broadcast_in_dim(lse, s.shape, [0]))
+            dp = rows.acc_load(dp_ref, pending=0)  # dP (bq, bkv)
+            return p * (dp - jax.lax.broadcast_in_dim(delta, s.shape, [0]))
+
+        ds = _mms((bq, bkv), ((q_s, k_s.T), (do_s, v_s.T)), d_scores)
         dq = rows.acc_mma(dq, lambda ref: plgpu.wgmma(ref, ds.astype(k_s.dtype), k_s))
         plgpu.barrier_arrive(sm["free"].at[slot])
         return dq
@@ -609,23 +613,27 @@ def _dkv_tile(q_g, k_g, v_g, dk_g, dv_g, sm, wg, b, h, k0, first, base, *, cfg: 
         q_s, do_s = sm["q"].at[slot], sm["do"].at[slot]
         for name in names:
             plgpu.barrier_wait(sm[f"{name}_bar"].at[slot])
-        st, dpt = _mms((bkv, bq), (k_s, q_s.T), (v_s, do_s.T))  # S^T, dP^T (bkv, bq)
-        if masked:
-            st = _masked(st, (first + i) * bq, k0, transposed=True)
-        lse = rows.load(sm["lse"].at[slot], col) * math.log2(math.e)
-        delta = rows.load(sm["delta"].at[slot], col)
-        pt = jnp.exp2(st * c - jax.lax.broadcast_in_dim(lse, st.shape, [1]))
-        dst = pt * (dpt - jax.lax.broadcast_in_dim(delta, st.shape, [1]))
+        def mma(refs):  # P^T's exponentials run during dP^T's wgmma, dS^T during dV's
+            dk_r, dv_r, st_r, dpt_r = refs
+            plgpu.wgmma(st_r, k_s, q_s.T)  # S^T (bkv, bq)
+            plgpu.wgmma(dpt_r, v_s, do_s.T)  # dP^T (bkv, bq)
+            st = rows.acc_load(st_r, pending=1)
+            if masked:
+                st = _masked(st, (first + i) * bq, k0, transposed=True)
+            lse = rows.load(sm["lse"].at[slot], col) * math.log2(math.e)
+            delta = rows.load(sm["delta"].at[slot], col)
+            pt = jnp.exp2(st * c - jax.lax.broadcast_in_dim(lse, st.shape, [1]))
+            plgpu.wgmma(dv_r, pt.astype(q_s.dtype), do_s)  # dV += P^T dO
+            dpt = rows.acc_load(dpt_r, pending=1)
+            dst = pt * (dpt - jax.lax.broadcast_in_dim(delta, st.shape, [1]))
+            plgpu.wgmma(dk_r, dst.astype(q_s.dtype), q_s)  # dK += dS^T Q
 
-        def grads(refs):
-            plgpu.wgmma(refs[0], dst.astype(q_s.dtype), q_s)
-            plgpu.wgmma(refs[1], pt.astype(q_s.dtype), do_s)
-
-        dk, dv = rows.acc_mma((dk, dv), grads)
+        dk, dv, _, _ = rows.acc_mma((dk, dv, zeros_t, zeros_t), mma)
         plgpu.barrier_arrive(sm["free"].at[slot])
         return dk, dv
 
     zeros = rows.cast(jnp.zeros((bkv, q_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
+    zeros_t = rows.cast(jnp.zeros((bkv, bq), jnp.float32), plgpu.Layout.WGMMA)
     # query blocks wholly before the keys are skipped; those holding a query < the last key
     # need the mask
     skipped = i32(k0 // bq) - first if causal else 0

@@ -376,6 +376,14 @@ def acc_mma(acc: Any, mma: Callable[[Any], None]) -> Any:
     return jax.tree.unflatten(tree, [x + y for x, y in zip(leaves, outs, strict=True)])
 
 
+def acc_load(ref, pending: int) -> jax.Array:
+    """The accumulator ref's value once at most `pending` wgmma groups of this warpgroup are
+    still running (groups complete in issue order). jax's interpreter runs wgmmas at once."""
+    if not _LAYOUTS.get():
+        return ref[...]
+    return plgpu.wgmma_accumulator_load(ref, wait_n=pending)
+
+
 def load(ref, layout) -> jax.Array:
     """ref[...] in `layout`. Unoptimized: plain vector loads, as the tile offsets are dynamic and
     the lowering cannot prove the wide transfers it would plan aligned (each lane reads `vec`
