@@ -93,7 +93,7 @@ def flash_attention(
     default; causal: query i sees keys j <= i (T padded to the tile: see the module docstring).
     Needs a Hopper-class GPU (no interpret mode: tests run the kernels in jax's Mosaic GPU
     interpreter). `config` overrides the per-head-dim default (flash_attention_mgpu.CONFIGS),
-    `bwd_config` the backward's (flash_attention_mgpu.BwdConfig())."""
+    `bwd_config` the backward's (flash_attention_mgpu.BWD_CONFIGS)."""
     if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must share one (B, T, H, D) shape, got {q.shape}, {k.shape}, "
                          f"{v.shape}")  # fmt: skip
@@ -108,7 +108,7 @@ def flash_attention(
     check_config(config, "mosaic_gpu", mgpu.Config)
     cfg = config or mgpu.CONFIGS.get(d, mgpu.Config())
     check_config(bwd_config, "mosaic_gpu", mgpu.BwdConfig)
-    bwd_cfg = bwd_config or mgpu.BwdConfig()
+    bwd_cfg = bwd_config or mgpu.BWD_CONFIGS.get(d, mgpu.BwdConfig())
     padded = -(-t // (tile := causal_tile(cfg, bwd_cfg))) * tile if causal else t
     mgpu.check(cfg, padded, d)
     mgpu.check_bwd(bwd_cfg, padded, d)
