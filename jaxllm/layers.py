@@ -125,11 +125,7 @@ class LayerNorm(nn.Module):
         scale = self.param("scale", nn.initializers.ones, (d,))
         bias = self.param("bias", nn.initializers.zeros, (d,)) if self.use_bias else None
         out_dtype = self.out_dtype or x.dtype
-        if residual is not None:
-            return ops.add_layer_norm(
-                x, residual, scale, bias, self.eps, out_dtype, self.path, self.shard
-            )
-        return ops.layer_norm(x, scale, bias, self.eps, out_dtype, self.path, self.shard)
+        return ops.norm(x, residual, scale, bias, self.eps, out_dtype, self.path, self.shard)
 
 
 class RMSNorm(nn.Module):
@@ -148,9 +144,7 @@ class RMSNorm(nn.Module):
         path one kernel does both, both ways."""
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
         out_dtype = self.out_dtype or x.dtype
-        if residual is not None:
-            return ops.add_rms_norm(x, residual, scale, self.eps, out_dtype, self.path, self.shard)
-        return ops.rms_norm(x, scale, self.eps, out_dtype, self.path, self.shard)
+        return ops.norm(x, residual, scale, None, self.eps, out_dtype, self.path, self.shard, True)
 
 
 def add_and_norm(norm: nn.Module, x: jax.Array, h: jax.Array | None) -> tuple[jax.Array, jax.Array]:

@@ -301,94 +301,36 @@ def plan_ops(
 # ----------------------------------------------------------------------------- norms
 
 
-def layer_norm(
+def norm(
     x: jax.Array,
+    h: jax.Array | None,
     scale: jax.Array,
     bias: jax.Array | None,
     eps: float,
     out_dtype: jnp.dtype,
     path: NormPath,
     shard: KernelShard | None = None,
-) -> jax.Array:
-    """LayerNorm over the last dim of x (..., D), output in out_dtype."""
+    rms: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """LayerNorm (RMSNorm if `rms`: scale only) over the last dim of x (..., D), output in
+    out_dtype. With h (a branch output to add first): (s = x + h in x's dtype, norm(s)), the
+    pre-norm residual step, one kernel both ways on the Pallas path."""
     if path in ("pallas", "pallas_mgpu"):
-        bias = jnp.zeros_like(scale) if bias is None else bias
+        params = (scale,) if rms else (scale, jnp.zeros_like(scale) if bias is None else bias)
+        rows = (x,) if h is None else (x, h)
+        if rms:
+            fn = pallas_kernels.rms_norm if h is None else pallas_kernels.add_rms_norm
+        else:
+            fn = pallas_kernels.layer_norm if h is None else pallas_kernels.add_layer_norm
 
-        def kernel(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
-            return pallas_kernels.layer_norm(
-                x, scale, bias, eps, out_dtype=out_dtype, backend=_backend(path)
-            )
+        def kernel(*args: jax.Array) -> Any:
+            return fn(*args, eps, out_dtype=out_dtype, backend=_backend(path))
 
-        return _per_shard(shard, kernel, (x, scale, bias), (True, False, False), True)
-    return F.layer_norm(x, scale, bias, eps).astype(out_dtype)
-
-
-def add_layer_norm(
-    x: jax.Array,
-    h: jax.Array,
-    scale: jax.Array,
-    bias: jax.Array | None,
-    eps: float,
-    out_dtype: jnp.dtype,
-    path: NormPath,
-    shard: KernelShard | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """(s, LayerNorm(s)) with s = x + h in x's dtype: the pre-norm residual step, one kernel
-    both ways on the Pallas path."""
-    if path in ("pallas", "pallas_mgpu"):
-        bias = jnp.zeros_like(scale) if bias is None else bias
-
-        def kernel(x: jax.Array, h: jax.Array, scale: jax.Array, bias: jax.Array) -> Any:
-            return pallas_kernels.add_layer_norm(
-                x, h, scale, bias, eps, out_dtype=out_dtype, backend=_backend(path)
-            )
-
-        args = (x, h, scale, bias)
-        return _per_shard(shard, kernel, args, (True, True, False, False), (True, True))
-    s = x + h.astype(x.dtype)
-    return s, F.layer_norm(s, scale, bias, eps).astype(out_dtype)
-
-
-def rms_norm(
-    x: jax.Array,
-    scale: jax.Array,
-    eps: float,
-    out_dtype: jnp.dtype,
-    path: NormPath,
-    shard: KernelShard | None = None,
-) -> jax.Array:
-    """RMSNorm over the last dim of x (..., D), output in out_dtype."""
-    if path in ("pallas", "pallas_mgpu"):
-
-        def kernel(x: jax.Array, scale: jax.Array) -> jax.Array:
-            return pallas_kernels.rms_norm(
-                x, scale, eps, out_dtype=out_dtype, backend=_backend(path)
-            )
-
-        return _per_shard(shard, kernel, (x, scale), (True, False), True)
-    return F.rms_norm(x, scale, eps).astype(out_dtype)
-
-
-def add_rms_norm(
-    x: jax.Array,
-    h: jax.Array,
-    scale: jax.Array,
-    eps: float,
-    out_dtype: jnp.dtype,
-    path: NormPath,
-    shard: KernelShard | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """(s, RMSNorm(s)) with s = x + h in x's dtype, as `add_layer_norm`."""
-    if path in ("pallas", "pallas_mgpu"):
-
-        def kernel(x: jax.Array, h: jax.Array, scale: jax.Array) -> Any:
-            return pallas_kernels.add_rms_norm(
-                x, h, scale, eps, out_dtype=out_dtype, backend=_backend(path)
-            )
-
-        return _per_shard(shard, kernel, (x, h, scale), (True, True, False), (True, True))
-    s = x + h.astype(x.dtype)
-    return s, F.rms_norm(s, scale, eps).astype(out_dtype)
+        batched = (True,) * len(rows) + (False,) * len(params)
+        return _per_shard(shard, kernel, (*rows, *params), batched, h is None or (True, True))
+    s = x if h is None else x + h.astype(x.dtype)
+    y = (F.rms_norm(s, scale, eps) if rms else F.layer_norm(s, scale, bias, eps)).astype(out_dtype)
+    return y if h is None else (s, y)
 
 
 # ----------------------------------------------------------------------------- attention
