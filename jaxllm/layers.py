@@ -93,18 +93,6 @@ def _add_bias_bwd(b, dys):
 _add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 
 
-class Dropout(nn.Module):
-    """Inverted dropout, active only when `deterministic=False` (uses the 'dropout' rng)."""
-
-    rate: float
-
-    @nn.compact
-    def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
-        if deterministic or self.rate == 0.0:
-            return x
-        return F.dropout(x, self.rate, self.make_rng("dropout"))
-
-
 class LayerNorm(nn.Module):
     """LayerNorm over the last dim; output in `out_dtype` (None: x's dtype). Pre-norm blocks ask
     for the compute dtype: the Pallas kernel then writes the matmul input in one pass."""
@@ -283,7 +271,7 @@ class MultiHeadAttention(nn.Module):
                 y = F.attention(q, k, v, mask, self.dropout, rng)
         with jax.named_scope("out"):
             out = Linear(d, self.out_bias, self.out_init, self.compute_dtype, name="out")
-            y = Dropout(self.dropout)(out(y.reshape(b, t, d)), inputs.deterministic)
+            y = nn.Dropout(self.dropout)(out(y.reshape(b, t, d)), inputs.deterministic)
         return y, cache
 
 
@@ -301,7 +289,7 @@ class FeedForward(nn.Module):
     def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
         fc = Linear(self.d_ff, self.use_bias, self.kernel_init, self.compute_dtype, name="fc")
         proj = Linear(x.shape[-1], self.use_bias, self.out_init, self.compute_dtype, name="proj")
-        return Dropout(self.dropout)(proj(F.gelu(fc(x))), deterministic)
+        return nn.Dropout(self.dropout)(proj(F.gelu(fc(x))), deterministic)
 
 
 class SwiGLU(nn.Module):

@@ -13,7 +13,6 @@ from jaxllm.config import ExecutionConfig, ModelConfig
 from jaxllm.layers import (
     AttentionInputs,
     DepthwiseConv1d,
-    Dropout,
     Embedding,
     FeedForward,
     KVCache,
@@ -61,7 +60,7 @@ class GPT2(Decoder):
         init = nn.initializers.normal(cfg.init_std)
         self.wte = Embedding(cfg.vocab_size, cfg.d_model, init)  # (V, D), also the tied head
         self.wpe = Embedding(cfg.context_length, cfg.d_model, init)  # (T_max, D)
-        self.drop = Dropout(self.execution.dropout)
+        self.drop = nn.Dropout(self.execution.dropout)
         dtype = jnp.dtype(self.execution.compute_dtype)
         plan = self.plan
         norm = functools.partial(LayerNorm, cfg.norm_eps, cfg.bias, plan.norm, dtype, plan.shard)
