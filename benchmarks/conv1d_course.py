@@ -204,7 +204,7 @@ def arg_sets(shape, dtype, backward: bool, n_sets: int) -> list[tuple]:
     for seed in range(n_sets):
         u, w, b = kb.conv_inputs(shape, K, dtype, seed)
         if backward:
-            n_o = kb.conv_out_len(shape[1], K, MODE)
+            n_o = kb.conv1d_output_length(shape[1], K, MODE)
             g = jax.random.normal(jax.random.key(100 + seed), (shape[0], n_o, shape[2]))
             sets.append((u, w, b, g.astype(dtype)))
         else:

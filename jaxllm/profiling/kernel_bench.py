@@ -41,6 +41,7 @@ from pallas_kernels.reference import (
     rms_norm_ref,
 )
 
+from .flops import conv1d_output_length
 from .harness import append_jsonl
 from .timing import chained_median_seconds, rotation_count, torch_median_seconds
 
@@ -329,15 +330,10 @@ def _norm_torch(shape, dtype, rms: bool):
 # same shapes: the same kernels, two output rows fewer.
 
 
-def conv_out_len(n_len: int, k_size: int, mode: str) -> int:
-    left, right = conv1d_padding(k_size, mode)
-    return n_len + left + right - k_size + 1
-
-
 def conv_bytes(shape: tuple, k_size: int, dtype, mode: str) -> tuple[int, int]:
     """Minimal (forward, backward) bytes: read u, write out; read u and g, write du."""
     n_b, n_l, n_d = shape
-    n_o = conv_out_len(n_l, k_size, mode)
+    n_o = conv1d_output_length(n_l, k_size, mode)
     s = jnp.dtype(dtype).itemsize
     return (n_l + n_o) * n_b * n_d * s, (2 * n_l + n_o) * n_b * n_d * s
 
@@ -391,7 +387,7 @@ def conv_torch(shape: tuple, k_size: int, dtype, mode: str = "full"):
         jnp.dtype(dtype).name
     ]
     n_b, n_l, n_d = shape
-    keep = conv_out_len(n_l, k_size, mode)
+    keep = conv1d_output_length(n_l, k_size, mode)
 
     def module_and_input():
         conv = torch.nn.Conv1d(
