@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT
 
 from jaxllm.config import AssociativeRecallConfig, ConfigError
+from jaxllm.data.associative_recall import num_distinct_examples
 from jaxllm.models import build_model
 from jaxllm.tasks import recall_by_hand as rbh
 
@@ -20,7 +21,7 @@ AR = "data.associative_recall."
 def split_for(vocab: int, pairs: int, num_test: int = 1000):
     """The make_splits test split (as configs/ar.yaml: 10k train, seed 0), shrunk where the
     task has too few distinct examples for that."""
-    possible = rbh.num_distinct_examples(vocab, pairs)
+    possible = num_distinct_examples(vocab, pairs)
     n_train = min(10_000, possible // 4)
     n_test = min(num_test, possible // 4)
     ar = AssociativeRecallConfig(

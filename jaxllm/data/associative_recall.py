@@ -58,8 +58,7 @@ def make_splits(cfg: AssociativeRecallConfig) -> tuple[RecallSplit, RecallSplit]
         fresh = np.array([row.tobytes() not in seen for row in cand.inputs])
         idle = 0 if fresh.any() else idle + 1
         if idle == 20:  # the task has too few distinct sequences: never loop forever
-            half = cfg.vocab_size // 2
-            distinct = math.perm(half, cfg.num_pairs) * half**cfg.num_pairs * cfg.num_pairs
+            distinct = num_distinct_examples(cfg.vocab_size, cfg.num_pairs)
             raise ValueError(
                 f"data.associative_recall: vocab {cfg.vocab_size} with {cfg.num_pairs} pairs has "
                 f"{distinct} distinct sequences; only {count} test examples outside the training "
@@ -99,3 +98,9 @@ def eval_batches(split: RecallSplit, batch_size: int):
             "inputs": split.inputs[i : i + batch_size],
             "targets": split.targets[i : i + batch_size],
         }
+
+
+def num_distinct_examples(vocab_size: int, num_pairs: int) -> int:
+    """How many different AR sequences exist: ordered distinct keys, any values, a query."""
+    half = vocab_size // 2
+    return math.perm(half, num_pairs) * half**num_pairs * num_pairs

@@ -71,7 +71,12 @@ from jaxllm.config import (
     from_dict,
     parse_overrides,
 )
-from jaxllm.data.associative_recall import RecallSplit, eval_batches, make_splits
+from jaxllm.data.associative_recall import (
+    RecallSplit,
+    eval_batches,
+    make_splits,
+    num_distinct_examples,
+)
 from jaxllm.models import build_model
 
 BETA = 30.0  # attention logit of the intended key; every other key scores <= 0
@@ -270,12 +275,6 @@ def evaluate(
         logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
         loss_sum += float(-logp[np.arange(len(target)), target].sum())
     return correct / len(split), loss_sum / len(split)
-
-
-def num_distinct_examples(vocab_size: int, num_pairs: int) -> int:
-    """How many different AR sequences exist: ordered distinct keys, any values, a query."""
-    half = vocab_size // 2
-    return math.perm(half, num_pairs) * half**num_pairs * num_pairs
 
 
 def test_split(ar: AssociativeRecallConfig) -> RecallSplit:
