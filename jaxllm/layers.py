@@ -132,7 +132,9 @@ class RMSNorm(nn.Module):
         path one kernel does both, both ways."""
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
         out_dtype = self.out_dtype or x.dtype
-        return ops.norm(x, residual, scale, None, self.eps, out_dtype, self.path, self.shard, True)
+        return ops.norm(
+            x, residual, scale, None, self.eps, out_dtype, self.path, self.shard, rms=True
+        )
 
 
 def add_and_norm(norm: nn.Module, x: jax.Array, h: jax.Array | None) -> tuple[jax.Array, jax.Array]:

@@ -327,7 +327,8 @@ def norm(
             return fn(*args, eps, out_dtype=out_dtype, backend=_backend(path))
 
         batched = (True,) * len(rows) + (False,) * len(params)
-        return _per_shard(shard, kernel, (*rows, *params), batched, h is None or (True, True))
+        out_batched = True if h is None else (True, True)
+        return _per_shard(shard, kernel, (*rows, *params), batched, out_batched)
     s = x if h is None else x + h.astype(x.dtype)
     y = (F.rms_norm(s, scale, eps) if rms else F.layer_norm(s, scale, bias, eps)).astype(out_dtype)
     return y if h is None else (s, y)
