@@ -7,7 +7,7 @@
 
 For every shape (B, T, H, D) bfloat16, direction (fwd; fwd+bwd with --grad) and implementation:
 ours (pallas_kernels.flash_attention at each --configs, default its CONFIGS entry; fwd+bwd rows
-also at each --bwd-configs, default its BWD_CONFIGS entry),
+also at each --bwd-configs, default BwdConfig()),
 jax.nn.dot_product_attention(implementation="cudnn", is_causal=True) and the same with "xla":
   * max |error| of the output against the float32 jnp reference (reference.flash_attention_ref)
     on the same random inputs (forward rows); fwd+bwd rows: grad_err, the largest over dq, dk,
@@ -126,8 +126,7 @@ def parse_config(text: str) -> fa_mgpu.Config:
 
 
 def parse_bwd_config(text: str) -> fa_mgpu.BwdConfig:
-    fields = [int(x) for x in text.split(",")]
-    return fa_mgpu.BwdConfig(*fields[:4], *(bool(x) for x in fields[4:]))
+    return fa_mgpu.BwdConfig(*(int(x) for x in text.split(",")))
 
 
 def main(argv=None) -> None:
@@ -140,7 +139,7 @@ def main(argv=None) -> None:
         nargs="*",
         type=parse_bwd_config,
         default=[None],
-        help="our backward's block_q,block_kv,stages[,ctas,overlap] (default: BWD_CONFIGS)",
+        help="our backward's block_q,block_kv,stages[,ctas] (default: BwdConfig())",
     )
     parser.add_argument("--grad", action="store_true", help="also time fwd+bwd")
     parser.add_argument("--quick", action="store_true", help="GPT-2's shape, fewer repetitions")

@@ -11,7 +11,7 @@ Variants: one row per combination of the --vary values (`--vary train.batch_size
 repeatable). Config overrides (`--section.key=value`, train.py's grammar) apply to every
 variant. Defaults that differ from the preset, each dropped where an override or --vary names
 the key: train.batch_size varied over 16,64,96; execution.kernels=pallas,
-execution.loss_impl=pallas, execution.attention_impl=dot_product_attention (the fast paths).
+execution.loss_impl=pallas, execution.attention_impl=auto (the fast paths).
 The all-XLA baseline: --execution.kernels=xla --execution.loss_impl=xla.
 
 MFU counts 6 * N_matmul_params + 12 * L * d * T FLOPs per token (forward + backward; PaLM's
@@ -40,7 +40,7 @@ PEAK_BF16 = 989e12
 # What this script runs unless an override or --vary names the key: key -> values (a row each)
 DEFAULTS = {
     "train.batch_size": ["16", "64", "96"],
-    "execution.attention_impl": ["dot_product_attention"],
+    "execution.attention_impl": ["auto"],
     "execution.kernels": ["pallas"],
     "execution.loss_impl": ["pallas"],
 }
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         epilog="Config overrides as train.py takes them (--model.vocab_size=50304 ...) apply to "
         "every row. Unless an override or --vary names them, this script runs "
         "execution.kernels=pallas, execution.loss_impl=pallas and "
-        "execution.attention_impl=dot_product_attention (the preset may say otherwise) and varies "
+        "execution.attention_impl=auto (the preset may say otherwise) and varies "
         "train.batch_size over 16,64,96.",
     )
     p.add_argument("--config", default="configs/gpt2_124m.yaml", help="YAML preset")

@@ -57,8 +57,9 @@ def causal_tile(cfg: mgpu.Config, bwd_cfg: mgpu.BwdConfig) -> int:
 # than cuDNN's, each pair in one call (benchmarks/RESULTS.md, "Flash attention"): the persistent
 # kernels on an H200 (2026-11-28, logs/flash_2026-11-28d): head dim 64 at T 128-2048 1.02-1.35x
 # (GPT-2's shape 1.02x; 1.05x with the backward's overlap, 2026-11-29), head dim 128 at T 128,
-# 512, 2048 1.12-1.51x. The H100 timed only the earlier, non-persistent kernels (head dim 64: T
-# 128-512 faster, T 1024 0.88-1.02x). Longer T: not measured.
+# 512, 2048 1.12-1.51x (T 512-2048 1.14-1.31x with the overlap). The H100 timed only the
+# earlier, non-persistent kernels (head dim 64: T 128-512 faster, T 1024 0.88-1.02x). Longer T:
+# not measured.
 FASTER_THAN_CUDNN_UP_TO = {64: 2048, 128: 2048}
 
 
@@ -93,7 +94,7 @@ def flash_attention(
     default; causal: query i sees keys j <= i (T padded to the tile: see the module docstring).
     Needs a Hopper-class GPU (no interpret mode: tests run the kernels in jax's Mosaic GPU
     interpreter). `config` overrides the per-head-dim default (flash_attention_mgpu.CONFIGS),
-    `bwd_config` the backward's (flash_attention_mgpu.BWD_CONFIGS)."""
+    `bwd_config` the backward's (default flash_attention_mgpu.BwdConfig(), every head dim)."""
     if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must share one (B, T, H, D) shape, got {q.shape}, {k.shape}, "
                          f"{v.shape}")  # fmt: skip
@@ -108,7 +109,7 @@ def flash_attention(
     check_config(config, "mosaic_gpu", mgpu.Config)
     cfg = config or mgpu.CONFIGS.get(d, mgpu.Config())
     check_config(bwd_config, "mosaic_gpu", mgpu.BwdConfig)
-    bwd_cfg = bwd_config or mgpu.BWD_CONFIGS.get(d, mgpu.BwdConfig())
+    bwd_cfg = bwd_config or mgpu.BwdConfig()
     padded = -(-t // (tile := causal_tile(cfg, bwd_cfg))) * tile if causal else t
     mgpu.check(cfg, padded, d)
     mgpu.check_bwd(bwd_cfg, padded, d)

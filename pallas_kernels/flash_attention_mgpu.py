@@ -389,16 +389,6 @@ class BwdConfig(NamedTuple):
     stages: int = 3
     ctas: int = 0  # at most this many CUDA blocks a kernel, each running a share of the tiles
     # (0: the SMs)
-    # P's exponentials during dP's wgmma (both kernels) and dS^T during dV's (dk/dv); off: each
-    # step's math after all its matmuls
-    overlap: bool = False
-
-
-# head dim -> backward config. overlap: fwd+bwd at GPT-2's shape 1.2476-1.2481 ms against
-# 1.2786-1.2797 off, at 8 x 1024 x 16 x 64 0.2643 against 0.2704 (H200, 2026-11-29,
-# benchmarks/logs/flash_2026-11-29); not yet timed at head dim 128, where it holds more registers
-# during the dV wgmma
-BWD_CONFIGS = {64: BwdConfig(overlap=True), 128: BwdConfig()}
 
 
 def bwd_smem_bytes(cfg: BwdConfig, d: int, itemsize: int = 2) -> int:
@@ -540,7 +530,7 @@ def _dq_tile(sm, wg, q0, base, n_kv, *, cfg: BwdConfig, scale: float, causal: bo
         plgpu.barrier_wait(sm["v_bar"].at[slot])
 
         def d_scores(s_ref, dp_ref):  # dS (bq, bkv)
-            s = rows.acc_load(s_ref, pending=int(cfg.overlap))  # S (bq, bkv)
+            s = rows.acc_load(s_ref, pending=1)  # S (bq, bkv); dP still on the tensor cores
             if masked:
                 s = _masked(s, q0, kv * bkv, transposed=False)
             p = jnp.exp2(s * c - jax.lax.broadcast_in_dim(lse, s.shape, [0]))
@@ -629,19 +619,16 @@ def _dkv_tile(q_g, k_g, v_g, dk_g, dv_g, sm, wg, b, h, k0, first, base, *, cfg: 
             dk_r, dv_r, st_r, dpt_r = refs
             plgpu.wgmma(st_r, k_s, q_s.T)  # S^T (bkv, bq)
             plgpu.wgmma(dpt_r, v_s, do_s.T)  # dP^T (bkv, bq)
-            st = rows.acc_load(st_r, pending=int(cfg.overlap))
+            st = rows.acc_load(st_r, pending=1)  # dP^T still on the tensor cores
             if masked:
                 st = _masked(st, (first + i) * bq, k0, transposed=True)
             lse = rows.load(sm["lse"].at[slot], col) * math.log2(math.e)
             delta = rows.load(sm["delta"].at[slot], col)
             pt = jnp.exp2(st * c - jax.lax.broadcast_in_dim(lse, st.shape, [1]))
-            if cfg.overlap:
-                plgpu.wgmma(dv_r, pt.astype(q_s.dtype), do_s)  # dV += P^T dO
-            dpt = rows.acc_load(dpt_r, pending=int(cfg.overlap))
+            plgpu.wgmma(dv_r, pt.astype(q_s.dtype), do_s)  # dV += P^T dO
+            dpt = rows.acc_load(dpt_r, pending=1)  # dV still on the tensor cores
             dst = pt * (dpt - jax.lax.broadcast_in_dim(delta, st.shape, [1]))
             plgpu.wgmma(dk_r, dst.astype(q_s.dtype), q_s)  # dK += dS^T Q
-            if not cfg.overlap:
-                plgpu.wgmma(dv_r, pt.astype(q_s.dtype), do_s)
 
         dk, dv, _, _ = rows.acc_mma((dk, dv, zeros_t, zeros_t), mma)
         plgpu.barrier_arrive(sm["free"].at[slot])
@@ -674,9 +661,8 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
     dq (tiles of 2 * block_q queries; K/V blocks 0 .. diagonal streamed) and dk/dv (tiles of
     2 * block_kv keys; Q, dO, lse, delta blocks diagonal .. end streamed). Both recompute
     P = exp(scale * q k^T - lse) and dS = P * (dO V^T - delta); dq = scale * dS K, dv = P^T dO,
-    dk = scale * dS^T Q; f32 accumulation, only the diagonal blocks masked. With
-    `BwdConfig.overlap` a step's exponentials (and in dk/dv its dS) run while its later matmuls
-    are still on the tensor cores.
+    dk = scale * dS^T Q; f32 accumulation, only the diagonal blocks masked. A step's exponentials
+    run while its dP matmul is on the tensor cores, and in dk/dv its dS^T while dV's is.
 
     Memory traffic (causal, s bytes per element, N = B*T*H*D): delta reads o and do (2 N s) and
     writes 4 B*H*T bytes; dq reads q, do, lse, delta once, K and V about (n + 1) / 2 times
