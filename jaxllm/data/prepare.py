@@ -277,8 +277,6 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if bool(args.inputs) == bool(args.hf_dataset):
         _parser().error("give either input files or --hf-dataset (exactly one)")
-    if args.workers < 1:
-        _parser().error(f"--workers must be >= 1, got {args.workers}")
     # options that cannot apply are errors, not ignored
     if args.separator != EOT_TEXT and (args.hf_dataset or args.doc_split != "separator"):
         _parser().error("--separator applies only to input files with --doc-split separator")

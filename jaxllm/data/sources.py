@@ -147,10 +147,8 @@ def get_batch(
 def iter_eval_batches(
     tokens: np.ndarray, batch_size: int, context_length: int, num_batches: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """num_batches fixed (inputs, targets) batches, (B, T) int32, at evenly spaced offsets."""
-    _check_batch_args(tokens, batch_size, context_length)
-    if num_batches < 1:
-        raise ValueError(f"num_batches must be >= 1, got {num_batches}")
+    """num_batches fixed (inputs, targets) batches, (B, T) int32, at evenly spaced offsets
+    (arguments checked by the config and TokenSource)."""
     last_start = tokens.shape[0] - context_length - 1
     starts = np.linspace(0, last_start, batch_size * num_batches).round().astype(np.int64)
     return (

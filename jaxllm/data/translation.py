@@ -326,9 +326,7 @@ def bucket_batches(
 
 
 def padded_length(n: int, multiple: int) -> int:
-    """n rounded up to a multiple of `multiple`: few distinct shapes, few XLA recompiles."""
-    if multiple < 1:
-        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    """n rounded up to a multiple of `multiple` (>= 1): few distinct shapes, few XLA recompiles."""
     return -(-n // multiple) * multiple
 
 
