@@ -153,7 +153,6 @@ def layer_ops(
     dtype_bytes: int,
     arch: str = "gpt2",
     conv_kernel: int = 0,
-    conv_padding: str = "causal",
 ) -> list[OpCost]:
     """The ops of one decoder layer's forward pass, in execution order (pre-norm blocks).
 
@@ -171,7 +170,7 @@ def layer_ops(
     ops = [norm("norm1", n, d, s, kind)]
     if conv_kernel:
         ops.append(conv1d(batch=b, length=t, width=d, kernel=conv_kernel, dtype_bytes=s,
-                          padding=conv_padding))  # fmt: skip
+                          padding="causal"))  # fmt: skip
     ops.append(matmul("qkv_proj", n, d, 3 * d, s, bias=gpt2))
     if not gpt2:  # q and k in and out; the cos and sin tables (L, Dh/2) shared by all heads
         ops.append(elementwise("rope", 2 * n * d, ROPE_FLOPS, 1, 1, s, extra=t * dh * s))
