@@ -56,8 +56,10 @@ class Config(NamedTuple):
     ctas: int = 0  # at most this many CUDA blocks, each running a share of the tiles (0: the SMs)
 
 
-# head dim -> forward config (to be replaced by measured tables in tuning/ once timed)
-CONFIGS = {64: Config(64, 128, 2), 128: Config(64, 128, 2)}
+# head dim -> forward config. 3 stages at head dim 64: fwd+bwd at GPT-2's shape 1.2376 ms against
+# 1.2492 at 2, the forward 1-3% faster at 4 shapes of T 512-2048 (H200, 2026-11-29,
+# benchmarks/logs/flash_2026-11-29b); head dim 128 fits 2 in shared memory
+CONFIGS = {64: Config(64, 128, 3), 128: Config(64, 128, 2)}
 
 
 # barriers and the 1024-byte alignment of swizzled buffers (a config that passed the sums below
