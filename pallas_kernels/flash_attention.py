@@ -56,10 +56,10 @@ def causal_tile(cfg: mgpu.Config, bwd_cfg: mgpu.BwdConfig) -> int:
 # head dim -> the longest T at which ours (forward + backward, default configs) measured faster
 # than cuDNN's, each pair in one call (benchmarks/RESULTS.md, "Flash attention"): the persistent
 # kernels on an H200 (2026-11-28, logs/flash_2026-11-28d): head dim 64 at T 128-2048 1.02-1.35x
-# (GPT-2's shape 1.02x; 1.055x with the backward's overlap and a 3-stage forward, 2026-11-29), head dim 128 at T 128,
-# 512, 2048 1.12-1.51x (T 512-2048 1.14-1.31x with the overlap). The H100 timed only the
-# earlier, non-persistent kernels (head dim 64: T 128-512 faster, T 1024 0.88-1.02x). Longer T:
-# not measured.
+# (GPT-2's shape 1.02x; 1.055x with the backward's overlap and a 3-stage forward, 2026-11-29),
+# head dim 128 at T 128, 512, 2048 1.12-1.51x (T 512-2048 1.14-1.31x with the overlap). The H100
+# timed only the earlier, non-persistent kernels (head dim 64: T 128-512 faster, T 1024
+# 0.88-1.02x). Longer T: not measured.
 FASTER_THAN_CUDNN_UP_TO = {64: 2048, 128: 2048}
 
 
