@@ -348,9 +348,13 @@ def causal_attention(
 ) -> jax.Array:
     """Causal self-attention without a cache: q, k, v (B, T, H, Dh) -> (B, T, H, Dh), one T
     (decoding over a KV cache attends with F.attention and its own mask)."""
-    if path == "cudnn":  # neither cudnn nor flash has dropout: ExecutionConfig refuses it
+    if path == "cudnn":
+        if dropout_rng is not None:  # the config forbids it; a direct caller may not
+            raise ValueError("cuDNN attention has no dropout; use the xla or pallas path")
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     if path == "flash":
+        if dropout_rng is not None:  # the config forbids it; a direct caller may not
+            raise ValueError("flash attention has no dropout; use the xla or pallas path")
 
         def kernel(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             return pallas_kernels.flash_attention(q, k, v)
@@ -390,7 +394,9 @@ def linear_cross_entropy(
     fused kernel's logits per chunk of rows (execution.loss_chunk_mib; 0: all rows at once).
     A target outside [0, V) gives its row ce = OUT_OF_RANGE_CE (1e30: nothing at weight 0,
     loud with a weight) and no hit, on every path."""
-    if path in ("pallas", "pallas_mgpu"):  # no smoothing term: ExecutionConfig refuses it
+    if path in ("pallas", "pallas_mgpu"):
+        if label_smoothing:  # ExecutionConfig refuses this pairing; a direct caller gets it here
+            raise ValueError("label smoothing needs the xla loss path: the fused kernel has none")
         backend = _backend(path)
 
         def kernel(x: jax.Array, w: jax.Array, t: jax.Array, wt: jax.Array) -> Any:

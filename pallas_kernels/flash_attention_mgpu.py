@@ -57,8 +57,9 @@ class Config(NamedTuple):
 
 
 # head dim -> forward config. 3 stages at head dim 64: fwd+bwd at GPT-2's shape 1.2376 ms against
-# 1.2492 at 2, the forward 1-3% faster at 4 shapes of T 512-2048 (H200, 2026-11-29,
-# benchmarks/logs/flash_2026-11-29b); head dim 128 fits 2 in shared memory
+# 1.2492 at 2, the forward 0.5-3% faster at 4 shapes of T 512-2048 (fwd+bwd 0.8% slower at 8 x
+# 512 x 16 x 64, within its spread; H200, 2026-11-29, benchmarks/logs/flash_2026-11-29b); head
+# dim 128 fits 2 in shared memory
 CONFIGS = {64: Config(64, 128, 3), 128: Config(64, 128, 2)}
 
 

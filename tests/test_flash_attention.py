@@ -69,6 +69,7 @@ def _lse_ref(q, k, causal):
 CASES = {  # name -> (D, causal, config[, (B, T, H)]); (1, 256, 2) unless given: 4 query tiles
     # of 2 x 64, 2 units, 2 CUDA blocks
     "causal_d64": (64, True, fa_mgpu.Config(64, 128, 2)),
+    "causal_d64_3stages": (64, True, fa_mgpu.Config(64, 128, 3)),  # head dim 64's default
     "causal_d128": (128, True, fa_mgpu.Config(64, 128, 2)),
     # 64-key blocks: warpgroup 0 skips the block only warpgroup 1 needs; 3 slots > the first
     # tile's 2 blocks

@@ -148,7 +148,7 @@ def iter_eval_batches(
     tokens: np.ndarray, batch_size: int, context_length: int, num_batches: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """num_batches fixed (inputs, targets) batches, (B, T) int32, at evenly spaced offsets
-    (arguments checked by the config and TokenSource)."""
+    (arguments checked by the config and make_source)."""
     last_start = tokens.shape[0] - context_length - 1
     starts = np.linspace(0, last_start, batch_size * num_batches).round().astype(np.int64)
     return (
