@@ -63,8 +63,7 @@ def implementations(configs: list, bwd_configs: list = (None,)) -> dict[str, Cal
     impls = {}
     for cfg in configs:
         for bwd in bwd_configs:
-            pairs = (("-", cfg), ("-bwd", bwd))
-            tags = [f"{tag}{'-'.join(str(int(x)) for x in c)}" for tag, c in pairs if c]
+            tags = [f"{tag}{'-'.join(map(str, c))}" for tag, c in (("-", cfg), ("-bwd", bwd)) if c]
             name = "ours" + "".join(tags)
             impls[name] = lambda q, k, v, cfg=cfg, bwd=bwd: flash_attention(
                 q, k, v, config=cfg, bwd_config=bwd
