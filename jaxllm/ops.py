@@ -18,8 +18,7 @@ custom call that XLA's partitioner cannot split: left to it, the operands are ga
 onto every device and the call runs replicated).
 
 Paths ("pallas" is a Pallas kernel on the Triton lowering, "pallas_mgpu" the same op's Mosaic GPU
-kernel: execution.kernel_backend picks, MOSAIC_AUTO lists the families `auto` moves to Mosaic GPU
-on a Hopper-class GPU):
+kernel: execution.kernel_backend picks; `auto` takes Mosaic GPU wherever its kernels can run):
   norm       xla | pallas[_mgpu]   LayerNorm (GPT-2) or RMSNorm (transformer_lm), each with the
                                    fused residual add on the Pallas path
   attention  xla | pallas[_mgpu]   training/eval attention: XLA's masked softmax, the Pallas
@@ -55,14 +54,6 @@ NormPath = Literal["xla", "pallas", "pallas_mgpu"]
 AttentionPath = Literal["xla", "pallas", "pallas_mgpu", "cudnn", "flash"]
 LossPath = Literal["xla", "pallas", "pallas_mgpu"]
 ConvPath = Literal["xla", "pallas", "pallas_mgpu"]
-
-# The op families whose Mosaic GPU kernels execution.kernel_backend=auto runs on a Hopper-class
-# GPU (benchmarks/RESULTS.md, "Mosaic GPU or Triton"): the fused loss (its kernel 2.0x XLA,
-# Triton's 1.27x) and the norms (GPT-2 124M's step at batch 64 a tie within noise on an H100 and
-# an H200, Mosaic 0.3-0.6% lower in alternate rounds). The softmax and the conv stay on Triton
-# until an H100 has timed their Mosaic kernels (on an H200 both are within a few percent of
-# Triton's time or faster at nearly every timed shape).
-MOSAIC_AUTO = frozenset({"loss", "norm"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,12 +128,13 @@ class OpPlan:
 
     def describe(self) -> str:
         """One line for the start of a run, e.g. 'ops: norm=pallas attention=cudnn ...'."""
+        # a loss without gradient (evaluation) runs the Triton forward kernel where jax has it
+        triton_eval = self.loss == "pallas_mgpu" and pallas_kernels.triton_refusal() is None
         parts = [
             f"norm={self.norm}",
             f"attention={self.attention}",
             "decode=xla",
-            # a loss without gradient (evaluation) runs the Triton forward kernel: say so
-            f"loss={self.loss}" + (" (eval: pallas)" if self.loss == "pallas_mgpu" else ""),
+            f"loss={self.loss}" + (" (eval: pallas)" if triton_eval else ""),
             f"conv={self.conv}",
         ]
         paths = (self.norm, self.attention, self.loss, self.conv)
@@ -199,20 +191,24 @@ def _mosaic_refusal(family: str, cfg: ModelConfig, ex: ExecutionConfig, backend:
 
 
 def _lowering(family: str, path: str, cfg: ModelConfig, ex: ExecutionConfig, backend: str) -> str:
-    """A Pallas `path` on the lowering execution.kernel_backend picks: "pallas" (Triton) or
-    "pallas_mgpu" (Mosaic GPU); other paths as they are."""
-    if path != "pallas" or ex.kernel_backend == "triton":
+    """A Pallas `path` on the lowering execution.kernel_backend picks: "pallas_mgpu" (Mosaic GPU;
+    `auto` takes it wherever it can run: on a Hopper-class GPU each family's Mosaic kernels
+    measured at least about as fast as their Triton ones, benchmarks/RESULTS.md) or "pallas"
+    (Triton); other paths as they are."""
+    if path != "pallas":
         return path
-    if ex.kernel_backend == "auto" and family not in MOSAIC_AUTO:
-        return path
-    refusal = _mosaic_refusal(family, cfg, ex, backend)
-    if refusal is None:
+    mosaic = None if ex.kernel_backend == "triton" else _mosaic_refusal(family, cfg, ex, backend)
+    if ex.kernel_backend != "triton" and mosaic is None:
         return "pallas_mgpu"
     if ex.kernel_backend == "mosaic_gpu":
         raise ConfigError(
-            f"execution.kernel_backend=mosaic_gpu needs, for the {family} kernels, {refusal}; "
+            f"execution.kernel_backend=mosaic_gpu needs, for the {family} kernels, {mosaic}; "
             "use execution.kernel_backend=auto or triton"
         )
+    if (triton := pallas_kernels.triton_refusal()) is not None:
+        why = f"Mosaic GPU needs {mosaic}; Triton needs {triton}" if mosaic else triton
+        key = "execution.loss_impl" if family == "loss" else "execution.kernels"
+        raise ConfigError(f"the Pallas {family} kernels cannot run here ({why}); use {key}=xla")
     return path
 
 

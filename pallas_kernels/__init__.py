@@ -9,7 +9,7 @@ share `common.py`, `rows_mgpu.py` (Mosaic GPU row-kernel blocks) and any `<op>_c
 """
 
 from .attention_softmax import attention_softmax
-from .common import mosaic_gpu_refusal
+from .common import mosaic_gpu_refusal, triton_refusal
 from .cross_entropy import head_chunk_rows, linear_cross_entropy, mosaic_loss_refusal
 from .depthwise_conv1d import depthwise_conv1d
 from .flash_attention import faster_than_cudnn, flash_attention, flash_attention_refusal
@@ -48,4 +48,5 @@ __all__ = [
     "mosaic_norm_refusal",
     "rms_norm",
     "rms_norm_ref",
+    "triton_refusal",
 ]

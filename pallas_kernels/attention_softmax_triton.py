@@ -24,10 +24,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from .attention_softmax_common import Layout
-from .common import compiler_params, i32, safe_max
+from .common import compiler_params, i32, pltriton, safe_max
 
 
 class Config(NamedTuple):

@@ -13,13 +13,15 @@ Every public kernel function takes `backend: str = "triton"`; `check_backend` va
   no silent fallback to Triton. benchmarks/mosaic_gpu_check.py measures both side by side. The
   fused cross-entropy's training pass is faster there (it keeps each row of logits in shared
   memory between its two sweeps); `cross_entropy.mosaic_loss_refusal` says where it cannot run.
-  The norms tie Triton's in a training step; the softmax and conv kernels are faster on
-  Triton (jaxllm.ops.MOSAIC_AUTO picks per op family).
+  On a Hopper-class GPU every kernel's Mosaic version is at least about as fast as its Triton
+  one (benchmarks/RESULTS.md): jaxllm.ops runs them there under `kernel_backend: auto`.
 
 jax 0.11 deprecates the Triton lowering and warns at every lowering (`DeprecationWarning: The
 Pallas Triton backend is deprecated and will be removed in a future JAX version.`). We silence
 exactly that message, because the choice above is deliberate and the warning fires inside the
-caller's jit, where no narrower filter can reach it.
+caller's jit, where no narrower filter can reach it. A jax without the Triton lowering imports
+this package all the same: `backend="triton"` is then an error (`triton_refusal`), and the
+Mosaic GPU kernels run as before.
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import triton as pltriton
+
+try:  # deprecated in jax 0.11, to be removed: the Mosaic GPU kernels do not need it
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:
+    pltriton = None
 
 _TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
 
@@ -91,6 +97,8 @@ def check_backend(backend: str, interpret: bool | None) -> str:
     mode or off GPU is an error, not a silent switch to another lowering."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" and (refusal := triton_refusal()) is not None:
+        raise ValueError(f"backend='triton' needs {refusal}; use backend='mosaic_gpu'")
     if backend == "mosaic_gpu":
         if interpret:
             raise ValueError(
@@ -102,6 +110,14 @@ def check_backend(backend: str, interpret: bool | None) -> str:
                 f"is {jax.default_backend()!r}; use backend='triton' (interpreted off GPU)"
             )
     return backend
+
+
+def triton_refusal() -> str | None:
+    """What the Triton kernels (compiled or interpreted) need that this jax lacks, as "needs ..."
+    would end (None: Pallas' Triton lowering is here)."""
+    if pltriton is None:
+        return f"Pallas' Triton lowering, which jax {jax.__version__} does not have"
+    return None
 
 
 def mosaic_gpu_capable() -> bool:

@@ -20,7 +20,7 @@ get zero gradient.
 
 Memory traffic beyond the GEMMs, N rows of Vp columns, s bytes per element of z:
   forward (with gradient): read z, write dz = 2 * N * Vp * s
-  primal only (no gradient): read z      = N * Vp * s   (always the Triton kernel)
+  primal only (no gradient): read z      = N * Vp * s   (the Triton kernel where jax has it)
 """
 
 from __future__ import annotations
@@ -122,11 +122,18 @@ def mark_out_of_range(ce, hit, ok):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _linear_ce(x, w, targets, weights, compute_dtype, interpret, cfg, backend, rows):
-    xc, wc = _head_weights(x, w, compute_dtype)  # no gradient: the Triton kernel's one sweep
-    cfg = cfg if backend == "triton" else default_config()
+    # no gradient: the Triton kernel's one sweep; the Mosaic one (it also writes dz) where jax
+    # has no Triton lowering
+    mosaic = backend == "mosaic_gpu" and common.triton_refusal() is not None
+    xc, wc = _head_weights(x, w, compute_dtype, _align(backend) if mosaic else VOCAB_ALIGN)
+    cfg = cfg if backend == "triton" or mosaic else default_config()
 
     def one(x_rows, t, wt, carry):
         z = jnp.dot(x_rows, wc.T)  # (rows, Vp)
+        if mosaic:
+            return carry, cross_entropy_mgpu.cross_entropy_from_logits(z, t, wt, w.shape[0], cfg)[
+                :2
+            ]
         return carry, cross_entropy_from_logits(z, t, wt, w.shape[0], False, interpret, cfg)
 
     _, (ce, hit) = _over_chunks(one, rows, xc, targets, weights)
@@ -204,8 +211,9 @@ def linear_cross_entropy(
     weight it shows in the loss). `config`: a Config (Triton) or a cross_entropy_mgpu.Config
     (`backend="mosaic_gpu"`: bfloat16 compute only). `backend` picks the kernel of the
     forward-and-gradient pass (training); a call that takes no gradient
-    (evaluation) runs the Triton forward kernel on either backend: it reads each row of logits
-    once and writes nothing, the least traffic there is (the Mosaic kernel also writes dz).
+    (evaluation) runs the Triton forward kernel on either backend where jax has the Triton
+    lowering: it reads each row of logits once and writes nothing, the least traffic there is
+    (the Mosaic kernel also writes dz, which is then dropped).
     `max_chunk_bytes`: the rows go through the head in chunks whose logits take at most this
     many bytes, one chunk after the other (0: all rows at once), so the logits of a large batch
     never exist whole: GPT-2's at batch 64 are 6.7 GB, and the Mosaic kernel holds dz beside

@@ -21,9 +21,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from .common import MASK_VALUE, compiler_params, i32
+from .common import MASK_VALUE, compiler_params, i32, pltriton
 
 VOCAB_ALIGN = 128  # cross_entropy pads the head's rows to a multiple of this for the GEMMs
 

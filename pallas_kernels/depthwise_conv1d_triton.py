@@ -34,9 +34,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from .common import compiler_params, core_count, i32, tuning_table
+from .common import compiler_params, core_count, i32, pltriton, tuning_table
 from .reference import conv1d_padding
 
 

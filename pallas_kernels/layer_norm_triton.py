@@ -22,9 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from .common import compiler_params, core_count, i32
+from .common import compiler_params, core_count, i32, pltriton
 from .layer_norm_common import kernel_name, operands
 
 

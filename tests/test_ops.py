@@ -1,6 +1,8 @@
 """jaxllm.ops: the plan names one path per op family, and never changes one silently."""
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 from conftest import ROOT, tiny_config, tiny_model
@@ -37,7 +39,7 @@ def test_gpt2_benchmark_preset_on_gpu(monkeypatch, hopper):
         "pallas_mgpu" if hopper else "pallas",
         "flash" if hopper else "cudnn",
         "pallas_mgpu" if hopper else "pallas",
-        "pallas",
+        "pallas_mgpu" if hopper else "pallas",
     )
     assert not plan.notes and "(Pallas compiled)" in plan.describe()
 
@@ -118,19 +120,21 @@ def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch)
 
 
 def test_kernel_backend_picks_every_pallas_kernels_lowering(monkeypatch):
-    """kernel_backend=mosaic_gpu moves the norms, the softmax and the conv to Mosaic GPU (the ops
-    line says so) and refuses widths its row kernels cannot tile; auto keeps the softmax and the
-    conv on Triton."""
+    """On a Hopper-class GPU auto and kernel_backend=mosaic_gpu run the norms, the softmax and the
+    conv on Mosaic GPU (the ops line says so); mosaic_gpu refuses widths its row kernels cannot
+    tile, where auto takes Triton."""
     import pallas_kernels.common as tb
 
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
     cfg, ex = preset(attention_impl="xla")
     cfg = dataclasses.replace(cfg, short_conv=True)
     auto = plan_ops(cfg, ex, backend="gpu")
-    assert (auto.norm, auto.attention, auto.conv) == ("pallas_mgpu", "pallas", "pallas")
+    assert (auto.norm, auto.attention, auto.conv) == ("pallas_mgpu",) * 3
     forced = plan_ops(cfg, dataclasses.replace(ex, kernel_backend="mosaic_gpu"), backend="gpu")
-    assert (forced.norm, forced.attention, forced.conv) == ("pallas_mgpu",) * 3
+    assert forced == auto
     assert "norm=pallas_mgpu attention=pallas_mgpu" in forced.describe()
+    triton = plan_ops(cfg, dataclasses.replace(ex, kernel_backend="triton"), backend="gpu")
+    assert (triton.norm, triton.attention, triton.conv) == ("pallas",) * 3
     narrow = dataclasses.replace(cfg, d_model=96, n_heads=2)
     with pytest.raises(ConfigError, match=r"norm kernels, a hidden size D .* 128 .*\(got 96\)"):
         plan_ops(narrow, dataclasses.replace(ex, kernel_backend="mosaic_gpu"), backend="gpu")
@@ -226,6 +230,61 @@ def test_model_reaches_every_mosaic_kernel_when_planned(monkeypatch):
     text = jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
     for op in ("add_layer_norm", "attention_softmax", "depthwise_conv1d"):
         assert f"{op}_fwd_mgpu" in text and f"{op}_bwd_mgpu" in text, op
+
+
+NO_TRITON = """
+import sys
+sys.modules["jax.experimental.pallas.triton"] = None  # as in a jax that dropped the lowering
+import jax.numpy as jnp
+import jaxllm.ops, pallas_kernels
+try:
+    pallas_kernels.layer_norm(jnp.ones((2, 128)), jnp.ones(128), jnp.zeros(128), 1e-5)
+except ValueError as e:
+    print(e)
+"""
+
+
+def test_a_jax_without_the_triton_lowering_imports_the_library():
+    """jax deprecates Pallas' Triton lowering: without it the library still imports, and asking
+    for a Triton kernel says what is missing."""
+    run = subprocess.run(
+        [sys.executable, "-c", NO_TRITON], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert "backend='triton' needs Pallas' Triton lowering, which jax" in run.stdout
+
+
+def test_without_triton_the_plan_runs_mosaic_gpu_or_refuses(monkeypatch):
+    """Without the Triton lowering a Hopper-class GPU runs every Pallas path on Mosaic GPU,
+    evaluation's loss included; a path neither lowering can run is refused at the plan."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pallas_kernels.common as tb
+    from jaxllm import ops
+
+    monkeypatch.setattr(tb, "pltriton", None)
+    cfg, ex = preset()
+    neither = r"kernels cannot run here \(Mosaic GPU needs a GPU .*; Triton needs Pallas' Triton"
+    with pytest.raises(ConfigError, match=neither + r" lowering.*execution.kernels=xla"):
+        plan_ops(cfg, ex, backend="cpu")
+    monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
+    plan = plan_ops(cfg, ex, backend="gpu")
+    assert (plan.norm, plan.loss) == ("pallas_mgpu",) * 2
+    assert "loss=pallas_mgpu conv" in plan.describe()  # no "(eval: pallas)"
+    with pytest.raises(ConfigError, match=r"loss kernels .*bfloat16 logits .*loss_impl=xla"):
+        plan_ops(*preset(compute_dtype="float32"), backend="gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(2100, 16)), jnp.float32)
+    t, wt = jnp.arange(8), jnp.full((8,), 1 / 8)
+
+    def loss(x, w):  # no gradient: evaluation
+        return ops.linear_cross_entropy(x, w, t, wt, jnp.bfloat16, "pallas_mgpu")[0]
+
+    text = jax.jit(loss).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "cross_entropy_fwd_bwd_mgpu" in text and "3072" in text
 
 
 def test_loss_chunk_mib_reaches_the_kernel_and_needs_the_fused_loss():
