@@ -15,7 +15,8 @@ program walks a contiguous run of `block_rows`-row blocks
 column chunks (rows_mgpu.row_layout): mean, then the centred variance, then the normalised output,
 each a sweep over the row, so any D up to the shared memory budget works. A tile of whole rows is
 read from shared memory once and held in registers for the three sweeps; chunked rows are re-read.
-gamma/beta are copied into shared memory once per program. The backward recomputes xhat from the
+gamma/beta are copied into shared memory once per program, or read from global memory
+(`global_params`) where that lets two programs share an SM. The backward recomputes xhat from the
 saved mean/rstd, keeps per-program float32 dgamma/dbeta partials in shared memory (each thread adds
 its own columns: no synchronisation) and writes them once; one small jnp.sum reduces them (no
 atomics).
@@ -53,6 +54,7 @@ class Config(NamedTuple):
     stages: int = 2  # shared memory buffers per operand (2: copy the next block during compute)
     warp_rows: bool = False  # a warp per row (rows_mgpu.row_layout): slower for the norms
     direct: bool = False  # forward: rows_mgpu.direct_blocks, one block a program (N % rows == 0)
+    global_params: bool = False  # forward: gamma, beta read from global memory (always if direct)
 
 
 def rows_round(n: int) -> int:
@@ -71,12 +73,12 @@ def _smem_bytes(
 ) -> int:
     """Shared memory of one program: a block buffer per operand of `itemsizes` bytes per element
     (`stages` blocks each), mean and rstd per block, a (D,) buffer per entry of `columns`
-    (bytes per element: gamma, beta, dgamma and dbeta partials) and the reduction scratch."""
+    (bytes per element: gamma, beta, dgamma and dbeta partials; none with global_params) and the
+    reduction scratch."""
     blocks = [cfg.stages * cfg.block_rows * n_cols * s for s in itemsizes]
     stats = [cfg.stages * 4 * rows_round(cfg.block_rows)] * 2
-    return rows.smem_bytes(
-        [*blocks, *stats, *(n_cols * c for c in columns)], _scratch_bytes(cfg, backward)
-    )
+    params = [] if cfg.global_params else [n_cols * c for c in columns]
+    return rows.smem_bytes([*blocks, *stats, *params], _scratch_bytes(cfg, backward))
 
 
 # The forward reads whole rows straight from global memory (Config.direct) up to this width, and
@@ -95,16 +97,16 @@ def default_config(
     backward: bool,
 ) -> Config:
     """Block sizes for an (N, D) input whose per-block operands have `itemsizes` bytes per element
-    and (D,) buffers of `columns` bytes per element: about 16 KB per operand block;
-    rows of up to 8192 held whole in registers (one shared-memory read for all sweeps), short
-    ones grouped up to 4096 (forward) or 2048 (backward: more live arrays) float32 values; as many
-    programs per SM as are resident together (rows_mgpu.programs_per_sm), and where only one is,
-    up to 4 forward stages (16384 x 8192 bf16 on an H100, 2026-11-28, benchmarks/RESULTS.md:
-    1.09x -> 0.95x Triton's time). Whole rows rather than 2048-column chunks in the backward,
-    16384 x 8192 on an H100 (2026-11-28): the kernel alone 1.11x -> 0.89x (bf16) and 1.01x ->
-    0.93x (f32) Triton's time. The forward goes `direct` (one block a program, rows read from and
-    written to global memory by registers, no shared memory) where whole rows are held, N is a
-    multiple of the row group and D <= DIRECT_COLS or the operands have 4-byte elements."""
+    and (D,) buffers of `columns` bytes per element: about 16 KB per operand block; rows of up to
+    8192 held whole in registers (one shared-memory read for all sweeps), short ones grouped up to
+    4096 (forward) or 2048 (backward: more live arrays) float32 values; as many programs per SM as
+    are resident together (rows_mgpu.programs_per_sm). Where only one is, the forward of whole rows
+    reads gamma and beta from global memory if that lets two programs share an SM (`global_params`),
+    else takes up to 4 stages. Whole rows rather than 2048-column chunks in the backward, 16384 x
+    8192 on an H100 (2026-11-28): the kernel alone 1.11x -> 0.89x (bf16) and 1.01x -> 0.93x (f32)
+    Triton's time. The forward goes `direct` (one block a program, rows read from and written to
+    global memory by registers, no shared memory) where whole rows are held, N is a multiple of the
+    row group and D <= DIRECT_COLS or the operands have 4-byte elements."""
     rows.check_width("D", n_cols, "the hidden size D")
     budget = 2048 if backward else 4096
     if n_cols <= 8192:  # whole rows in registers
@@ -134,7 +136,15 @@ def default_config(
     if not backward and chunk == n_cols and n_rows % group == 0 and not wide:
         return cfg._replace(programs_per_sm=rows.ONE_BLOCK_EACH, stages=1, direct=True)
     per_sm = rows.programs_per_sm(smem(cfg))
-    while not backward and per_sm == 1 and cfg.stages < 4:  # one program: more blocks in flight
+    lean = cfg._replace(global_params=True, stages=2)
+    if not backward and per_sm == 1 and chunk == n_cols and rows.programs_per_sm(smem(lean)) > 1:
+        # 16384 x 8192 bf16 on an H200 (2026-11-29, benchmarks/RESULTS.md): 1.13x -> 0.91x
+        # Triton's time (4 stages, gamma and beta in shared memory -> this). Three programs an SM
+        # took 1.13x, four 0.90x: as if the registers of rows this wide hold two at a time.
+        return lean._replace(programs_per_sm=2)
+    # one program: more blocks in flight (16384 x 8192 bf16 on an H100, 2026-11-28, before
+    # global_params: 1.09x -> 0.95x Triton's time)
+    while not backward and per_sm == 1 and cfg.stages < 4:
         if smem(cfg._replace(stages=cfg.stages + 1)) > rows.SMEM_BYTES:
             break
         cfg = cfg._replace(stages=cfg.stages + 1)
@@ -161,11 +171,12 @@ def _present(**scratch) -> dict:
     return {k: v for k, v in scratch.items() if v is not None}
 
 
-def _fwd_kernel(*refs, p: rows.BlockPlan, eps: float, residual: bool, rms: bool, direct: bool):
+def _fwd_kernel(*refs, p: rows.BlockPlan, eps: float, residual: bool, rms: bool, cfg: Config):
     r = dict(zip((*operands("fwd", residual, rms), "sm"), refs, strict=True))
     sm = r["sm"]
     t = p.tiles
-    if direct:  # gamma and beta read from global memory (L2) by every row group
+    direct = cfg.direct
+    if direct or cfg.global_params:  # gamma and beta read from global memory (L2) by every group
         params = r
     else:  # copied into shared memory once per program
         params = sm
@@ -259,15 +270,16 @@ def forward(x, h, gamma, beta, eps: float, out_dtype, cfg: Config, interpret: An
     blk = (cfg.stages, cfg.block_rows * nc, cfg.chunk)
     stat_blk = (cfg.stages, rows_round(cfg.block_rows))
     params = [p for p in (gamma, beta) if p is not None]
+    in_smem = not cfg.global_params  # gamma and beta copied into shared memory
     scratch = _present(
         x=plgpu.SMEM(blk, x.dtype),
         y=plgpu.SMEM(blk, out_dtype),
         mean=None if rms else plgpu.SMEM(stat_blk, jnp.float32),
         rstd=plgpu.SMEM(stat_blk, jnp.float32),
-        g=plgpu.SMEM((nc, cfg.chunk), gamma.dtype),
-        b=None if rms else plgpu.SMEM((nc, cfg.chunk), beta.dtype),
+        g=plgpu.SMEM((nc, cfg.chunk), gamma.dtype) if in_smem else None,
+        b=plgpu.SMEM((nc, cfg.chunk), beta.dtype) if in_smem and not rms else None,
         bar=plgpu.Barrier(num_arrivals=2 if residual else 1, num_barriers=cfg.stages),
-        params_bar=plgpu.Barrier(num_arrivals=len(params)),
+        params_bar=plgpu.Barrier(num_arrivals=len(params)) if in_smem else None,
     )
     args = (x.reshape(sub), *[q.reshape(nc, cfg.chunk) for q in params])
     if residual:
@@ -276,8 +288,7 @@ def forward(x, h, gamma, beta, eps: float, out_dtype, cfg: Config, interpret: An
         args = (args[0], h.reshape(sub), *args[1:])
 
     def kernel(*refs, **scratch_refs):
-        _fwd_kernel(*refs, scratch_refs, p=p, eps=eps, residual=residual, rms=rms,
-                    direct=cfg.direct)  # fmt: skip
+        _fwd_kernel(*refs, scratch_refs, p=p, eps=eps, residual=residual, rms=rms, cfg=cfg)
 
     if cfg.direct:
         scratch = {}

@@ -235,6 +235,10 @@ LOWERING_CASES = {  # name -> (function of arrays, arrays); forward and backward
         lambda x, h, g, b: add_layer_norm(x, h, g, b, backend="mosaic_gpu"),
         (_ln_args((9, 8192), jnp.bfloat16)[0], *_ln_args((9, 8192), jnp.bfloat16)),
     ),
+    "layer_norm_wide_bf16": (  # the forward reads gamma and beta from global memory
+        lambda x, g, b: (layer_norm(x, g, b, backend="mosaic_gpu"),),
+        _ln_args((9, 8192), jnp.bfloat16),
+    ),
     "layer_norm_chunks_bf16": (  # rows wider than the forward holds: column chunks both ways
         lambda x, g, b: (layer_norm(x, g, b, backend="mosaic_gpu"),),
         _ln_args((9, 9216), jnp.bfloat16),
@@ -286,13 +290,15 @@ def test_public_mosaic_path_lowers_under_x64(pretend_gpu, name):
 
 @needs_interpreter
 @pytest.mark.parametrize(
-    "tiling", ["chunks", "whole_rows", "ring3", "ring4", "direct", "direct_chunks"]
+    "tiling",
+    ["chunks", "whole_rows", "ring3", "ring4", "ring_global_params", "direct", "direct_chunks"],
 )
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_layer_norm_kernels_in_interpreter(float64_ref, monkeypatch, rms, tiling):
     """One row at a time in two column chunks, two whole rows at a time (their tile held in
     registers across the sweeps), one program walking one-row blocks through a ring of three
-    or four buffers (two or three loads ahead), or a forward reading and writing global memory
+    or four buffers (two or three loads ahead; or two, gamma and beta read from global memory
+    by the forward), or a forward reading and writing global memory
     directly (4-row blocks of 2-row groups, or of one row in chunks: s written, then re-read);
     RMSNorm is the same kernels with beta None (no mean, no dbeta)."""
     n_rows, n_cols = 8, 256
@@ -306,7 +312,9 @@ def test_layer_norm_kernels_in_interpreter(float64_ref, monkeypatch, rms, tiling
         cfg = cfg._replace(rows=2, chunk=n_cols)
     if tiling.startswith("ring"):
         monkeypatch.setattr(rows_mgpu, "core_count", lambda: 1)
-        cfg = cfg._replace(block_rows=1, stages=int(tiling[-1]))
+        params_global = tiling == "ring_global_params"
+        cfg = cfg._replace(block_rows=1, stages=2 if params_global else int(tiling[-1]))
+        cfg = cfg._replace(global_params=params_global)
     if tiling == "direct":
         cfg = cfg._replace(block_rows=4, rows=2, chunk=n_cols, direct=True)
     if tiling == "direct_chunks":
