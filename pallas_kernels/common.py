@@ -98,7 +98,9 @@ def check_backend(backend: str, interpret: bool | None) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton" and (refusal := triton_refusal()) is not None:
-        raise ValueError(f"backend='triton' needs {refusal}; use backend='mosaic_gpu'")
+        raise ValueError(
+            f"backend='triton' needs {refusal}; use backend='mosaic_gpu' on a Hopper-class GPU"
+        )
     if backend == "mosaic_gpu":
         if interpret:
             raise ValueError(

@@ -131,9 +131,8 @@ def _linear_ce(x, w, targets, weights, compute_dtype, interpret, cfg, backend, r
     def one(x_rows, t, wt, carry):
         z = jnp.dot(x_rows, wc.T)  # (rows, Vp)
         if mosaic:
-            return carry, cross_entropy_mgpu.cross_entropy_from_logits(z, t, wt, w.shape[0], cfg)[
-                :2
-            ]
+            ce, hit, _ = cross_entropy_mgpu.cross_entropy_from_logits(z, t, wt, w.shape[0], cfg)
+            return carry, (ce, hit)
         return carry, cross_entropy_from_logits(z, t, wt, w.shape[0], False, interpret, cfg)
 
     _, (ce, hit) = _over_chunks(one, rows, xc, targets, weights)

@@ -138,9 +138,9 @@ def default_config(
     per_sm = rows.programs_per_sm(smem(cfg))
     lean = cfg._replace(global_params=True, stages=2)
     if not backward and per_sm == 1 and chunk == n_cols and rows.programs_per_sm(smem(lean)) > 1:
-        # 16384 x 8192 bf16 on an H200 (2026-11-29, benchmarks/RESULTS.md): 1.13x -> 0.91x
-        # Triton's time (4 stages, gamma and beta in shared memory -> this). Three programs an SM
-        # took 1.13x, four 0.90x: as if the registers of rows this wide hold two at a time.
+        # 8192-16384 x 8192 bf16 on an H200 (2026-11-29, benchmarks/RESULTS.md): 1.09-1.14x ->
+        # 0.89-0.91x Triton's time (4 stages, gamma and beta in shared memory -> this). Three
+        # programs an SM took 1.13x, four 0.90x: as if the registers of rows this wide hold two.
         return lean._replace(programs_per_sm=2)
     # one program: more blocks in flight (16384 x 8192 bf16 on an H100, 2026-11-28, before
     # global_params: 1.09x -> 0.95x Triton's time)
