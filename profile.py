@@ -122,8 +122,11 @@ def _kernels(args: argparse.Namespace, overrides: list[str]) -> None:
     if not _backend(prealloc=False):  # on demand: PyTorch's baselines share the GPU
         raise BadInput("needs a GPU (jax's backend here is not 'gpu'); the kernels' analytic "
                          "roofline runs anywhere: python profile.py roofline")  # fmt: skip
+    import pallas_kernels
     from jaxllm.profiling import kernel_bench
 
+    if (missing := pallas_kernels.triton_refusal()) is not None:
+        raise BadInput(f"times the Triton kernels, which need {missing}")
     kernel_bench.run(list(args.only), tune=args.tune, jsonl_path=args.jsonl)
 
 
