@@ -126,7 +126,7 @@ def _kernels(args: argparse.Namespace, overrides: list[str]) -> None:
     from jaxllm.profiling import kernel_bench
 
     if (missing := pallas_kernels.triton_refusal()) is not None:
-        raise BadInput(f"times the Triton kernels, which need {missing}")
+        raise BadInput(f"times the Triton kernels: they need {missing}")
     kernel_bench.run(list(args.only), tune=args.tune, jsonl_path=args.jsonl)
 
 

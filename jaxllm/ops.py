@@ -6,11 +6,11 @@ plan and call the functions below; nothing else in the library imports `pallas_k
 benchmark in `jaxllm.profiling.kernel_bench`, whose subject is the kernels themselves, is the one
 exception). A switch that cannot apply is a `ConfigError`, when the config is loaded (cuDNN or flash
 attention with dropout) or when the plan is made for the machine
-(execution.kernel_backend=mosaic_gpu off Hopper), or a path the plan names (cuDNN needs a GPU, bf16,
-a head dim that is a multiple of 8 up to 128 and an even context, our flash attention a Hopper-class
-GPU, 16-bit inputs and head dim 64 or 128: elsewhere attention runs on the `kernels` path, and
-`OpPlan.describe()` says so); nothing falls back silently. `attention_impl: auto` asks for no path:
-it takes the fastest that can run.
+(execution.kernel_backend=mosaic_gpu off Hopper, a Pallas path that neither lowering can run), or
+a path the plan names (cuDNN needs a GPU, bf16, a head dim that is a multiple of 8 up to 128 and an
+even context, our flash attention a Hopper-class GPU, 16-bit inputs and head dim 64 or 128:
+elsewhere attention runs on the `kernels` path, and `OpPlan.describe()` says so); nothing falls
+back silently. `attention_impl: auto` asks for no path: it takes the fastest that can run.
 
 On a mesh of several devices (jaxllm.parallel) the plan also carries a `KernelShard`: every
 Pallas call then runs once per shard of the batch, inside `jax.shard_map` (a Pallas kernel is a
@@ -18,7 +18,8 @@ custom call that XLA's partitioner cannot split: left to it, the operands are ga
 onto every device and the call runs replicated).
 
 Paths ("pallas" is a Pallas kernel on the Triton lowering, "pallas_mgpu" the same op's Mosaic GPU
-kernel: execution.kernel_backend picks; `auto` takes Mosaic GPU wherever its kernels can run):
+kernel: execution.kernel_backend picks; `auto` takes Mosaic GPU wherever its kernels can run, the
+softmax only under `mosaic_gpu`, which promises its 128-multiple batch lengths):
   norm       xla | pallas[_mgpu]   LayerNorm (GPT-2) or RMSNorm (transformer_lm), each with the
                                    fused residual add on the Pallas path
   attention  xla | pallas[_mgpu]   training/eval attention: XLA's masked softmax, the Pallas
@@ -29,7 +30,8 @@ kernel: execution.kernel_backend picks; `auto` takes Mosaic GPU wherever its ker
                                    fused Pallas kernel that never keeps the logits (its Mosaic
                                    GPU kernel needs bfloat16 rows that fit, see
                                    pallas_kernels.mosaic_loss_refusal; a loss without gradient,
-                                   as in evaluation, runs the Triton forward kernel either way)
+                                   as in evaluation, runs the Triton forward kernel where jax
+                                   has the Triton lowering)
   conv       xla | pallas[_mgpu]   depthwise conv1d
 """
 
@@ -187,29 +189,45 @@ def _mosaic_refusal(family: str, cfg: ModelConfig, ex: ExecutionConfig, backend:
         if family == "attention"
         else ("model.d_model", cfg.d_model)
     )
-    return f"{name} a multiple of 128 (got {width})" if width % 128 else None
+    if width % 128:
+        return f"{name} a multiple of 128 (got {width})"
+    if family == "attention" and ex.kernel_backend == "auto":  # the plan does not see the batches
+        return (
+            "every batch's length a multiple of 128, which translation batches need not be "
+            "(execution.kernel_backend=mosaic_gpu promises it)"
+        )
+    return None
 
 
 def _lowering(family: str, path: str, cfg: ModelConfig, ex: ExecutionConfig, backend: str) -> str:
     """A Pallas `path` on the lowering execution.kernel_backend picks: "pallas_mgpu" (Mosaic GPU;
-    `auto` takes it wherever it can run: on a Hopper-class GPU each family's Mosaic kernels
-    measured at least about as fast as their Triton ones, benchmarks/RESULTS.md) or "pallas"
-    (Triton); other paths as they are."""
+    `auto` takes it wherever it can run: on an H200 each family's Mosaic kernels measured at least
+    about as fast as their Triton ones, on an H100 the norms' and the loss's, benchmarks/RESULTS.md)
+    or "pallas" (Triton); other paths as they are."""
     if path != "pallas":
         return path
     mosaic = None if ex.kernel_backend == "triton" else _mosaic_refusal(family, cfg, ex, backend)
     if ex.kernel_backend != "triton" and mosaic is None:
         return "pallas_mgpu"
+    key = "execution.loss_impl" if family == "loss" else "execution.kernels"
+    triton = pallas_kernels.triton_refusal()
     if ex.kernel_backend == "mosaic_gpu":
+        other = "execution.kernel_backend=auto or triton" if triton is None else f"{key}=xla"
         raise ConfigError(
             f"execution.kernel_backend=mosaic_gpu needs, for the {family} kernels, {mosaic}; "
-            "use execution.kernel_backend=auto or triton"
+            f"use {other}"
         )
-    if (triton := pallas_kernels.triton_refusal()) is not None:
-        why = f"Mosaic GPU needs {mosaic}; Triton needs {triton}" if mosaic else triton
-        key = "execution.loss_impl" if family == "loss" else "execution.kernels"
-        raise ConfigError(f"the Pallas {family} kernels cannot run here ({why}); use {key}=xla")
-    return path
+    if triton is None:
+        return path
+    if ex.kernel_backend == "triton":
+        raise ConfigError(
+            f"execution.kernel_backend=triton needs {triton}; use execution.kernel_backend=auto "
+            f"(Mosaic GPU, on a Hopper-class GPU) or {key}=xla"
+        )
+    raise ConfigError(
+        f"the Pallas {family} kernels cannot run here (Mosaic GPU needs {mosaic}; Triton needs "
+        f"{triton}); use {key}=xla"
+    )
 
 
 def _flash_refusal(cfg: ModelConfig, ex: ExecutionConfig, backend: str) -> str | None:

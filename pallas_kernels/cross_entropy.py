@@ -20,7 +20,8 @@ get zero gradient.
 
 Memory traffic beyond the GEMMs, N rows of Vp columns, s bytes per element of z:
   forward (with gradient): read z, write dz = 2 * N * Vp * s
-  primal only (no gradient): read z      = N * Vp * s   (the Triton kernel where jax has it)
+  primal only (no gradient): read z      = N * Vp * s   (the Triton kernel; the Mosaic one, as
+                                                         above, where jax lacks Triton)
 """
 
 from __future__ import annotations

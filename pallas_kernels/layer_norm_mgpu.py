@@ -101,12 +101,13 @@ def default_config(
     8192 held whole in registers (one shared-memory read for all sweeps), short ones grouped up to
     4096 (forward) or 2048 (backward: more live arrays) float32 values; as many programs per SM as
     are resident together (rows_mgpu.programs_per_sm). Where only one is, the forward of whole rows
-    reads gamma and beta from global memory if that lets two programs share an SM (`global_params`),
-    else takes up to 4 stages. Whole rows rather than 2048-column chunks in the backward, 16384 x
-    8192 on an H100 (2026-11-28): the kernel alone 1.11x -> 0.89x (bf16) and 1.01x -> 0.93x (f32)
-    Triton's time. The forward goes `direct` (one block a program, rows read from and written to
-    global memory by registers, no shared memory) where whole rows are held, N is a multiple of the
-    row group and D <= DIRECT_COLS or the operands have 4-byte elements."""
+    wider than DIRECT_COLS without the residual add reads gamma and beta from global memory if that
+    lets two programs share an SM (`global_params`), else takes up to 4 stages. Whole rows rather
+    than 2048-column chunks in the backward, 16384 x 8192 on an H100 (2026-11-28): the kernel alone
+    1.11x -> 0.89x (bf16) and 1.01x -> 0.93x (f32) Triton's time. The forward goes `direct` (one
+    block a program, rows read from and written to global memory by registers, no shared memory)
+    where whole rows are held, N is a multiple of the row group and D <= DIRECT_COLS or the operands
+    have 4-byte elements."""
     rows.check_width("D", n_cols, "the hidden size D")
     budget = 2048 if backward else 4096
     if n_cols <= 8192:  # whole rows in registers
@@ -137,7 +138,8 @@ def default_config(
         return cfg._replace(programs_per_sm=rows.ONE_BLOCK_EACH, stages=1, direct=True)
     per_sm = rows.programs_per_sm(smem(cfg))
     lean = cfg._replace(global_params=True, stages=2)
-    if not backward and per_sm == 1 and chunk == n_cols and rows.programs_per_sm(smem(lean)) > 1:
+    plain = len(itemsizes) == 2  # x and y: no residual add (not timed with global_params)
+    if not backward and per_sm == 1 and wide and plain and rows.programs_per_sm(smem(lean)) > 1:
         # 8192-16384 x 8192 bf16 on an H200 (2026-11-29, benchmarks/RESULTS.md): 1.09-1.14x ->
         # 0.89-0.91x Triton's time (4 stages, gamma and beta in shared memory -> this). Three
         # programs an SM took 1.13x, four 0.90x: as if the registers of rows this wide hold two.

@@ -120,18 +120,19 @@ def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch)
 
 
 def test_kernel_backend_picks_every_pallas_kernels_lowering(monkeypatch):
-    """On a Hopper-class GPU auto and kernel_backend=mosaic_gpu run the norms, the softmax and the
-    conv on Mosaic GPU (the ops line says so); mosaic_gpu refuses widths its row kernels cannot
-    tile, where auto takes Triton."""
+    """On a Hopper-class GPU kernel_backend=mosaic_gpu runs the norms, the softmax and the conv on
+    Mosaic GPU (the ops line says so) and refuses widths its row kernels cannot tile, where auto
+    takes Triton; auto keeps the softmax on Triton (it cannot see that every batch's length is
+    a multiple of 128)."""
     import pallas_kernels.common as tb
 
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
     cfg, ex = preset(attention_impl="xla")
     cfg = dataclasses.replace(cfg, short_conv=True)
     auto = plan_ops(cfg, ex, backend="gpu")
-    assert (auto.norm, auto.attention, auto.conv) == ("pallas_mgpu",) * 3
+    assert (auto.norm, auto.attention, auto.conv) == ("pallas_mgpu", "pallas", "pallas_mgpu")
     forced = plan_ops(cfg, dataclasses.replace(ex, kernel_backend="mosaic_gpu"), backend="gpu")
-    assert forced == auto
+    assert (forced.norm, forced.attention, forced.conv) == ("pallas_mgpu",) * 3
     assert "norm=pallas_mgpu attention=pallas_mgpu" in forced.describe()
     triton = plan_ops(cfg, dataclasses.replace(ex, kernel_backend="triton"), backend="gpu")
     assert (triton.norm, triton.attention, triton.conv) == ("pallas",) * 3
@@ -254,8 +255,9 @@ def test_a_jax_without_the_triton_lowering_imports_the_library():
 
 
 def test_without_triton_the_plan_runs_mosaic_gpu_or_refuses(monkeypatch):
-    """Without the Triton lowering a Hopper-class GPU runs every Pallas path on Mosaic GPU,
-    evaluation's loss included; a path neither lowering can run is refused at the plan."""
+    """Without the Triton lowering a Hopper-class GPU runs the Pallas paths on Mosaic GPU,
+    evaluation's loss included (the softmax under kernel_backend=mosaic_gpu); a path neither
+    lowering can run is refused at the plan, with a setting that would run."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -273,7 +275,20 @@ def test_without_triton_the_plan_runs_mosaic_gpu_or_refuses(monkeypatch):
     assert (plan.norm, plan.loss) == ("pallas_mgpu",) * 2
     assert "loss=pallas_mgpu conv" in plan.describe()  # no "(eval: pallas)"
     with pytest.raises(ConfigError, match=r"loss kernels .*bfloat16 logits .*loss_impl=xla"):
-        plan_ops(*preset(compute_dtype="float32"), backend="gpu")
+        plan_ops(*preset(compute_dtype="float32", kernels="xla"), backend="gpu")
+    softmax = dataclasses.replace(ex, attention_impl="xla")  # auto keeps it on Triton: refused
+    with pytest.raises(ConfigError, match=r"attention kernels .*every batch's length .*mosaic_gpu"):
+        plan_ops(cfg, softmax, backend="gpu")
+    forced = dataclasses.replace(softmax, kernel_backend="mosaic_gpu")
+    assert plan_ops(cfg, forced, backend="gpu").attention == "pallas_mgpu"
+    narrow = dataclasses.replace(cfg, d_model=96, n_heads=2)
+    with pytest.raises(
+        ConfigError, match=r"mosaic_gpu needs, .*norm kernels, .*; use execution.kernels=xla"
+    ):
+        plan_ops(narrow, forced, backend="gpu")
+    with pytest.raises(ConfigError, match=r"kernel_backend=triton needs Pallas' Triton lowering.*"
+                       r"kernel_backend=auto .*kernels=xla"):  # fmt: skip
+        plan_ops(cfg, dataclasses.replace(ex, kernel_backend="triton"), backend="gpu")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)

@@ -126,6 +126,19 @@ def test_mosaic_layer_norm_refuses_rows_too_wide_for_shared_memory():
         ln_mgpu.configs(64, 16384, jnp.float32, jnp.float32, jnp.float32)
 
 
+def test_only_the_wide_plain_layer_norm_forward_reads_its_params_from_global_memory():
+    """8192-column bf16 rows fill an SM with gamma and beta in shared memory: the forward reads
+    them from global memory instead, two programs an SM; the residual add and the backward keep
+    them in shared memory."""
+    fwd, bwd = ln_mgpu.configs(16384, 8192, jnp.bfloat16, jnp.bfloat16)
+    assert fwd.global_params and (fwd.programs_per_sm, fwd.stages) == (2, 2)
+    assert not bwd.global_params
+    assert not ln_mgpu.configs(16384, 8192, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16)[
+        0
+    ].global_params
+    assert not ln_mgpu.configs(16384, 6144, jnp.bfloat16, jnp.bfloat16)[0].global_params
+
+
 def test_layer_norm_configs_share_block_rows():
     for n_cols in (256, 768, 3072, 8192):
         fwd, bwd = ln_mgpu.configs(1000, n_cols, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16)
