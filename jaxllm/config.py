@@ -168,10 +168,9 @@ class ExecutionConfig(Section):
     # cross-entropy kernel (pallas_kernels.linear_cross_entropy), which never keeps the logits.
     loss_impl: Literal["xla", "pallas"] = "xla"
     # The Pallas kernels' lowering (norms, attention softmax, conv, fused loss): "auto" = Mosaic
-    # GPU wherever its kernel can run (a Hopper-class GPU and the shapes it takes; the softmax
-    # stays on Triton: its batches' lengths must be multiples of 128), Triton elsewhere;
-    # "triton" = Triton everywhere; "mosaic_gpu" = Mosaic GPU for every Pallas kernel (an error
-    # where it cannot run). The plan's `ops:` line names the one that runs.
+    # GPU wherever its kernel can run (a Hopper-class GPU and the shapes it takes), Triton
+    # elsewhere; "triton" = Triton everywhere; "mosaic_gpu" = Mosaic GPU for every Pallas kernel
+    # (an error where it cannot run). The plan's `ops:` line names the one that runs.
     kernel_backend: Literal["auto", "triton", "mosaic_gpu"] = "auto"
     # The fused loss makes the logits for at most this many MiB of rows at a time (at least 32
     # rows), chunk after chunk, per device (the Mosaic kernel holds dz beside a chunk's logits:

@@ -18,12 +18,12 @@ custom call that XLA's partitioner cannot split: left to it, the operands are ga
 onto every device and the call runs replicated).
 
 Paths ("pallas" is a Pallas kernel on the Triton lowering, "pallas_mgpu" the same op's Mosaic GPU
-kernel: execution.kernel_backend picks; `auto` takes Mosaic GPU wherever its kernels can run, the
-softmax only under `mosaic_gpu`, which promises its 128-multiple batch lengths):
+kernel: execution.kernel_backend picks; `auto` takes Mosaic GPU wherever its kernels can run):
   norm       xla | pallas[_mgpu]   LayerNorm (GPT-2) or RMSNorm (transformer_lm), each with the
                                    fused residual add on the Pallas path
   attention  xla | pallas[_mgpu]   training/eval attention: XLA's masked softmax, the Pallas
-             | cudnn | flash       softmax between two XLA einsums, cuDNN flash attention, or
+             | cudnn | flash       softmax between two XLA einsums (Mosaic GPU's pads a batch's
+                                   length to a multiple of 128), cuDNN flash attention, or
                                    ours (pallas_kernels.flash_attention, Mosaic GPU)
   decode     xla                   attention over a KV cache (generation): always XLA
   loss       xla | pallas[_mgpu]   LM head + cross-entropy: logits then softmax_loss, or the
@@ -189,14 +189,7 @@ def _mosaic_refusal(family: str, cfg: ModelConfig, ex: ExecutionConfig, backend:
         if family == "attention"
         else ("model.d_model", cfg.d_model)
     )
-    if width % 128:
-        return f"{name} a multiple of 128 (got {width})"
-    if family == "attention" and ex.kernel_backend == "auto":  # the plan does not see the batches
-        return (
-            "every batch's length a multiple of 128, which translation batches need not be "
-            "(execution.kernel_backend=mosaic_gpu promises it)"
-        )
-    return None
+    return f"{name} a multiple of 128 (got {width})" if width % 128 else None
 
 
 def _lowering(family: str, path: str, cfg: ModelConfig, ex: ExecutionConfig, backend: str) -> str:
@@ -378,9 +371,16 @@ def causal_attention(
 
         def probs_fn(scores: jax.Array, scale: float) -> jax.Array:  # (B, H, T, T)
             def kernel(scores: jax.Array) -> jax.Array:
-                return pallas_kernels.attention_softmax(
+                # the Mosaic kernel tiles keys by 128: pad T (a translation batch's, say) up to
+                # that; the causal mask hides the padded keys from every real query
+                t = scores.shape[-1]
+                pad = -t % 128 if path == "pallas_mgpu" else 0
+                if pad:
+                    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, pad), (0, pad)))
+                probs = pallas_kernels.attention_softmax(
                     scores, None, causal=True, scale=scale, backend=_backend(path)
                 )
+                return probs[:, :, :t, :t]
 
             return _per_shard(shard, kernel, (scores,), (True,), True)
 

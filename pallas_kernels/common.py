@@ -15,8 +15,7 @@ Every public kernel function takes `backend: str = "triton"`; `check_backend` va
   memory between its two sweeps); `cross_entropy.mosaic_loss_refusal` says where it cannot run.
   On an H200 every kernel's Mosaic version is at least about as fast as its Triton one, on an
   H100 the norms' and the loss's (benchmarks/RESULTS.md): jaxllm.ops runs them on Hopper-class
-  GPUs under `kernel_backend: auto` (the softmax only where every batch's length is known to
-  suit it).
+  GPUs under `kernel_backend: auto`.
 
 jax 0.11 deprecates the Triton lowering and warns at every lowering (`DeprecationWarning: The
 Pallas Triton backend is deprecated and will be removed in a future JAX version.`). We silence

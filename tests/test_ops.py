@@ -120,19 +120,18 @@ def test_fused_loss_takes_its_mosaic_lowering_on_hopper_and_says_so(monkeypatch)
 
 
 def test_kernel_backend_picks_every_pallas_kernels_lowering(monkeypatch):
-    """On a Hopper-class GPU kernel_backend=mosaic_gpu runs the norms, the softmax and the conv on
-    Mosaic GPU (the ops line says so) and refuses widths its row kernels cannot tile, where auto
-    takes Triton; auto keeps the softmax on Triton (it cannot see that every batch's length is
-    a multiple of 128)."""
+    """On a Hopper-class GPU auto and kernel_backend=mosaic_gpu run the norms, the softmax and the
+    conv on Mosaic GPU (the ops line says so); mosaic_gpu refuses widths its row kernels cannot
+    tile, where auto takes Triton."""
     import pallas_kernels.common as tb
 
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
     cfg, ex = preset(attention_impl="xla")
     cfg = dataclasses.replace(cfg, short_conv=True)
     auto = plan_ops(cfg, ex, backend="gpu")
-    assert (auto.norm, auto.attention, auto.conv) == ("pallas_mgpu", "pallas", "pallas_mgpu")
+    assert (auto.norm, auto.attention, auto.conv) == ("pallas_mgpu",) * 3
     forced = plan_ops(cfg, dataclasses.replace(ex, kernel_backend="mosaic_gpu"), backend="gpu")
-    assert (forced.norm, forced.attention, forced.conv) == ("pallas_mgpu",) * 3
+    assert forced == auto
     assert "norm=pallas_mgpu attention=pallas_mgpu" in forced.describe()
     triton = plan_ops(cfg, dataclasses.replace(ex, kernel_backend="triton"), backend="gpu")
     assert (triton.norm, triton.attention, triton.conv) == ("pallas",) * 3
@@ -211,7 +210,7 @@ def test_model_loss_reaches_the_mosaic_kernel_when_planned(monkeypatch):
 
 def test_model_reaches_every_mosaic_kernel_when_planned(monkeypatch):
     """kernel_backend=mosaic_gpu: the model's norms, softmax and conv (forward and backward)
-    lower to their Mosaic GPU kernels for CUDA."""
+    lower to their Mosaic GPU kernels for CUDA, at the context and at a shorter batch."""
     import jax
     import jax.numpy as jnp
 
@@ -231,6 +230,13 @@ def test_model_reaches_every_mosaic_kernel_when_planned(monkeypatch):
     text = jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
     for op in ("add_layer_norm", "attention_softmax", "depthwise_conv1d"):
         assert f"{op}_fwd_mgpu" in text and f"{op}_bwd_mgpu" in text, op
+    short = jnp.zeros((2, 40), jnp.int32)  # a batch shorter than the context: the softmax pads
+
+    def short_loss(p):
+        return model.apply(p, short, short, method="loss")[0]
+
+    text = jax.jit(jax.grad(short_loss)).trace(params).lower(lowering_platforms=("cuda",))
+    assert "attention_softmax_bwd_mgpu" in text.as_text()
 
 
 NO_TRITON = """
@@ -256,8 +262,8 @@ def test_a_jax_without_the_triton_lowering_imports_the_library():
 
 def test_without_triton_the_plan_runs_mosaic_gpu_or_refuses(monkeypatch):
     """Without the Triton lowering a Hopper-class GPU runs the Pallas paths on Mosaic GPU,
-    evaluation's loss included (the softmax under kernel_backend=mosaic_gpu); a path neither
-    lowering can run is refused at the plan, with a setting that would run."""
+    evaluation's loss included; a path neither lowering can run is refused at the plan, with a
+    setting that would run."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -276,11 +282,9 @@ def test_without_triton_the_plan_runs_mosaic_gpu_or_refuses(monkeypatch):
     assert "loss=pallas_mgpu conv" in plan.describe()  # no "(eval: pallas)"
     with pytest.raises(ConfigError, match=r"loss kernels .*bfloat16 logits .*loss_impl=xla"):
         plan_ops(*preset(compute_dtype="float32", kernels="xla"), backend="gpu")
-    softmax = dataclasses.replace(ex, attention_impl="xla")  # auto keeps it on Triton: refused
-    with pytest.raises(ConfigError, match=r"attention kernels .*every batch's length .*mosaic_gpu"):
-        plan_ops(cfg, softmax, backend="gpu")
+    softmax = dataclasses.replace(ex, attention_impl="xla")
+    assert plan_ops(cfg, softmax, backend="gpu").attention == "pallas_mgpu"
     forced = dataclasses.replace(softmax, kernel_backend="mosaic_gpu")
-    assert plan_ops(cfg, forced, backend="gpu").attention == "pallas_mgpu"
     narrow = dataclasses.replace(cfg, d_model=96, n_heads=2)
     with pytest.raises(
         ConfigError, match=r"mosaic_gpu needs, .*norm kernels, .*; use execution.kernels=xla"
@@ -300,6 +304,37 @@ def test_without_triton_the_plan_runs_mosaic_gpu_or_refuses(monkeypatch):
 
     text = jax.jit(loss).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     assert "cross_entropy_fwd_bwd_mgpu" in text and "3072" in text
+
+
+def test_mosaic_softmax_path_pads_a_batch_to_its_128_key_tiles(monkeypatch):
+    """The Mosaic softmax tiles keys by 128: a batch of T = 40 (a translation batch, say) goes in
+    padded to 128 and comes out as the unpadded softmax, values and gradients (the causal mask
+    hides the padded keys). The kernel is stood in by its reference here (no GPU)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pallas_kernels
+    from jaxllm import ops
+
+    def stand_in(scores, mask, *, causal, scale, backend):
+        assert scores.shape[-2:] == (128, 128) and backend == "mosaic_gpu" and causal
+        return pallas_kernels.attention_softmax_ref(scores, mask, causal=True, scale=scale)
+
+    monkeypatch.setattr(pallas_kernels, "attention_softmax", stand_in)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 40, 2, 8)), jnp.float32) for _ in range(3))
+
+    def loss(path):
+        return lambda q, k, v: jnp.sum(jnp.sin(ops.causal_attention(q, k, v, path)))
+
+    for got, want in zip(
+        jax.value_and_grad(loss("pallas_mgpu"), (0, 1, 2))(q, k, v),
+        jax.value_and_grad(loss("xla"), (0, 1, 2))(q, k, v),
+        strict=True,
+    ):
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_loss_chunk_mib_reaches_the_kernel_and_needs_the_fused_loss():
