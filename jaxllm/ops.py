@@ -22,8 +22,9 @@ kernel: execution.kernel_backend picks; `auto` takes Mosaic GPU wherever its ker
   norm       xla | pallas[_mgpu]   LayerNorm (GPT-2) or RMSNorm (transformer_lm), each with the
                                    fused residual add on the Pallas path
   attention  xla | pallas[_mgpu]   training/eval attention: XLA's masked softmax, the Pallas
-             | cudnn | flash       softmax between two XLA einsums (Mosaic GPU's pads a batch's
-                                   length to a multiple of 128), cuDNN flash attention, or
+             | cudnn | flash       softmax between two XLA einsums (Mosaic GPU's runs a batch
+                                   whose length is not a multiple of 128 on Triton, or padded
+                                   without it), cuDNN flash attention, or
                                    ours (pallas_kernels.flash_attention, Mosaic GPU)
   decode     xla                   attention over a KV cache (generation): always XLA
   loss       xla | pallas[_mgpu]   LM head + cross-entropy: logits then softmax_loss, or the
@@ -131,10 +132,13 @@ class OpPlan:
     def describe(self) -> str:
         """One line for the start of a run, e.g. 'ops: norm=pallas attention=cudnn ...'."""
         # a loss without gradient (evaluation) runs the Triton forward kernel where jax has it
-        triton_eval = self.loss == "pallas_mgpu" and pallas_kernels.triton_refusal() is None
+        triton = pallas_kernels.triton_refusal() is None
+        # a batch whose length is not a multiple of 128 runs the Triton softmax where jax has it
+        ragged = " (T % 128 > 0: pallas)" if triton and self.attention == "pallas_mgpu" else ""
+        triton_eval = self.loss == "pallas_mgpu" and triton
         parts = [
             f"norm={self.norm}",
-            f"attention={self.attention}",
+            f"attention={self.attention}{ragged}",
             "decode=xla",
             f"loss={self.loss}" + (" (eval: pallas)" if triton_eval else ""),
             f"conv={self.conv}",
@@ -371,16 +375,22 @@ def causal_attention(
 
         def probs_fn(scores: jax.Array, scale: float) -> jax.Array:  # (B, H, T, T)
             def kernel(scores: jax.Array) -> jax.Array:
-                # the Mosaic kernel tiles keys by 128: pad T (a translation batch's, say) up to
-                # that; the causal mask hides the padded keys from every real query
+                # The Mosaic kernel tiles keys by 128. A batch of another length (a translation
+                # batch, say) runs Triton's where jax has it: padded up to 128, the Mosaic one
+                # took 1.25-3.8x Triton's time (H200, benchmarks/RESULTS.md); the ops line
+                # says so. Without Triton it is padded: the causal mask hides the padded keys.
                 t = scores.shape[-1]
-                pad = -t % 128 if path == "pallas_mgpu" else 0
-                if pad:
-                    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, pad), (0, pad)))
+                backend, pad = _backend(path), 0
+                if path == "pallas_mgpu" and t % 128:
+                    if pallas_kernels.triton_refusal() is None:
+                        backend = "triton"
+                    else:
+                        pad = -t % 128
+                        scores = jnp.pad(scores, ((0, 0), (0, 0), (0, pad), (0, pad)))
                 probs = pallas_kernels.attention_softmax(
-                    scores, None, causal=True, scale=scale, backend=_backend(path)
+                    scores, None, causal=True, scale=scale, backend=backend
                 )
-                return probs[:, :, :t, :t]
+                return probs[:, :, :t, :t] if pad else probs
 
             return _per_shard(shard, kernel, (scores,), (True,), True)
 

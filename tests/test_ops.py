@@ -210,7 +210,8 @@ def test_model_loss_reaches_the_mosaic_kernel_when_planned(monkeypatch):
 
 def test_model_reaches_every_mosaic_kernel_when_planned(monkeypatch):
     """kernel_backend=mosaic_gpu: the model's norms, softmax and conv (forward and backward)
-    lower to their Mosaic GPU kernels for CUDA, at the context and at a shorter batch."""
+    lower to their Mosaic GPU kernels for CUDA, at the context and (without Triton) at a shorter
+    batch."""
     import jax
     import jax.numpy as jnp
 
@@ -230,7 +231,9 @@ def test_model_reaches_every_mosaic_kernel_when_planned(monkeypatch):
     text = jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
     for op in ("add_layer_norm", "attention_softmax", "depthwise_conv1d"):
         assert f"{op}_fwd_mgpu" in text and f"{op}_bwd_mgpu" in text, op
-    short = jnp.zeros((2, 40), jnp.int32)  # a batch shorter than the context: the softmax pads
+    # a batch shorter than the context: without Triton the Mosaic softmax takes it padded
+    monkeypatch.setattr(tb, "pltriton", None)
+    short = jnp.zeros((2, 40), jnp.int32)
 
     def short_loss(p):
         return model.apply(p, short, short, method="loss")[0]
@@ -306,19 +309,26 @@ def test_without_triton_the_plan_runs_mosaic_gpu_or_refuses(monkeypatch):
     assert "cross_entropy_fwd_bwd_mgpu" in text and "3072" in text
 
 
-def test_mosaic_softmax_path_pads_a_batch_to_its_128_key_tiles(monkeypatch):
-    """The Mosaic softmax tiles keys by 128: a batch of T = 40 (a translation batch, say) goes in
-    padded to 128 and comes out as the unpadded softmax, values and gradients (the causal mask
-    hides the padded keys). The kernel is stood in by its reference here (no GPU)."""
+@pytest.mark.parametrize("triton", [True, False])
+def test_mosaic_softmax_path_runs_a_ragged_batch_on_triton_or_padded(monkeypatch, triton):
+    """The Mosaic softmax tiles keys by 128. A batch of T = 40 (a translation batch, say) runs
+    Triton's softmax where jax has it (the ops line says so); without it, it goes in padded to
+    128 and comes out as the unpadded softmax (the causal mask hides the padded keys). Values and
+    gradients match the XLA path either way; the kernel is stood in by its reference (no GPU)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     import pallas_kernels
+    import pallas_kernels.common as tb
     from jaxllm import ops
 
+    if not triton:
+        monkeypatch.setattr(tb, "pltriton", None)
+    want_shape, want_backend = ((40, 40), "triton") if triton else ((128, 128), "mosaic_gpu")
+
     def stand_in(scores, mask, *, causal, scale, backend):
-        assert scores.shape[-2:] == (128, 128) and backend == "mosaic_gpu" and causal
+        assert scores.shape[-2:] == want_shape and backend == want_backend and causal
         return pallas_kernels.attention_softmax_ref(scores, mask, causal=True, scale=scale)
 
     monkeypatch.setattr(pallas_kernels, "attention_softmax", stand_in)
@@ -335,6 +345,8 @@ def test_mosaic_softmax_path_pads_a_batch_to_its_128_key_tiles(monkeypatch):
     ):
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    line = ops.OpPlan(attention="pallas_mgpu").describe()
+    assert ("attention=pallas_mgpu (T % 128 > 0: pallas) decode" in line) == triton
 
 
 def test_loss_chunk_mib_reaches_the_kernel_and_needs_the_fused_loss():
