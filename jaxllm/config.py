@@ -170,7 +170,9 @@ class ExecutionConfig(Section):
     # The Pallas kernels' lowering (norms, attention softmax, conv, fused loss): "auto" = Mosaic
     # GPU wherever its kernel can run (a Hopper-class GPU and the shapes it takes), Triton
     # elsewhere; "triton" = Triton everywhere; "mosaic_gpu" = Mosaic GPU for every Pallas kernel
-    # (an error where it cannot run). The plan's `ops:` line names the one that runs.
+    # (an error where it cannot run). Under either, where jax has the Triton lowering, a loss
+    # without gradient and a softmax batch whose length is not a multiple of 128 run the Triton
+    # kernel. The plan's `ops:` line names what runs.
     kernel_backend: Literal["auto", "triton", "mosaic_gpu"] = "auto"
     # The fused loss makes the logits for at most this many MiB of rows at a time (at least 32
     # rows), chunk after chunk, per device (the Mosaic kernel holds dz beside a chunk's logits:

@@ -131,10 +131,10 @@ class OpPlan:
 
     def describe(self) -> str:
         """One line for the start of a run, e.g. 'ops: norm=pallas attention=cudnn ...'."""
-        # a loss without gradient (evaluation) runs the Triton forward kernel where jax has it
         triton = pallas_kernels.triton_refusal() is None
         # a batch whose length is not a multiple of 128 runs the Triton softmax where jax has it
         ragged = " (T % 128 > 0: pallas)" if triton and self.attention == "pallas_mgpu" else ""
+        # a loss without gradient (evaluation) runs the Triton forward kernel where jax has it
         triton_eval = self.loss == "pallas_mgpu" and triton
         parts = [
             f"norm={self.norm}",
@@ -376,9 +376,9 @@ def causal_attention(
         def probs_fn(scores: jax.Array, scale: float) -> jax.Array:  # (B, H, T, T)
             def kernel(scores: jax.Array) -> jax.Array:
                 # The Mosaic kernel tiles keys by 128. A batch of another length (a translation
-                # batch, say) runs Triton's where jax has it: padded up to 128, the Mosaic one
-                # took 1.25-3.8x Triton's time (H200, benchmarks/RESULTS.md); the ops line
-                # says so. Without Triton it is padded: the causal mask hides the padded keys.
+                # batch, say) runs Triton's where jax has it: padded to a multiple of 128 for the
+                # Mosaic one, the attention took 1.25-3.8x the time (H200, RESULTS.md); the ops
+                # line says so. Without Triton it is padded: the causal mask hides the padding.
                 t = scores.shape[-1]
                 backend, pad = _backend(path), 0
                 if path == "pallas_mgpu" and t % 128:

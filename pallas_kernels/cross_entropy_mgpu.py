@@ -7,9 +7,10 @@ memory between its sweeps: each program (one warpgroup, persistent over a contig
 of rows) copies a row in with one bulk TMA copy, computes the max, then the sum of exponentials
 (per-lane running vectors, reduced across the warpgroup once per row), reads the target's logit
 as one scalar, then writes dz = w softmax over the row in shared memory, stores the one-hot term
-at the target as one scalar, and copies the row back with one bulk copy. Only the last chunk of
-a row masks padding columns: no per-element compare for the target or the padding elsewhere took
-the kernel from 4.62 to 3.93 ms at 65536 x 51200 (H200, 2026-11-29, benchmarks/RESULTS.md).
+at the target as one scalar, and copies the row back with one bulk copy. Only the chunks that
+hold padding columns mask them (the last one, from cross_entropy): no per-element compare for
+the target, and none for the padding elsewhere, took the kernel from 4.62 to 3.93 ms at
+65536 x 51200 (H200, 2026-11-29, benchmarks/RESULTS.md).
 By default two programs share an SM with one row buffer each, so one computes while the other's
 copies run (`stages=2` double-buffers within one program instead: slower, see default_config).
 Exponentials and the log use the GPU's approximate instructions.
@@ -119,7 +120,7 @@ def _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, *, vocab: int, n_rows: int, ti
             steps: int, stages: int):  # fmt: skip
     nc = tiles.n_chunks
     n_cols = nc * tiles.chunk
-    padded = vocab < n_cols
+    clean = vocab // tiles.chunk  # chunks 0 .. clean - 1 hold no padding column
     first, count = rows.my_blocks(steps, n_rows)  # this program's run of rows
     # this program's targets and weights (padded to whole runs: the copy stays in bounds)
     rows.copy_in(t_g.at[pl.ds(first, steps)], sm["t"], sm["params_bar"])
@@ -149,25 +150,30 @@ def _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, *, vocab: int, n_rows: int, ti
 
         def sweep(body, init):
             """body(ci, acc, z) over the row's chunks, z a chunk of logits as float32; only the
-            last chunk can hold padding columns, and only it pays for their mask."""
+            chunks that hold padding columns pay for their mask."""
 
-            def at(ci, acc, last):
+            def at(ci, acc, masked):
                 z = tiles.load(z_s, 0, ci)
-                if last and padded:
+                if masked:
                     z = jnp.where(tiles.col_ids(ci * tiles.chunk) < vocab, z, MASK_VALUE)
                 return body(ci, acc, z)
 
-            if nc > 1:
-                last = jnp.int32(nc - 1)
-                init = jax.lax.fori_loop(jnp.int32(0), last, lambda ci, a: at(ci, a, False), init)
-            return at(jnp.int32(nc - 1), init, True)
+            for lo, hi, masked in ((0, clean, False), (clean, nc, True)):
+                if hi - lo == 1:
+                    init = at(jnp.int32(lo), init, masked)
+                elif hi > lo:
+                    step = lambda ci, a, masked=masked: at(ci, a, masked)  # noqa: E731
+                    init = jax.lax.fori_loop(jnp.int32(lo), jnp.int32(hi), step, init)
+            return init
 
         neg_inf = tiles.col_zeros() - jnp.inf
         m = jnp.max(sweep(lambda ci, acc, z: jnp.maximum(acc, z), neg_inf))
         v_sum = sweep(lambda ci, acc, z: acc + jnp.exp(z - m), tiles.col_zeros())
         lse = m + jnp.log(jnp.sum(v_sum))
-        # the target's logit, one scalar read (a padding column counts as masked, a target off
-        # the row as 0, as a one-hot sum over the row would give)
+        # The target's logit, one scalar read by every thread (a padding column counts as
+        # masked, a target off the row as 0, as a one-hot sum over the row would give). The
+        # barrier Pallas puts before the store of ce orders every read before the dz sweep
+        # overwrites the row.
         on_row = (target >= 0) & (target < n_cols)
         t_clip = jnp.clip(target, 0, n_cols - 1)
         t_at, t_col = z_s.at[t_clip // tiles.chunk], t_clip % tiles.chunk
@@ -183,7 +189,8 @@ def _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, *, vocab: int, n_rows: int, ti
         sweep(write, None)
 
         @pl.when(on_row)
-        def _():  # dz's one-hot term: every lane stores the same value after its own row stores
+        def _():  # dz's one-hot term: every thread stores the same value, after a barrier
+            # (Pallas puts one around each store to shared memory) that follows the row's stores
             t_at[t_col] = ((jnp.exp(z_t - lse) - 1.0) * weight).astype(z_s.dtype)
 
         plgpu.commit_smem()  # the register writes visible to the copy engine
