@@ -145,7 +145,16 @@ def test_top_kernels_counts_only_gpu_stream_kernels():
         ("loop_fusion", 0.25, 0.5, "(no scope)"),
     ]
     assert s.total_ms_per_step == 2.25
+    assert s.span_ms_per_step is None  # no start times in these events
     assert trace.top_kernels(meta, steps=1) is None
+    # with start times: 0-3000, 3500-4500 and 4000-4500 us span 4500 us, busy 4000 of them
+    for e, ts in zip(kernels, (0, 3500, 4000, 0, 0), strict=True):
+        e["ts"] = ts
+    s = trace.top_kernels(meta + kernels, steps=2)
+    assert (s.span_ms_per_step, s.idle_ms_per_step) == (2.25, 0.25)
+    assert "the steps span 2.25 ms each, 0.25 ms of it with no kernel running" in (
+        trace.format_summary(s, "gpu")
+    )
 
 
 # Lines of the optimized HLO of `profile.py trace` on an H100 (GPT-2 124M preset), in their

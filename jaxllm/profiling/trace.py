@@ -335,6 +335,8 @@ class KernelSummary:
     by_scope: tuple[tuple[str, float], ...]  # (scope with block_i -> block_*, ms per step)
     resolved: tuple[tuple[str, int], ...] = ()  # (how scopes were found, launches), most first
     arg_keys: tuple[str, ...] = ()  # the argument names the events carried
+    span_ms_per_step: float | None = None  # device: first kernel's start to last one's end
+    idle_ms_per_step: float | None = None  # ... of it with no kernel running
 
 
 def _device_events(
@@ -456,10 +458,24 @@ def top_kernels(
         KernelRow(name, t, calls[name], merge_scopes(scopes_of_name[name]))
         for name, t in ms.most_common(top)
     )
+    span = idle = None
+    if source == "device" and all("ts" in e for e in picked):
+        span, busy = _span_and_busy(picked)
+        span, idle = span / 1e3 / steps, (span - busy) / 1e3 / steps
     return KernelSummary(
         source, steps, sum(ms.values()), rows, tuple(by_scope.most_common()),
-        tuple(resolved.most_common()), tuple(sorted(arg_keys)),
+        tuple(resolved.most_common()), tuple(sorted(arg_keys)), span, idle,
     )  # fmt: skip
+
+
+def _span_and_busy(events: list[dict[str, Any]]) -> tuple[float, float]:
+    """(first start to last end, the union of the intervals), in the trace's us."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events)
+    busy, end = 0.0, spans[0][0]
+    for start, stop in spans:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return end - spans[0][0], busy
 
 
 def format_summary(s: KernelSummary | None, backend: str) -> str:
@@ -471,7 +487,11 @@ def format_summary(s: KernelSummary | None, backend: str) -> str:
         lines.append(f"no device kernel events in the trace (backend {backend}): the table lists "
                      "the host XLA ops (XLA:CPU thunks) instead")  # fmt: skip
     what = "device kernels" if s.source == "device" else "host XLA ops"
-    lines.append(f"{what}: {s.total_ms_per_step:.2f} ms per step summed over {s.steps} steps")
+    line = f"{what}: {s.total_ms_per_step:.2f} ms per step summed over {s.steps} steps"
+    if s.span_ms_per_step is not None:  # steps launched back to back: idle = the GPU waited
+        line += (f"; the steps span {s.span_ms_per_step:.2f} ms each, {s.idle_ms_per_step:.2f} "
+                 "ms of it with no kernel running")  # fmt: skip
+    lines.append(line)
     if s.resolved:
         args = f"event args: {', '.join(s.arg_keys)}" if s.arg_keys else "no event args"
         lines.append(f"scopes of the launches: {', '.join(f'{h} {n}' for h, n in s.resolved)} "
