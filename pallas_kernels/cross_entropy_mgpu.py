@@ -152,19 +152,16 @@ def _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, *, vocab: int, n_rows: int, ti
             """body(ci, acc, z) over the row's chunks, z a chunk of logits as float32; only the
             chunks that hold padding columns pay for their mask."""
 
-            def at(ci, acc, masked):
-                z = tiles.load(z_s, 0, ci)
-                if masked:
-                    z = jnp.where(tiles.col_ids(ci * tiles.chunk) < vocab, z, MASK_VALUE)
-                return body(ci, acc, z)
+            def at(masked):
+                def step(ci, acc):
+                    z = tiles.load(z_s, 0, ci)
+                    if masked:
+                        z = jnp.where(tiles.col_ids(ci * tiles.chunk) < vocab, z, MASK_VALUE)
+                    return body(ci, acc, z)
 
-            for lo, hi, masked in ((0, clean, False), (clean, nc, True)):
-                if hi - lo == 1:
-                    init = at(jnp.int32(lo), init, masked)
-                elif hi > lo:
-                    step = lambda ci, a, masked=masked: at(ci, a, masked)  # noqa: E731
-                    init = jax.lax.fori_loop(jnp.int32(lo), jnp.int32(hi), step, init)
-            return init
+                return step
+
+            return tiles.chunks(at(True), tiles.chunks(at(False), init, 0, clean), clean)
 
         neg_inf = tiles.col_zeros() - jnp.inf
         m = jnp.max(sweep(lambda ci, acc, z: jnp.maximum(acc, z), neg_inf))

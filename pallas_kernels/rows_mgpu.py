@@ -186,11 +186,15 @@ class Tiles(NamedTuple):
         held = read(jnp.int32(0))
         return lambda ci: held
 
-    def chunks(self, body: Callable[[Any, Any], Any], init: Any) -> Any:
-        """fori_loop over the column chunks (straight-line code for one chunk)."""
-        if self.n_chunks == 1:
-            return body(jnp.int32(0), init)
-        return jax.lax.fori_loop(jnp.int32(0), jnp.int32(self.n_chunks), body, init)
+    def chunks(
+        self, body: Callable[[Any, Any], Any], init: Any, lo: int = 0, hi: int | None = None
+    ) -> Any:
+        """fori_loop over the column chunks lo .. hi - 1 (all by default; straight-line code
+        for one chunk, none for an empty range)."""
+        hi = self.n_chunks if hi is None else hi
+        if hi - lo <= 1:
+            return body(jnp.int32(lo), init) if hi > lo else init
+        return jax.lax.fori_loop(jnp.int32(lo), jnp.int32(hi), body, init)
 
 
 def launch(body, name: str, out_type, scratch: dict, grid: dict[str, int], scratch_bytes: int,
