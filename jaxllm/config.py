@@ -167,6 +167,10 @@ class ExecutionConfig(Section):
     # Training loss: "xla" = logits, then softmax_loss; "pallas" = the fused LM head +
     # cross-entropy kernel (pallas_kernels.linear_cross_entropy), which never keeps the logits.
     loss_impl: Literal["xla", "pallas"] = "xla"
+    # GPT-2's MLP backward: "xla" = cuBLAS's dX GEMM, then a fusion applying GELU's backward;
+    # "pallas" = one Mosaic GPU kernel doing both (pallas_kernels.matmul_dgelu; Hopper-class
+    # GPUs, 16-bit matmuls; elsewhere XLA's, and the `ops:` line says so).
+    mlp_impl: Literal["xla", "pallas"] = "xla"
     # The Pallas kernels' lowering (norms, attention softmax, conv, fused loss): "auto" = Mosaic
     # GPU wherever its kernel can run (a Hopper-class GPU and the shapes it takes), Triton
     # elsewhere; "triton" = Triton everywhere; "mosaic_gpu" = Mosaic GPU for every Pallas kernel

@@ -47,17 +47,24 @@ class Linear(nn.Module):
     compute_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array, splits: int = 1) -> jax.Array | tuple[jax.Array, ...]:
+    def __call__(
+        self, x: jax.Array, splits: int = 1, gelu: ops.MLPPath | None = None,
+        shard: ops.KernelShard | None = None,
+    ) -> jax.Array | tuple[jax.Array, ...]:  # fmt: skip
         """x (..., D_in) -> (..., D_out); `splits=n` returns the n equal column blocks of the
         output as a tuple, each from its own matmul on a slice of W (for a fused q/k/v kernel:
         one (..., 3D) output split afterwards costs a copy forward and a concat backward; XLA's
         dot merger may still re-merge small ones, as at GPT-2 batch 16, not at batch 64). The
-        bias gradient is a float32 sum over the rows (_add_bias)."""
+        bias gradient is a float32 sum over the rows (_add_bias). `gelu`: y = gelu(x) W (+ b),
+        GELU's backward on that path (ops.gelu_matmul, `shard` as there)."""
         d_in = x.shape[-1]
         w = self.param("kernel", self.kernel_init, (d_in, self.features))
         b = self.param("bias", nn.initializers.zeros, (self.features,)) if self.use_bias else None
-        xc = x.astype(self.compute_dtype)
-        ys = tuple(jnp.dot(xc, wi.astype(self.compute_dtype)) for wi in jnp.split(w, splits, 1))
+        xc, cd = x.astype(self.compute_dtype), self.compute_dtype
+        if gelu is not None:
+            ys = (ops.gelu_matmul(xc, w.astype(cd), gelu, shard),)
+        else:
+            ys = tuple(jnp.dot(xc, wi.astype(cd)) for wi in jnp.split(w, splits, 1))
         ys = ys if b is None else _add_bias(ys, b)
         return ys[0] if splits == 1 else ys
 
@@ -286,12 +293,15 @@ class FeedForward(nn.Module):
     kernel_init: Initializer = nn.initializers.normal(0.02)
     out_init: Initializer = nn.initializers.normal(0.02)
     compute_dtype: Dtype = jnp.float32
+    path: ops.MLPPath = "xla"  # GELU's backward (and the proj's dX GEMM): ops.gelu_matmul
+    shard: ops.KernelShard | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
         fc = Linear(self.d_ff, self.use_bias, self.kernel_init, self.compute_dtype, name="fc")
         proj = Linear(x.shape[-1], self.use_bias, self.out_init, self.compute_dtype, name="proj")
-        return nn.Dropout(self.dropout)(proj(F.gelu(fc(x))), deterministic)
+        y = proj(fc(x), gelu=self.path, shard=self.shard)
+        return nn.Dropout(self.dropout)(y, deterministic)
 
 
 class SwiGLU(nn.Module):

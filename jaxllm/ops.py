@@ -1,11 +1,11 @@
 """Which implementation runs for each op family, decided in one place and said out loud.
 
-`plan_ops(cfg, ex)` turns the execution config's switches (`kernels`, `attention_impl`, `loss_impl`)
-and the backend into an `OpPlan`: one named path per op family. Layers receive their path from the
-plan and call the functions below; nothing else in the library imports `pallas_kernels` (the kernel
-benchmark in `jaxllm.profiling.kernel_bench`, whose subject is the kernels themselves, is the one
-exception). A switch that cannot apply is a `ConfigError`, when the config is loaded (cuDNN or flash
-attention with dropout) or when the plan is made for the machine
+`plan_ops(cfg, ex)` turns the execution config's switches (`kernels`, `attention_impl`, `loss_impl`,
+`mlp_impl`) and the backend into an `OpPlan`: one named path per op family. Layers receive their
+path from the plan and call the functions below; nothing else in the library imports
+`pallas_kernels` (the kernel benchmark in `jaxllm.profiling.kernel_bench`, whose subject is the
+kernels themselves, is the one exception). A switch that cannot apply is a `ConfigError`, when the
+config is loaded (cuDNN or flash attention with dropout) or when the plan is made for the machine
 (execution.kernel_backend=mosaic_gpu off Hopper, a Pallas path that neither lowering can run), or
 a path the plan names (cuDNN needs a GPU, bf16, a head dim that is a multiple of 8 up to 128 and an
 even context, our flash attention a Hopper-class GPU, 16-bit inputs and head dim 64 or 128:
@@ -34,11 +34,15 @@ kernel: execution.kernel_backend picks; `auto` takes Mosaic GPU wherever its ker
                                    as in evaluation, runs the Triton forward kernel where jax
                                    has the Triton lowering)
   conv       xla | pallas[_mgpu]   depthwise conv1d
+  mlp        xla | pallas_mgpu     GPT-2's MLP backward: XLA's GEMM then GELU's backward, or one
+                                   Mosaic GPU kernel (pallas_kernels.matmul_dgelu; a call whose
+                                   rows per device are not a multiple of 128 runs XLA's)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -57,6 +61,8 @@ NormPath = Literal["xla", "pallas", "pallas_mgpu"]
 AttentionPath = Literal["xla", "pallas", "pallas_mgpu", "cudnn", "flash"]
 LossPath = Literal["xla", "pallas", "pallas_mgpu"]
 ConvPath = Literal["xla", "pallas", "pallas_mgpu"]
+MLPPath = Literal["xla", "pallas_mgpu"]
+MLP_ROWS = 128  # the rows (batch x context, per device) the Mosaic GPU kernel's tiles divide
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +131,7 @@ class OpPlan:
     attention: AttentionPath = "xla"
     loss: LossPath = "xla"
     conv: ConvPath = "xla"
+    mlp: MLPPath = "xla"
     interpret: bool = False  # Pallas kernels run in interpret mode (no GPU): slow, for tests
     shard: KernelShard | None = None  # several devices: each Pallas call runs per batch shard
     notes: tuple[str, ...] = ()  # why a path differs from what the config asked for
@@ -142,8 +149,9 @@ class OpPlan:
             "decode=xla",
             f"loss={self.loss}" + (" (eval: pallas)" if triton_eval else ""),
             f"conv={self.conv}",
+            f"mlp={self.mlp}" + (f" (rows % {MLP_ROWS} > 0: xla)" if self.mlp != "xla" else ""),
         ]
-        paths = (self.norm, self.attention, self.loss, self.conv)
+        paths = (self.norm, self.attention, self.loss, self.conv, self.mlp)
         pallas = any(p.startswith("pallas") for p in paths) or self.attention == "flash"
         if pallas:
             parts.append("(Pallas interpreted: no GPU)" if self.interpret else "(Pallas compiled)")
@@ -285,6 +293,22 @@ def _attention_path(
     return kernels()
 
 
+def _mlp_path(cfg: ModelConfig, ex: ExecutionConfig, backend: str, notes: list[str]) -> MLPPath:
+    """execution.mlp_impl's path here; a note in `notes` where "pallas" cannot run."""
+    if ex.mlp_impl == "xla":
+        return "xla"
+    if cfg.arch != "gpt2":
+        refusal = f"GPT-2's GELU MLP (model.arch {cfg.arch} has SwiGLU)"
+    elif backend != "gpu":
+        refusal = f"a GPU (backend here: {backend})"
+    else:
+        refusal = pallas_kernels.matmul_dgelu_refusal(cfg.d_model, cfg.ffn_dim, ex.compute_dtype)
+    if refusal is None:
+        return "pallas_mgpu"
+    notes.append(f"mlp_impl=pallas needs {refusal}: the MLP runs on xla")
+    return "xla"
+
+
 def plan_ops(
     cfg: ModelConfig,
     ex: ExecutionConfig,
@@ -297,12 +321,14 @@ def plan_ops(
     backend = backend or jax.default_backend()
     notes: list[str] = []
     attention = _attention_path(cfg, ex, backend, notes)
-    pallas = "pallas" in (ex.kernels, ex.loss_impl) or attention == "flash"
+    mlp = _mlp_path(cfg, ex, backend, notes)
+    pallas = "pallas" in (ex.kernels, ex.loss_impl) or attention == "flash" or mlp != "xla"
     return OpPlan(
         norm=_lowering("norm", ex.kernels, cfg, ex, backend),  # LayerNorm and RMSNorm alike
         attention=attention,
         loss=_lowering("loss", ex.loss_impl, cfg, ex, backend),
         conv=_lowering("conv", ex.kernels, cfg, ex, backend),
+        mlp=mlp,
         interpret=backend != "gpu",
         shard=shard if pallas else None,
         notes=tuple(notes),
@@ -457,3 +483,40 @@ def depthwise_conv1d(
 
         return _per_shard(shard, kernel, (u, w, b), (True, False, False), True)
     return F.depthwise_conv1d(u, w, b, mode)
+
+
+def gelu_matmul(
+    h: jax.Array, w: jax.Array, path: MLPPath, shard: KernelShard | None = None
+) -> jax.Array:
+    """gelu(h) @ w, h (..., F) the MLP's hidden pre-activation and w (F, D), in one dtype. On the
+    pallas_mgpu path the backward's dh = (dy @ w^T) * gelu'(h) is one kernel."""
+    if path == "xla":
+        return jnp.dot(F.gelu(h), w)
+    return _gelu_matmul(h, w, shard)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gelu_matmul(h: jax.Array, w: jax.Array, shard: KernelShard | None) -> jax.Array:
+    return jnp.dot(F.gelu(h), w)
+
+
+def _gelu_matmul_fwd(h, w, shard):
+    a = F.gelu(h)
+    # h saved as a no-op rounding, as jaxllm.functional's GELU saves it (why: there)
+    f = jnp.finfo(h.dtype)
+    return jnp.dot(a, w), (jax.lax.reduce_precision(h, f.nexp, f.nmant), a, w)
+
+
+def _gelu_matmul_bwd(shard, res, dy):
+    h, a, w = res
+    rows = math.prod(h.shape[:-1])
+    h2, a2, dy2 = h.reshape(rows, -1), a.reshape(rows, -1), dy.reshape(rows, -1)
+    if (shard.rows_per_device(rows) if shard else rows) % MLP_ROWS:
+        dh = jax.vjp(F.gelu, h2)[1](jnp.dot(dy2, w.T))[0]
+    else:
+        args = (dy2, w.T, h2)
+        dh = _per_shard(shard, pallas_kernels.matmul_dgelu, args, (True, False, True), True)
+    return dh.reshape(h.shape), jnp.dot(a2.T, dy2)
+
+
+_gelu_matmul.defvjp(_gelu_matmul_fwd, _gelu_matmul_bwd)

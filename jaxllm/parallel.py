@@ -479,7 +479,7 @@ def mesh_apply(
         check_pipeline(model.cfg, model.execution, stages, virtual_stages, microbatches)
         m = microbatches or stages
         plan = model.plan
-        stage_ops = (plan.norm, plan.attention, plan.conv)
+        stage_ops = (plan.norm, plan.attention, plan.conv, plan.mlp)
         pallas = plan.attention == "flash" or any(p.startswith("pallas") for p in stage_ops)
         run = functools.partial(
             pipeline_apply,

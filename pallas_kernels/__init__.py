@@ -1,5 +1,6 @@
 """Pallas GPU kernels (fused attention softmax, layer norm and RMSNorm, depthwise conv1d,
-LM-head cross-entropy, causal flash attention on Mosaic GPU) with custom VJPs.
+LM-head cross-entropy, causal flash attention and GELU's backward in a GEMM on Mosaic GPU) with
+custom VJPs.
 
 Each op is `<op>.py` (the public function: argument checks, the custom VJP, the choice of
 lowering) above `<op>_triton.py` and `<op>_mgpu.py` (the Triton and Mosaic GPU kernels), which
@@ -14,6 +15,7 @@ from .cross_entropy import head_chunk_rows, linear_cross_entropy, mosaic_loss_re
 from .depthwise_conv1d import depthwise_conv1d
 from .flash_attention import faster_than_cudnn, flash_attention, flash_attention_refusal
 from .layer_norm import add_layer_norm, add_rms_norm, layer_norm, mosaic_norm_refusal, rms_norm
+from .matmul_dgelu import matmul_dgelu, matmul_dgelu_refusal
 from .reference import (
     add_layer_norm_ref,
     add_rms_norm_ref,
@@ -22,6 +24,7 @@ from .reference import (
     flash_attention_ref,
     layer_norm_ref,
     linear_cross_entropy_ref,
+    matmul_dgelu_ref,
     rms_norm_ref,
 )
 
@@ -43,6 +46,9 @@ __all__ = [
     "layer_norm_ref",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
+    "matmul_dgelu",
+    "matmul_dgelu_ref",
+    "matmul_dgelu_refusal",
     "mosaic_gpu_refusal",
     "mosaic_loss_refusal",
     "mosaic_norm_refusal",

@@ -138,3 +138,12 @@ def add_rms_norm_ref(
     """(s, RMSNorm(s)) with s = x + h in x's dtype: the Llama pre-norm residual step."""
     s = x + h.astype(x.dtype)
     return s, rms_norm_ref(s, gamma, eps)
+
+
+def matmul_dgelu_ref(dy: jax.Array, w: jax.Array, h: jax.Array) -> jax.Array:
+    """(dy @ w) * gelu'(h), gelu GPT-2's tanh form: dy (M, K), w (K, N), h (M, N) -> h's dtype
+    (the gradient of gelu(h) @ w.T with respect to h, given dy)."""
+    ct = _compute_dtype(h.dtype)
+    x = h.astype(ct)
+    gelu = jax.grad(lambda v: jnp.sum(jax.nn.gelu(v, approximate=True)))(x)
+    return (jnp.dot(dy.astype(ct), w.astype(ct)) * gelu).astype(h.dtype)

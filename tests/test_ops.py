@@ -25,8 +25,8 @@ def preset(**execution):
 
 def test_default_plan_is_all_xla():
     plan = plan_of("cpu")
-    assert (plan.norm, plan.attention, plan.loss, plan.conv) == ("xla",) * 4
-    assert plan.describe() == "ops: norm=xla attention=xla decode=xla loss=xla conv=xla"
+    assert (plan.norm, plan.attention, plan.loss, plan.conv, plan.mlp) == ("xla",) * 5
+    assert plan.describe() == "ops: norm=xla attention=xla decode=xla loss=xla conv=xla mlp=xla"
 
 
 @pytest.mark.parametrize("hopper", [False, True])
@@ -210,8 +210,9 @@ def test_model_loss_reaches_the_mosaic_kernel_when_planned(monkeypatch):
 
 def test_model_reaches_every_mosaic_kernel_when_planned(monkeypatch):
     """kernel_backend=mosaic_gpu: the model's norms, softmax and conv (forward and backward)
-    lower to their Mosaic GPU kernels for CUDA, at the context and (without Triton) at a shorter
-    batch."""
+    and the MLP's dX GEMM with GELU's backward (mlp_impl=pallas) lower to their Mosaic GPU
+    kernels for CUDA, at the context and (without Triton) at a shorter batch (whose 80 rows run
+    XLA's MLP backward)."""
     import jax
     import jax.numpy as jnp
 
@@ -221,7 +222,7 @@ def test_model_reaches_every_mosaic_kernel_when_planned(monkeypatch):
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
     model = tiny_model(kernels="pallas", kernel_backend="mosaic_gpu", compute_dtype="bfloat16",
                        d_model=128, n_heads=2, context_length=128, short_conv=True,
-                       attention_impl="xla")  # fmt: skip
+                       attention_impl="xla", mlp_impl="pallas")  # fmt: skip
     tokens = jnp.zeros((2, 128), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
 
@@ -231,6 +232,7 @@ def test_model_reaches_every_mosaic_kernel_when_planned(monkeypatch):
     text = jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
     for op in ("add_layer_norm", "attention_softmax", "depthwise_conv1d"):
         assert f"{op}_fwd_mgpu" in text and f"{op}_bwd_mgpu" in text, op
+    assert "matmul_dgelu_mgpu" in text
     # a batch shorter than the context: without Triton the Mosaic softmax takes it padded
     monkeypatch.setattr(tb, "pltriton", None)
     short = jnp.zeros((2, 40), jnp.int32)
@@ -240,6 +242,7 @@ def test_model_reaches_every_mosaic_kernel_when_planned(monkeypatch):
 
     text = jax.jit(jax.grad(short_loss)).trace(params).lower(lowering_platforms=("cuda",))
     assert "attention_softmax_bwd_mgpu" in text.as_text()
+    assert "matmul_dgelu_mgpu" not in text.as_text()
 
 
 NO_TRITON = """

@@ -45,7 +45,9 @@ class Block(nn.Module):
             cfg.n_heads, cfg.qkv_bias, cfg.bias, p, None, init, out_init, dtype,
             plan.attention, plan.shard, name="attn",
         )  # fmt: skip
-        mlp = FeedForward(cfg.ffn_dim, cfg.bias, p, init, out_init, dtype, name="mlp")
+        mlp = FeedForward(
+            cfg.ffn_dim, cfg.bias, p, init, out_init, dtype, plan.mlp, plan.shard, name="mlp"
+        )
 
         conv = None
         if cfg.short_conv:

@@ -1,0 +1,56 @@
+"""GELU's backward fused into the MLP's dX GEMM: dh = (dy @ w) * gelu'(h) in one kernel.
+
+GPT-2's MLP is gelu(h) @ W2 (h = x @ W1 + b1); its backward needs dh = (dy @ W2^T) * gelu'(h),
+which XLA runs as a cuBLAS GEMM writing dy @ W2^T and a fusion reading it back with h.
+matmul_dgelu_mgpu.py's Mosaic GPU kernel (Hopper+) applies gelu'(h) in the GEMM's epilogue.
+jaxllm.ops owns the custom VJP that calls it; reference.matmul_dgelu_ref is the jnp reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import common
+from . import matmul_dgelu_mgpu as mgpu
+from .common import check_config
+
+DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def matmul_dgelu_refusal(d_model: int, d_ff: int, compute_dtype) -> str | None:
+    """Why the kernel cannot run an MLP (d_model -> d_ff -> d_model) here, as "needs ..." would
+    end (None: it can): a Hopper-class GPU, 16-bit matmuls, widths its tiles divide. Rows (batch
+    x context) must be a multiple of block_m too, checked per call."""
+    if (refusal := common.mosaic_gpu_refusal()) is not None:
+        return refusal
+    if jnp.dtype(compute_dtype) not in DTYPES:
+        return f"bfloat16 or float16 matmuls (got {jnp.dtype(compute_dtype)})"
+    cfg = mgpu.Config()
+    if d_model % cfg.block_k or d_ff % cfg.block_n:
+        return (f"d_model a multiple of {cfg.block_k} and d_ff of {cfg.block_n} (got {d_model}, "
+                f"{d_ff})")  # fmt: skip
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def matmul_dgelu(
+    dy: jax.Array, w: jax.Array, h: jax.Array, *, config: mgpu.Config | None = None
+) -> jax.Array:
+    """(dy @ w) * gelu'(h): dy (M, K), w (K, N), h (M, N), all bfloat16 or all float16 -> (M, N)
+    in h's dtype; float32 accumulation and epilogue. M a multiple of 128, N of the config's
+    block_n, K of 64. Needs a Hopper-class GPU (tests run the kernel in jax's Mosaic GPU
+    interpreter through matmul_dgelu_mgpu.matmul_dgelu)."""
+    (m, k), (k2, n) = jnp.shape(dy) + (0,) * (2 - dy.ndim), jnp.shape(w) + (0,) * (2 - w.ndim)
+    if dy.ndim != 2 or w.ndim != 2 or k2 != k or h.shape != (m, n):
+        raise ValueError(f"matmul_dgelu needs dy (M, K), w (K, N), h (M, N), got {dy.shape}, "
+                         f"{w.shape}, {h.shape}")  # fmt: skip
+    if dy.dtype not in DTYPES or w.dtype != dy.dtype or h.dtype != dy.dtype:
+        raise ValueError(f"dy, w, h must all be bfloat16 or float16, got {dy.dtype}, {w.dtype}, "
+                         f"{h.dtype}")  # fmt: skip
+    if (refusal := common.mosaic_gpu_refusal()) is not None:
+        raise ValueError(f"matmul_dgelu needs {refusal}")
+    check_config(config, "mosaic_gpu", mgpu.Config)
+    return mgpu.matmul_dgelu(dy, w, h, config or mgpu.Config())

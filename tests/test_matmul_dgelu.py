@@ -1,0 +1,120 @@
+"""pallas_kernels.matmul_dgelu (GELU's backward in the dX GEMM's epilogue, Mosaic GPU) and the
+MLP path that calls it (jaxllm.ops.gelu_matmul, execution.mlp_impl)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_model
+
+import pallas_kernels
+from jaxllm import ops
+from pallas_kernels import matmul_dgelu_mgpu as mgpu
+from pallas_kernels.common import mosaic_gpu_capable
+
+try:  # jax 0.10's Mosaic GPU interpreter (private API); jax 0.11 moved it
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+except ImportError:
+    InterpretGPUParams = None
+
+
+def _inputs(m, k, n, dtype=jnp.bfloat16, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    dy = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(keys[1], (k, n), jnp.float32) * k**-0.5).astype(dtype)
+    h = (2 * jax.random.normal(keys[2], (m, n), jnp.float32)).astype(dtype)
+    return dy, w, h
+
+
+def _check_close(float64_ref, out, dy, w, h):
+    """Within two roundings of the output's 16-bit dtype of the float64 reference."""
+    ref = float64_ref(pallas_kernels.matmul_dgelu_ref, dy, w, h)
+    err = np.abs(np.asarray(out, np.float64) - ref).max()
+    assert out.dtype == h.dtype and err <= 2 * float(jnp.finfo(h.dtype).eps) * np.abs(ref).max(), err
+
+
+@pytest.mark.skipif(InterpretGPUParams is None, reason="needs jax 0.10's Mosaic GPU interpreter")
+@pytest.mark.parametrize(
+    "cfg, m, k, n",
+    [
+        (mgpu.Config(stages=2, ctas=3), 512, 256, 256),  # 8 tiles: 3, 3 and 2 a CUDA block
+        (mgpu.Config(block_n=64, stages=3, ctas=5), 384, 192, 320),  # fewer k-blocks than slots
+    ],
+)
+def test_interpreted_kernel_matches_float64_reference(float64_ref, cfg, m, k, n):
+    dy, w, h = _inputs(m, k, n)
+    _check_close(float64_ref, mgpu.matmul_dgelu(dy, w, h, cfg, InterpretGPUParams()), dy, w, h)
+
+
+@pytest.mark.skipif(not mosaic_gpu_capable(), reason="needs a Hopper-class GPU")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m, k, n", [(8192, 768, 3072), (1024, 1024, 4096), (256, 64, 128)])
+def test_compiled_kernel_matches_float64_reference(float64_ref, m, k, n, dtype):
+    dy, w, h = _inputs(m, k, n, dtype)
+    _check_close(float64_ref, pallas_kernels.matmul_dgelu(dy, w, h), dy, w, h)
+
+
+@pytest.mark.parametrize(
+    "shapes, dtype, match",
+    [
+        (((256, 64), (64, 128), (256, 64)), jnp.bfloat16, "h \\(M, N\\)"),
+        (((256, 64), (32, 128), (256, 128)), jnp.bfloat16, "w \\(K, N\\)"),
+        (((256, 64), (64, 128), (256, 128)), jnp.float32, "bfloat16 or float16"),
+        (((200, 64), (64, 128), (200, 128)), jnp.bfloat16, "M a multiple of 128, got 200"),
+        (((256, 96), (96, 128), (256, 128)), jnp.bfloat16, "K a multiple of 64, got 96"),
+    ],
+)
+def test_bad_inputs_raise(monkeypatch, shapes, dtype, match):
+    import pallas_kernels.common as common
+
+    monkeypatch.setattr(common, "mosaic_gpu_capable", lambda: True)
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(pallas_kernels.matmul_dgelu, *args)
+
+
+def test_refused_without_a_hopper_gpu(monkeypatch):
+    import pallas_kernels.common as common
+
+    monkeypatch.setattr(common, "mosaic_gpu_capable", lambda: False)
+    with pytest.raises(ValueError, match="Hopper-class"):
+        pallas_kernels.matmul_dgelu(*_inputs(128, 64, 128))
+
+
+@pytest.mark.parametrize("rows", [(2, 128), (3, 5)])  # a multiple of 128 rows, and not (XLA's)
+def test_gelu_matmul_pallas_path_has_the_xla_paths_values_and_gradients(monkeypatch, rows):
+    """The custom VJP around the kernel (stood in by its reference on the CPU): same output,
+    dh and dw as autodiff of the XLA path."""
+    monkeypatch.setattr(pallas_kernels, "matmul_dgelu", pallas_kernels.matmul_dgelu_ref)
+    keys = jax.random.split(jax.random.PRNGKey(1), 3)
+    h = 2 * jax.random.normal(keys[0], (*rows, 256))
+    w = jax.random.normal(keys[1], (256, 64)) / 16
+    g = jax.random.normal(keys[2], (*rows, 64))
+
+    def run(path):
+        y, vjp = jax.vjp(lambda h, w: ops.gelu_matmul(h, w, path), h, w)
+        return y, *vjp(g)
+
+    for got, want in zip(run("pallas_mgpu"), run("xla"), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_plan_takes_the_kernel_only_where_it_runs(monkeypatch):
+    import pallas_kernels.common as common
+
+    def plan(backend, arch="gpt2", **kw):
+        model = tiny_model(arch, mlp_impl="pallas", **{"d_model": 64, **kw})
+        return ops.plan_ops(model.cfg, model.execution, backend=backend)
+
+    assert plan("cpu", compute_dtype="bfloat16").notes == (
+        "mlp_impl=pallas needs a GPU (backend here: cpu): the MLP runs on xla",
+    )
+    monkeypatch.setattr(common, "mosaic_gpu_capable", lambda: True)
+    p = plan("gpu", compute_dtype="bfloat16")
+    assert p.mlp == "pallas_mgpu" and "mlp=pallas_mgpu (rows % 128 > 0: xla)" in p.describe()
+    assert "bfloat16 or float16 matmuls" in plan("gpu").notes[0]
+    swiglu = plan("gpu", "transformer_lm", compute_dtype="bfloat16", d_ff=256)
+    assert swiglu.mlp == "xla" and "SwiGLU" in swiglu.notes[0]
+    assert "d_model a multiple of 64" in plan("gpu", compute_dtype="bfloat16", d_model=32).notes[0]
+    monkeypatch.setattr(common, "mosaic_gpu_capable", lambda: False)
+    assert "Hopper-class" in plan("gpu", compute_dtype="bfloat16").notes[0]
