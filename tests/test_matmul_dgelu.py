@@ -30,7 +30,8 @@ def _check_close(float64_ref, out, dy, w, h):
     """Within two roundings of the output's 16-bit dtype of the float64 reference."""
     ref = float64_ref(pallas_kernels.matmul_dgelu_ref, dy, w, h)
     err = np.abs(np.asarray(out, np.float64) - ref).max()
-    assert out.dtype == h.dtype and err <= 2 * float(jnp.finfo(h.dtype).eps) * np.abs(ref).max(), err
+    tol = 2 * float(jnp.finfo(h.dtype).eps) * np.abs(ref).max()
+    assert out.dtype == h.dtype and err <= tol, (err, tol)
 
 
 @pytest.mark.skipif(InterpretGPUParams is None, reason="needs jax 0.10's Mosaic GPU interpreter")

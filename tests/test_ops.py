@@ -35,13 +35,16 @@ def test_gpt2_benchmark_preset_on_gpu(monkeypatch, hopper):
 
     monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: hopper)  # whatever this machine is
     plan = plan_ops(*preset(), backend="gpu")
-    assert (plan.norm, plan.attention, plan.loss, plan.conv) == (
+    assert (plan.norm, plan.attention, plan.loss, plan.conv, plan.mlp) == (
         "pallas_mgpu" if hopper else "pallas",
         "flash" if hopper else "cudnn",
         "pallas_mgpu" if hopper else "pallas",
         "pallas_mgpu" if hopper else "pallas",
+        "pallas_mgpu" if hopper else "xla",
     )
-    assert not plan.notes and "(Pallas compiled)" in plan.describe()
+    assert "(Pallas compiled)" in plan.describe()
+    assert plan.notes == (() if hopper else (f"mlp_impl=pallas needs {tb.mosaic_gpu_refusal()}: "
+                                             "the MLP runs on xla",))  # fmt: skip
 
 
 def test_cudnn_needs_what_jax_checks_and_the_plan_says_so():
