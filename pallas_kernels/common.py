@@ -69,7 +69,7 @@ def first_order_only(kernel: str, fn: Callable, *arrays: Any) -> Any:
         raise NotImplementedError(
             f"{kernel}: the Pallas kernel has first derivatives only. For a second derivative "
             "(jax.hessian, grad of grad) use its jnp reference (pallas_kernels.*_ref) or the "
-            "model's xla paths (execution.kernels: xla, execution.loss_impl: xla)"
+            "model's xla paths (execution.kernels, loss_impl, mlp_impl: xla)"
         )
 
     return f(*arrays)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from . import common
 from . import matmul_dgelu_mgpu as mgpu
-from .common import check_config
+from .common import check_config, first_order_only
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -53,4 +53,5 @@ def matmul_dgelu(
     if (refusal := common.mosaic_gpu_refusal()) is not None:
         raise ValueError(f"matmul_dgelu needs {refusal}")
     check_config(config, "mosaic_gpu", mgpu.Config)
-    return mgpu.matmul_dgelu(dy, w, h, config or mgpu.Config())
+    cfg = config or mgpu.Config()
+    return first_order_only("matmul_dgelu", lambda *a: mgpu.matmul_dgelu(*a, cfg), dy, w, h)

@@ -100,6 +100,21 @@ def test_gelu_matmul_pallas_path_has_the_xla_paths_values_and_gradients(monkeypa
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_second_derivative_is_one_clear_error(monkeypatch):
+    import pallas_kernels.common as common
+
+    monkeypatch.setattr(common, "mosaic_gpu_capable", lambda: True)
+    h = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
+    w = jnp.zeros((256, 64), jnp.bfloat16)
+
+    def grad_norm(h):
+        g = jax.grad(lambda h: jnp.sum(ops.gelu_matmul(h, w, "pallas_mgpu").astype(jnp.float32)))
+        return jnp.sum(g(h).astype(jnp.float32))
+
+    with pytest.raises(NotImplementedError, match="matmul_dgelu: the Pallas kernel has first"):
+        jax.eval_shape(jax.grad(grad_norm), h)
+
+
 def test_plan_takes_the_kernel_only_where_it_runs(monkeypatch):
     import pallas_kernels.common as common
 
