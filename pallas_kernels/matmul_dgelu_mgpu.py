@@ -80,100 +80,114 @@ def gelu_grad(x: jax.Array) -> jax.Array:
 
 def _kernel(dy_g, w_g, h_g, dh_g, sm, *, cfg: Config, n_ctas: int):
     m, k = dy_g.shape
-    n = w_g.shape[1]
-    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
-    tiles_n, steps = n // bn, k // bk
+    tiles_n, steps = w_g.shape[1] // cfg.block_n, k // cfg.block_k
     p = jax.lax.axis_index("p")
-    count = (m // bm * tiles_n - 1 - p) // n_ctas + 1  # tiles p, p + n_ctas, ...
+    count = (m // cfg.block_m * tiles_n - 1 - p) // n_ctas + 1  # tiles p, p + n_ctas, ...
 
     def origin(i):  # (first row, first column) of tile i of this CUDA block
         t = p + i * n_ctas
-        return (t // tiles_n) * bm, jax.lax.rem(t, jnp.int32(tiles_n)) * bn
-
-    def slot_of(g):
-        return jax.lax.rem(g, jnp.int32(stages))
+        return (t // tiles_n) * cfg.block_m, jax.lax.rem(t, jnp.int32(tiles_n)) * cfg.block_n
 
     wg = jax.lax.axis_index("wg")
 
     @pl.when(wg == COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(40, action="decrease")
-
-        def tile(i, g):  # ring steps g .. g + steps - 1; full barriers per compute warpgroup
-            m0, n0 = origin(i)
-            owner = jax.lax.rem(i, jnp.int32(COMPUTE_WGS))
-
-            def step(kk, g):
-                slot = slot_of(g)
-                pl.when(g >= stages)(lambda: plgpu.barrier_wait(sm["free"].at[slot]))
-                bar = owner * stages + slot
-                plgpu.copy_gmem_to_smem(dy_g.at[pl.ds(m0, bm), pl.ds(kk * bk, bk)],
-                                        sm["dy"].at[slot], sm["dy_bar"].at[bar])  # fmt: skip
-                plgpu.copy_gmem_to_smem(w_g.at[pl.ds(kk * bk, bk), pl.ds(n0, bn)],
-                                        sm["w"].at[slot], sm["w_bar"].at[bar])  # fmt: skip
-
-                # h once the owner has started this tile (its last store has then read the
-                # buffer): waited for once the ring is full, it lands during the tile's matmuls
-                @pl.when(kk == min(stages, steps) - 1)
-                def _():
-                    pl.when(i >= COMPUTE_WGS)(lambda: plgpu.barrier_wait(sm["h_free"].at[owner]))
-                    plgpu.copy_gmem_to_smem(h_g.at[pl.ds(m0, bm), pl.ds(n0, bn)],
-                                            sm["out"].at[owner], sm["h_bar"].at[owner])  # fmt: skip
-
-                return g + 1
-
-            return jax.lax.fori_loop(jnp.int32(0), jnp.int32(steps), step, g)
-
-        g = jax.lax.fori_loop(jnp.int32(0), count, tile, jnp.int32(0))
-
-        def drain(i, carry):  # observe every release
-            plgpu.barrier_wait(sm["free"].at[slot_of(i)])
-            return carry
-
-        jax.lax.fori_loop(jnp.maximum(g - stages, 0), g, drain, None)
+        _copy_wg(dy_g, w_g, h_g, sm, count, origin, steps, cfg)
 
     @pl.when(wg < COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(232, action="increase")
-        out = sm["out"].at[wg]
+        _compute_wg(dh_g, sm, wg, count, origin, steps, cfg)
 
-        def tile(j, carry):
-            i = COMPUTE_WGS * j + wg
-            m0, n0 = origin(i)
-            base = i * steps  # the ring step of the tile's first k-block
 
-            def matmuls(acc_ref):
-                def step(kk, carry):
-                    slot = slot_of(base + kk)
-                    plgpu.barrier_wait(sm["dy_bar"].at[wg * stages + slot])
-                    plgpu.barrier_wait(sm["w_bar"].at[wg * stages + slot])
-                    plgpu.wgmma(acc_ref, sm["dy"].at[slot], sm["w"].at[slot])
+def _slot(g, stages: int):
+    return jax.lax.rem(g, jnp.int32(stages))
 
-                    @pl.when((kk == 0) & (j > 0))
-                    def _():  # the last tile's dh has left `out`: the next h may come in
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        plgpu.barrier_arrive(sm["h_free"].at[wg])
 
-                    plgpu.wgmma_wait(1)  # the previous k-block's matmul is done: release it
-                    last = sm["free"].at[slot_of(base + kk - 1)]
-                    pl.when(kk > 0)(lambda: plgpu.barrier_arrive(last))
-                    return carry
+def _copy_wg(dy_g, w_g, h_g, sm, count, origin, steps: int, cfg: Config) -> None:
+    """The copy warpgroup: ring step g (tile g // steps, k-block g % steps) into slot g % stages
+    once its last use is released, arriving on the tile owner's barriers; each tile's h into its
+    owner's output buffer."""
+    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
 
-                jax.lax.fori_loop(jnp.int32(0), jnp.int32(steps), step, None)
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(sm["free"].at[slot_of(base + steps - 1)])
-                return acc_ref[...]
+    def tile(i, g):
+        m0, n0 = origin(i)
+        owner = jax.lax.rem(i, jnp.int32(COMPUTE_WGS))
 
-            acc = pl.run_scoped(matmuls, plgpu.ACC((bm, bn), jnp.float32))  # (bm, bn)
-            plgpu.barrier_wait(sm["h_bar"].at[wg])
-            h = rows.cast(out[...], plgpu.Layout.WGMMA).astype(jnp.float32)
-            out[...] = (acc * gelu_grad(h)).astype(dh_g.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out, dh_g.at[pl.ds(m0, bm), pl.ds(n0, bn)])
-            return carry
+        def step(kk, g):
+            slot = _slot(g, stages)
+            pl.when(g >= stages)(lambda: plgpu.barrier_wait(sm["free"].at[slot]))
+            bar = owner * stages + slot
+            plgpu.copy_gmem_to_smem(dy_g.at[pl.ds(m0, bm), pl.ds(kk * bk, bk)],
+                                    sm["dy"].at[slot], sm["dy_bar"].at[bar])  # fmt: skip
+            plgpu.copy_gmem_to_smem(w_g.at[pl.ds(kk * bk, bk), pl.ds(n0, bn)],
+                                    sm["w"].at[slot], sm["w_bar"].at[bar])  # fmt: skip
 
-        jax.lax.fori_loop(jnp.int32(0), (count - wg + 1) // COMPUTE_WGS, tile, None)
-        plgpu.wait_smem_to_gmem(0)
+            # h once the owner has started this tile (its last store has then read the buffer):
+            # waited for once the ring is full, it lands during the tile's matmuls
+            @pl.when(kk == min(stages, steps) - 1)
+            def _():
+                pl.when(i >= COMPUTE_WGS)(lambda: plgpu.barrier_wait(sm["h_free"].at[owner]))
+                plgpu.copy_gmem_to_smem(h_g.at[pl.ds(m0, bm), pl.ds(n0, bn)],
+                                        sm["out"].at[owner], sm["h_bar"].at[owner])  # fmt: skip
+
+            return g + 1
+
+        return jax.lax.fori_loop(jnp.int32(0), jnp.int32(steps), step, g)
+
+    g = jax.lax.fori_loop(jnp.int32(0), count, tile, jnp.int32(0))
+
+    def drain(i, carry):  # observe every release
+        plgpu.barrier_wait(sm["free"].at[_slot(i, stages)])
+        return carry
+
+    jax.lax.fori_loop(jnp.maximum(g - stages, 0), g, drain, None)
+
+
+def _compute_wg(dh_g, sm, wg, count, origin, steps: int, cfg: Config) -> None:
+    """Compute warpgroup wg: tiles wg, wg + 2, ... of the CUDA block, each accumulated in
+    float32 (wgmma, one k-block in flight while the next is issued), then multiplied by gelu'(h)
+    and stored from the output buffer without waiting."""
+    stages, out = cfg.stages, sm["out"].at[wg]
+
+    def tile(j, carry):
+        i = COMPUTE_WGS * j + wg
+        m0, n0 = origin(i)
+        base = i * steps  # the ring step of the tile's first k-block
+
+        def matmuls(acc_ref):
+            def step(kk, carry):
+                slot = _slot(base + kk, stages)
+                plgpu.barrier_wait(sm["dy_bar"].at[wg * stages + slot])
+                plgpu.barrier_wait(sm["w_bar"].at[wg * stages + slot])
+                plgpu.wgmma(acc_ref, sm["dy"].at[slot], sm["w"].at[slot])
+
+                @pl.when((kk == 0) & (j > 0))
+                def _():  # the last tile's dh has left `out`: the next h may come in
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    plgpu.barrier_arrive(sm["h_free"].at[wg])
+
+                plgpu.wgmma_wait(1)  # the previous k-block's matmul is done: release it
+                last = sm["free"].at[_slot(base + kk - 1, stages)]
+                pl.when(kk > 0)(lambda: plgpu.barrier_arrive(last))
+                return carry
+
+            jax.lax.fori_loop(jnp.int32(0), jnp.int32(steps), step, None)
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(sm["free"].at[_slot(base + steps - 1, stages)])
+            return acc_ref[...]
+
+        acc = pl.run_scoped(matmuls, plgpu.ACC((cfg.block_m, cfg.block_n), jnp.float32))
+        plgpu.barrier_wait(sm["h_bar"].at[wg])
+        h = rows.cast(out[...], plgpu.Layout.WGMMA).astype(jnp.float32)
+        out[...] = (acc * gelu_grad(h)).astype(dh_g.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out, dh_g.at[pl.ds(m0, cfg.block_m), pl.ds(n0, cfg.block_n)])
+        return carry
+
+    jax.lax.fori_loop(jnp.int32(0), (count - wg + 1) // COMPUTE_WGS, tile, None)
+    plgpu.wait_smem_to_gmem(0)
 
 
 def matmul_dgelu(dy: jax.Array, w: jax.Array, h: jax.Array, cfg: Config | None = None,
