@@ -43,7 +43,7 @@ BENCH="python3 profile.py bench --dtypes bfloat16 --modes train_step --torch --n
 # compute_dtype: what --dtypes bfloat16 runs; named here too, as execution.residual_dtype=bfloat16
 # (residual_grid, torch_residual) is checked against the size's config before the sweep
 FAST="--execution.kernels=pallas --execution.loss_impl=pallas --execution.attention_impl=auto
-  --execution.compute_dtype=bfloat16"
+  --execution.mlp_impl=pallas --execution.compute_dtype=bfloat16"
 TS="--model.d_model=512 --model.d_ff=1344 --model.n_layers=4 --model.n_heads=16"
 residual_grid() {  # residual_grid SECONDS BATCH...: GPT-2 (vocabulary 50304), no torch, one
   local secs=$1 b r  # process per batch x residual stream dtype

@@ -33,7 +33,12 @@ from jaxllm.config import ConfigError, load_config, parse_overrides  # noqa: E40
 from jaxllm.profiling.harness import append_jsonl, make_state  # noqa: E402
 from jaxllm.train.state import train_step  # noqa: E402
 
-ALL_XLA = ["execution.kernels=xla", "execution.loss_impl=xla", "execution.attention_impl=xla"]
+ALL_XLA = [
+    "execution.kernels=xla",
+    "execution.loss_impl=xla",
+    "execution.attention_impl=xla",
+    "execution.mlp_impl=xla",
+]
 VARIANTS = {
     "shipped": [],
     "bf16 residual": ["execution.residual_dtype=bfloat16"],

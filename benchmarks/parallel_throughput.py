@@ -503,7 +503,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="Config overrides as train.py takes them (--model.n_layers=2 --execution.remat=block"
         " ...) apply to every variant. Unless an override names them, this script runs "
         "execution.kernels=pallas and execution.loss_impl=pallas (the preset may say "
-        "otherwise); the all-XLA path: --execution.kernels=xla --execution.loss_impl=xla.",
+        "otherwise); the all-XLA path: --execution.kernels=xla --execution.loss_impl=xla "
+        "--execution.mlp_impl=xla.",
     )
     p.add_argument("--config", default="configs/gpt2_124m.yaml", help="YAML preset")
     p.add_argument("--per-device-batch", type=int, default=32, help="rows per device")

@@ -12,7 +12,8 @@ repeatable). Config overrides (`--section.key=value`, train.py's grammar) apply 
 variant. Defaults that differ from the preset, each dropped where an override or --vary names
 the key: train.batch_size varied over 16,64,96; execution.kernels=pallas,
 execution.loss_impl=pallas, execution.attention_impl=auto (the fast paths).
-The all-XLA baseline: --execution.kernels=xla --execution.loss_impl=xla.
+The all-XLA baseline: --execution.kernels=xla --execution.loss_impl=xla
+--execution.mlp_impl=xla.
 
 MFU counts 6 * N_matmul_params + 12 * L * d * T FLOPs per token (forward + backward; PaLM's
 appendix B formula; N excludes the position table, includes the tied LM head) against the

@@ -61,8 +61,10 @@ class Linear(nn.Module):
         w = self.param("kernel", self.kernel_init, (d_in, self.features))
         b = self.param("bias", nn.initializers.zeros, (self.features,)) if self.use_bias else None
         xc, cd = x.astype(self.compute_dtype), self.compute_dtype
-        if gelu is not None:
+        if gelu is not None and splits == 1:
             ys = (ops.gelu_matmul(xc, w.astype(cd), gelu, shard),)
+        elif gelu is not None:
+            raise ValueError(f"Linear: gelu= takes splits=1, got splits={splits}")
         else:
             ys = tuple(jnp.dot(xc, wi.astype(cd)) for wi in jnp.split(w, splits, 1))
         ys = ys if b is None else _add_bias(ys, b)

@@ -43,8 +43,8 @@ def matmul_dgelu(
     in h's dtype; float32 accumulation and epilogue. M a multiple of 128, N of the config's
     block_n, K of 64. Needs a Hopper-class GPU (tests run the kernel in jax's Mosaic GPU
     interpreter through matmul_dgelu_mgpu.matmul_dgelu)."""
-    (m, k), (k2, n) = jnp.shape(dy) + (0,) * (2 - dy.ndim), jnp.shape(w) + (0,) * (2 - w.ndim)
-    if dy.ndim != 2 or w.ndim != 2 or k2 != k or h.shape != (m, n):
+    two_d = dy.ndim == 2 and w.ndim == 2
+    if not two_d or w.shape[0] != dy.shape[1] or h.shape != (dy.shape[0], w.shape[1]):
         raise ValueError(f"matmul_dgelu needs dy (M, K), w (K, N), h (M, N), got {dy.shape}, "
                          f"{w.shape}, {h.shape}")  # fmt: skip
     if dy.dtype not in DTYPES or w.dtype != dy.dtype or h.dtype != dy.dtype:

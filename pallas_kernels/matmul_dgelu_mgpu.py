@@ -44,7 +44,7 @@ class Config(NamedTuple):
     block_m: int = 128  # rows of a tile (one compute warpgroup's accumulator: 2 x 64)
     block_n: int = 128  # columns of a tile
     block_k: int = 64  # depth of a ring slot (128 bytes of 16-bit values: one swizzle row)
-    # ring slots; 5 at GPT-2's shape: 0.60 ms against 0.61-0.63 at 4 (H200, 2026-11-29,
+    # ring slots; 5 at GPT-2's shape: 0.60-0.62 ms against 0.62-0.64 at 4 (H200, 2026-11-29,
     # benchmarks/logs/kernels_2026-11-29c); 5 x 32 KB + 2 x 32 KB fits in shared memory
     stages: int = 5
     ctas: int = 0  # at most this many CUDA blocks (0: one per SM)

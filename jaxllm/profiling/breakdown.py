@@ -81,7 +81,7 @@ def _submodules(
     dtype = jnp.dtype(ex.compute_dtype)
     if cfg.arch == "gpt2":
         norm = LayerNorm(cfg.norm_eps, cfg.bias, plan.norm, dtype)
-        mlp = FeedForward(cfg.ffn_dim, cfg.bias, ex.dropout, compute_dtype=dtype)
+        mlp = FeedForward(cfg.ffn_dim, cfg.bias, ex.dropout, compute_dtype=dtype, path=plan.mlp)
     else:
         norm, mlp = (
             transformer_lm.rms_norm(cfg, ex, plan)(),
