@@ -61,12 +61,12 @@ class Linear(nn.Module):
         w = self.param("kernel", self.kernel_init, (d_in, self.features))
         b = self.param("bias", nn.initializers.zeros, (self.features,)) if self.use_bias else None
         xc, cd = x.astype(self.compute_dtype), self.compute_dtype
-        if gelu is not None and splits == 1:
-            ys = (ops.gelu_matmul(xc, w.astype(cd), gelu, shard),)
-        elif gelu is not None:
-            raise ValueError(f"Linear: gelu= takes splits=1, got splits={splits}")
-        else:
+        if gelu is None:
             ys = tuple(jnp.dot(xc, wi.astype(cd)) for wi in jnp.split(w, splits, 1))
+        elif splits == 1:
+            ys = (ops.gelu_matmul(xc, w.astype(cd), gelu, shard),)
+        else:
+            raise ValueError(f"Linear: gelu= takes splits=1, got splits={splits}")
         ys = ys if b is None else _add_bias(ys, b)
         return ys[0] if splits == 1 else ys
 
