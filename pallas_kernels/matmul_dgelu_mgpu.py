@@ -51,17 +51,24 @@ class Config(NamedTuple):
     ctas: int = 0  # at most this many CUDA blocks (0: one per SM)
 
 
-# Mosaic GPU's scratch for a cross-warp reduction (the bias gradient's column sums), one
-# register of the reduced tile (4 warps x 32 lanes x 2 float32) at a time
-REDUCTION_BYTES = 1024
+# Mosaic GPU's cross-warp reduction (the bias gradient's column sums) exchanges one register
+# of the reduced tile (4 warps x 32 lanes x 2 float32) per KB of its scratch at a time
+REDUCTION_STEP = 1024
 
 
 def smem_bytes(cfg: Config, bias_grad: bool = False, itemsize: int = 2) -> int:
     """The ring's dy and w slots and the two compute warpgroups' h / dh buffers (with the bias
-    gradient: their column-sum buffers and the reduction scratch)."""
+    gradient: their column-sum buffers and at least one step of reduction scratch)."""
     ring = cfg.stages * (cfg.block_m + cfg.block_n) * cfg.block_k
     tiles = (ring + COMPUTE_WGS * cfg.block_m * cfg.block_n) * itemsize
-    return tiles + (COMPUTE_WGS * cfg.block_n * 4 + REDUCTION_BYTES if bias_grad else 0)
+    return tiles + (COMPUTE_WGS * cfg.block_n * 4 + REDUCTION_STEP if bias_grad else 0)
+
+
+def reduction_bytes(cfg: Config) -> int:
+    """The bias gradient's reduction scratch: all the shared memory left, up to the tile's
+    block_n / 8 steps (one round of exchanges)."""
+    free = rows.SMEM_BYTES - rows.BARRIER_BYTES - smem_bytes(cfg, True) + REDUCTION_STEP
+    return min(cfg.block_n // 8, free // REDUCTION_STEP) * REDUCTION_STEP
 
 
 def check(cfg: Config, m: int, n: int, k: int, bias_grad: bool = False) -> None:
@@ -240,5 +247,5 @@ def matmul_dgelu(dy: jax.Array, w: jax.Array, h: jax.Array, cfg: Config | None =
         _kernel(dy_g, w_g, h_g, dh_g, db_g, sm, cfg=cfg, n_ctas=n_ctas)
 
     return rows.launch(kernel, "matmul_dgelu_mgpu", out_type, scratch, {"p": n_ctas},
-                       REDUCTION_BYTES if bias_grad else 0, interpret, (dy, w, h),
+                       reduction_bytes(cfg) if bias_grad else 0, interpret, (dy, w, h),
                        approx_math=True, threads=COMPUTE_WGS + 1)  # fmt: skip
