@@ -49,28 +49,24 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(
         self, x: jax.Array, splits: int = 1, gelu: ops.MLPPath | None = None,
-        shard: ops.KernelShard | None = None, gelu_bias: jax.Array | None = None,
-        defer_bias: bool = False,
-    ) -> Any:  # fmt: skip
+        shard: ops.KernelShard | None = None,
+    ) -> jax.Array | tuple[jax.Array, ...]:  # fmt: skip
         """x (..., D_in) -> (..., D_out); `splits=n` returns the n equal column blocks of the
         output as a tuple, each from its own matmul on a slice of W (for a fused q/k/v kernel:
         one (..., 3D) output split afterwards costs a copy forward and a concat backward; XLA's
         dot merger may still re-merge small ones, as at GPT-2 batch 16, not at batch 64). The
-        bias gradient is a float32 sum over the rows (_add_bias). `gelu`: y = gelu(x + gelu_bias)
-        W (+ b), GELU's backward on that path (ops.gelu_matmul, `shard` and `gelu_bias` as its
-        `b` there). `defer_bias`: (x W, b) for the next op to add b (gelu_bias)."""
+        bias gradient is a float32 sum over the rows (_add_bias). `gelu`: y = gelu(x) W (+ b),
+        GELU's backward on that path (ops.gelu_matmul, `shard` as there)."""
         d_in = x.shape[-1]
         w = self.param("kernel", self.kernel_init, (d_in, self.features))
         b = self.param("bias", nn.initializers.zeros, (self.features,)) if self.use_bias else None
         xc, cd = x.astype(self.compute_dtype), self.compute_dtype
-        if (gelu is not None or defer_bias) and splits > 1:
-            raise ValueError(f"Linear: gelu= and defer_bias take splits=1, got splits={splits}")
         if gelu is None:
             ys = tuple(jnp.dot(xc, wi.astype(cd)) for wi in jnp.split(w, splits, 1))
+        elif splits == 1:
+            ys = (ops.gelu_matmul(xc, w.astype(cd), gelu, shard),)
         else:
-            ys = (ops.gelu_matmul(xc, w.astype(cd), gelu, shard, gelu_bias),)
-        if defer_bias:
-            return ys[0], b
+            raise ValueError(f"Linear: gelu= takes splits=1, got splits={splits}")
         ys = ys if b is None else _add_bias(ys, b)
         return ys[0] if splits == 1 else ys
 
@@ -306,11 +302,7 @@ class FeedForward(nn.Module):
     def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
         fc = Linear(self.d_ff, self.use_bias, self.kernel_init, self.compute_dtype, name="fc")
         proj = Linear(x.shape[-1], self.use_bias, self.out_init, self.compute_dtype, name="proj")
-        if self.path == "xla":
-            h, b = fc(x), None
-        else:  # fc's bias is added in GELU's input, and its gradient comes out of the kernel
-            h, b = fc(x, defer_bias=True)
-        y = proj(h, gelu=self.path, shard=self.shard, gelu_bias=b)
+        y = proj(fc(x), gelu=self.path, shard=self.shard)
         return nn.Dropout(self.dropout)(y, deterministic)
 
 

@@ -486,54 +486,37 @@ def depthwise_conv1d(
 
 
 def gelu_matmul(
-    h: jax.Array,
-    w: jax.Array,
-    path: MLPPath,
-    shard: KernelShard | None = None,
-    b: jax.Array | None = None,
+    h: jax.Array, w: jax.Array, path: MLPPath, shard: KernelShard | None = None
 ) -> jax.Array:
-    """gelu(h + b) @ w, h (..., F) the MLP's hidden pre-activation, b (F,) its bias (None:
-    none), w (F, D), h and w in one dtype. On the pallas_mgpu path the backward's
-    dh = (dy @ w^T) * gelu'(h + b) and b's gradient (the column sums of dh) are one kernel; the
-    xla path takes h with its bias added (b None)."""
+    """gelu(h) @ w, h (..., F) the MLP's hidden pre-activation and w (F, D), in one dtype. On the
+    pallas_mgpu path the backward's dh = (dy @ w^T) * gelu'(h) is one kernel."""
     if path == "xla":
-        if b is not None:
-            raise ValueError("gelu_matmul: the xla path takes h with its bias added (b=None)")
         return jnp.dot(F.gelu(h), w)
-    return _gelu_matmul(h, w, b, shard)
+    return _gelu_matmul(h, w, shard)
 
 
-def _with_bias(h: jax.Array, b: jax.Array | None) -> jax.Array:
-    return h if b is None else h + b.astype(h.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gelu_matmul(h: jax.Array, w: jax.Array, shard: KernelShard | None) -> jax.Array:
+    return jnp.dot(F.gelu(h), w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gelu_matmul(h: jax.Array, w: jax.Array, b: jax.Array | None, shard: KernelShard | None):
-    return jnp.dot(F.gelu(_with_bias(h, b)), w)
-
-
-def _gelu_matmul_fwd(h, w, b, shard):
-    hb = _with_bias(h, b)
-    a = F.gelu(hb)
-    # h + b saved as a no-op rounding, as jaxllm.functional's GELU saves it (why: there)
-    f = jnp.finfo(hb.dtype)
-    return jnp.dot(a, w), (jax.lax.reduce_precision(hb, f.nexp, f.nmant), a, w, b)
+def _gelu_matmul_fwd(h, w, shard):
+    a = F.gelu(h)
+    # h saved as a no-op rounding, as jaxllm.functional's GELU saves it (why: there)
+    f = jnp.finfo(h.dtype)
+    return jnp.dot(a, w), (jax.lax.reduce_precision(h, f.nexp, f.nmant), a, w)
 
 
 def _gelu_matmul_bwd(shard, res, dy):
-    h, a, w, b = res
+    h, a, w = res
     rows = math.prod(h.shape[:-1])
     h2, a2, dy2 = h.reshape(rows, -1), a.reshape(rows, -1), dy.reshape(rows, -1)
     if (shard.rows_per_device(rows) if shard else rows) % MLP_ROWS:
         dh = jax.vjp(F.gelu, h2)[1](jnp.dot(dy2, w.T))[0]
-        db_rows = None if b is None else jnp.sum(dh, axis=0, dtype=jnp.float32)[None]
     else:
-        kernel = functools.partial(pallas_kernels.matmul_dgelu, bias_grad=b is not None)
-        split = (True, True) if b is not None else True  # db_rows: per 128 rows, row-split too
-        out = _per_shard(shard, kernel, (dy2, w.T, h2), (True, False, True), split)
-        dh, db_rows = out if b is not None else (out, None)
-    db = None if b is None else jnp.sum(db_rows, axis=0).astype(b.dtype)
-    return dh.reshape(h.shape), jnp.dot(a2.T, dy2), db
+        args = (dy2, w.T, h2)
+        dh = _per_shard(shard, pallas_kernels.matmul_dgelu, args, (True, False, True), True)
+    return dh.reshape(h.shape), jnp.dot(a2.T, dy2)
 
 
 _gelu_matmul.defvjp(_gelu_matmul_fwd, _gelu_matmul_bwd)

@@ -35,21 +35,14 @@ def matmul_dgelu_refusal(d_model: int, d_ff: int, compute_dtype) -> str | None:
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("config", "bias_grad"))
+@functools.partial(jax.jit, static_argnames=("config",))
 def matmul_dgelu(
-    dy: jax.Array,
-    w: jax.Array,
-    h: jax.Array,
-    *,
-    bias_grad: bool = False,
-    config: mgpu.Config | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """dh = (dy @ w) * gelu'(h): dy (M, K), w (K, N), h (M, N), all bfloat16 or all float16 ->
-    (M, N) in h's dtype; float32 accumulation and epilogue. M a multiple of 128, N of the
-    config's block_n, K of 64. `bias_grad`: (dh, db_rows), db_rows (M / 128, N) float32 the
-    column sums of each 128 rows of dh before its rounding (db_rows.sum(0) is the gradient of
-    h's bias; per 128 rows, so that row-split calls stack). Needs a Hopper-class GPU (tests run
-    the kernel in jax's Mosaic GPU interpreter through matmul_dgelu_mgpu.matmul_dgelu)."""
+    dy: jax.Array, w: jax.Array, h: jax.Array, *, config: mgpu.Config | None = None
+) -> jax.Array:
+    """(dy @ w) * gelu'(h): dy (M, K), w (K, N), h (M, N), all bfloat16 or all float16 -> (M, N)
+    in h's dtype; float32 accumulation and epilogue. M a multiple of 128, N of the config's
+    block_n, K of 64. Needs a Hopper-class GPU (tests run the kernel in jax's Mosaic GPU
+    interpreter through matmul_dgelu_mgpu.matmul_dgelu)."""
     two_d = dy.ndim == 2 and w.ndim == 2
     if not two_d or w.shape[0] != dy.shape[1] or h.shape != (dy.shape[0], w.shape[1]):
         raise ValueError(f"matmul_dgelu needs dy (M, K), w (K, N), h (M, N), got {dy.shape}, "
@@ -61,5 +54,4 @@ def matmul_dgelu(
         raise ValueError(f"matmul_dgelu needs {refusal}")
     check_config(config, "mosaic_gpu", mgpu.Config)
     cfg = config or mgpu.Config()
-    kernel = functools.partial(mgpu.matmul_dgelu, cfg=cfg, bias_grad=bias_grad)
-    return first_order_only("matmul_dgelu", kernel, dy, w, h)
+    return first_order_only("matmul_dgelu", lambda *a: mgpu.matmul_dgelu(*a, cfg), dy, w, h)

@@ -51,36 +51,22 @@ class Config(NamedTuple):
     ctas: int = 0  # at most this many CUDA blocks (0: one per SM)
 
 
-# Mosaic GPU's cross-warp reduction (the bias gradient's column sums) exchanges one register
-# of the reduced tile (4 warps x 32 lanes x 2 float32) per KB of its scratch at a time
-REDUCTION_STEP = 1024
-
-
-def smem_bytes(cfg: Config, bias_grad: bool = False, itemsize: int = 2) -> int:
-    """The ring's dy and w slots and the two compute warpgroups' h / dh buffers (with the bias
-    gradient: their column-sum buffers and at least one step of reduction scratch)."""
+def smem_bytes(cfg: Config, itemsize: int = 2) -> int:
+    """The ring's dy and w slots and the two compute warpgroups' h / dh buffers."""
     ring = cfg.stages * (cfg.block_m + cfg.block_n) * cfg.block_k
-    tiles = (ring + COMPUTE_WGS * cfg.block_m * cfg.block_n) * itemsize
-    return tiles + (COMPUTE_WGS * cfg.block_n * 4 + REDUCTION_STEP if bias_grad else 0)
+    return (ring + COMPUTE_WGS * cfg.block_m * cfg.block_n) * itemsize
 
 
-def reduction_bytes(cfg: Config) -> int:
-    """The bias gradient's reduction scratch: all the shared memory left, up to the tile's
-    block_n / 8 steps (one round of exchanges)."""
-    free = rows.SMEM_BYTES - rows.BARRIER_BYTES - smem_bytes(cfg, True) + REDUCTION_STEP
-    return min(cfg.block_n // 8, free // REDUCTION_STEP) * REDUCTION_STEP
-
-
-def check(cfg: Config, m: int, n: int, k: int, bias_grad: bool = False) -> None:
+def check(cfg: Config, m: int, n: int, k: int) -> None:
     """A config against the GEMM's (M, N, K) and the shared memory."""
     if cfg.block_m != 128 or cfg.block_n not in (64, 128, 192) or cfg.block_k != 64:
         raise ValueError(f"invalid matmul_dgelu config {cfg}: block_m 128, block_n 64, 128 or "
                          "192, block_k 64")  # fmt: skip
     if cfg.stages < 2 or cfg.ctas < 0:
         raise ValueError(f"invalid matmul_dgelu config {cfg}: stages >= 2, ctas >= 0")
-    if (need := smem_bytes(cfg, bias_grad)) + rows.BARRIER_BYTES > rows.SMEM_BYTES:
-        raise ValueError(f"matmul_dgelu config {cfg} needs {need} bytes of shared memory; at "
-                         f"most {rows.SMEM_BYTES - rows.BARRIER_BYTES}")  # fmt: skip
+    if smem_bytes(cfg) + 1024 > rows.SMEM_BYTES:
+        raise ValueError(f"matmul_dgelu config {cfg} needs {smem_bytes(cfg)} bytes of shared "
+                         f"memory; at most {rows.SMEM_BYTES - 1024}")  # fmt: skip
     for name, size, block in (("M", m, cfg.block_m), ("N", n, cfg.block_n), ("K", k, cfg.block_k)):
         if size % block:
             raise ValueError(f"matmul_dgelu needs {name} a multiple of {block}, got {size}")
@@ -93,7 +79,7 @@ def gelu_grad(x: jax.Array) -> jax.Array:
     return 0.5 * (1.0 + t) + (0.5 * x) * (1.0 - t * t) * du
 
 
-def _kernel(dy_g, w_g, h_g, dh_g, db_g, sm, *, cfg: Config, n_ctas: int):
+def _kernel(dy_g, w_g, h_g, dh_g, sm, *, cfg: Config, n_ctas: int):
     m, k = dy_g.shape
     tiles_n, steps = w_g.shape[1] // cfg.block_n, k // cfg.block_k
     p = jax.lax.axis_index("p")
@@ -113,7 +99,7 @@ def _kernel(dy_g, w_g, h_g, dh_g, db_g, sm, *, cfg: Config, n_ctas: int):
     @pl.when(wg < COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(232, action="increase")
-        _compute_wg(dh_g, db_g, sm, wg, count, origin, steps, cfg)
+        _compute_wg(dh_g, sm, wg, count, origin, steps, cfg)
 
 
 def _slot(g, stages: int):
@@ -160,10 +146,10 @@ def _copy_wg(dy_g, w_g, h_g, sm, count, origin, steps: int, cfg: Config) -> None
     jax.lax.fori_loop(jnp.maximum(g - stages, 0), g, drain, None)
 
 
-def _compute_wg(dh_g, db_g, sm, wg, count, origin, steps: int, cfg: Config) -> None:
+def _compute_wg(dh_g, sm, wg, count, origin, steps: int, cfg: Config) -> None:
     """Compute warpgroup wg: tiles wg, wg + 2, ... of the CUDA block, each accumulated in
     float32 (wgmma, one k-block in flight while the next is issued), then multiplied by gelu'(h)
-    and stored from the output buffer without waiting (with db_g: and its column sums)."""
+    and stored from the output buffer without waiting."""
     stages, out = cfg.stages, sm["out"].at[wg]
 
     def tile(j, carry):
@@ -196,19 +182,9 @@ def _compute_wg(dh_g, db_g, sm, wg, count, origin, steps: int, cfg: Config) -> N
         acc = pl.run_scoped(matmuls, plgpu.ACC((cfg.block_m, cfg.block_n), jnp.float32))
         plgpu.barrier_wait(sm["h_bar"].at[wg])
         h = rows.cast(out[...], plgpu.Layout.WGMMA).astype(jnp.float32)
-        dh = acc * gelu_grad(h)  # (block_m, block_n) float32
-        out[...] = dh.astype(dh_g.dtype)
-        if db_g is not None:
-            # Mosaic's cross-warp scratch is one for both warpgroups: they sum in tile order
-            pl.when(i > 0)(lambda: plgpu.barrier_wait(sm["sum_turn"].at[wg]))
-            col = jnp.sum(dh, axis=0)  # (block_n,)
-            pl.when(i + 1 < count)(lambda: plgpu.barrier_arrive(sm["sum_turn"].at[1 - wg]))
-            sm["db"].at[wg][...] = col
+        out[...] = (acc * gelu_grad(h)).astype(dh_g.dtype)
         plgpu.commit_smem()
-        cols = pl.ds(n0, cfg.block_n)
-        plgpu.copy_smem_to_gmem(out, dh_g.at[pl.ds(m0, cfg.block_m), cols])
-        if db_g is not None:
-            plgpu.copy_smem_to_gmem(sm["db"].at[wg], db_g.at[m0 // cfg.block_m, cols])
+        plgpu.copy_smem_to_gmem(out, dh_g.at[pl.ds(m0, cfg.block_m), pl.ds(n0, cfg.block_n)])
         return carry
 
     jax.lax.fori_loop(jnp.int32(0), (count - wg + 1) // COMPUTE_WGS, tile, None)
@@ -216,14 +192,12 @@ def _compute_wg(dh_g, db_g, sm, wg, count, origin, steps: int, cfg: Config) -> N
 
 
 def matmul_dgelu(dy: jax.Array, w: jax.Array, h: jax.Array, cfg: Config | None = None,
-                 interpret: Any = None, bias_grad: bool = False) -> Any:  # fmt: skip
-    """dh = (dy @ w) * gelu'(h): dy (M, K), w (K, N), h (M, N) -> (M, N) in h's dtype; with
-    `bias_grad` also each block_m rows' column sums of dh before its rounding, (M / block_m, N)
-    float32 (their sum is the bias gradient).
+                 interpret: Any = None) -> jax.Array:  # fmt: skip
+    """(dy @ w) * gelu'(h): dy (M, K), w (K, N), h (M, N) -> (M, N) in h's dtype.
 
     `interpret`: jax's Mosaic GPU interpreter parameters, for CPU tests of the kernel itself."""
     (m, k), n, cfg = dy.shape, w.shape[1], cfg or Config()
-    check(cfg, m, n, k, bias_grad)
+    check(cfg, m, n, k)
     n_ctas = min(m // cfg.block_m * (n // cfg.block_n), cfg.ctas or core_count())
     swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     st = cfg.stages
@@ -237,15 +211,10 @@ def matmul_dgelu(dy: jax.Array, w: jax.Array, h: jax.Array, cfg: Config | None =
         h_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS),
         h_free=plgpu.Barrier(num_barriers=COMPUTE_WGS),
     )
+
+    def kernel(dy_g, w_g, h_g, dh_g, **sm):
+        _kernel(dy_g, w_g, h_g, dh_g, sm, cfg=cfg, n_ctas=n_ctas)
+
     out_type = jax.ShapeDtypeStruct((m, n), h.dtype)
-    if bias_grad:
-        scratch["db"] = plgpu.SMEM((COMPUTE_WGS, cfg.block_n), jnp.float32)
-        scratch["sum_turn"] = plgpu.Barrier(num_barriers=COMPUTE_WGS)
-        out_type = (out_type, jax.ShapeDtypeStruct((m // cfg.block_m, n), jnp.float32))
-
-    def kernel(dy_g, w_g, h_g, dh_g, db_g=None, **sm):
-        _kernel(dy_g, w_g, h_g, dh_g, db_g, sm, cfg=cfg, n_ctas=n_ctas)
-
-    return rows.launch(kernel, "matmul_dgelu_mgpu", out_type, scratch, {"p": n_ctas},
-                       reduction_bytes(cfg) if bias_grad else 0, interpret, (dy, w, h),
-                       approx_math=True, threads=COMPUTE_WGS + 1)  # fmt: skip
+    return rows.launch(kernel, "matmul_dgelu_mgpu", out_type, scratch, {"p": n_ctas}, 0, interpret,
+                       (dy, w, h), approx_math=True, threads=COMPUTE_WGS + 1)  # fmt: skip

@@ -8,8 +8,6 @@ no custom VJPs, no memory tricks). This package never imports jaxllm, and the mo
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
@@ -142,11 +140,10 @@ def add_rms_norm_ref(
     return s, rms_norm_ref(s, gamma, eps)
 
 
-def matmul_dgelu_ref(dy: jax.Array, w: jax.Array, h: jax.Array, bias_grad: bool = False) -> Any:
-    """dh = (dy @ w) * gelu'(h), gelu GPT-2's tanh form: dy (M, K), w (K, N), h (M, N) -> h's
-    dtype (the gradient of gelu(h) @ w.T with respect to h, given dy). `bias_grad`: (dh, db),
-    db (N,) the column sums of dh before its rounding, in at least float32."""
+def matmul_dgelu_ref(dy: jax.Array, w: jax.Array, h: jax.Array) -> jax.Array:
+    """(dy @ w) * gelu'(h), gelu GPT-2's tanh form: dy (M, K), w (K, N), h (M, N) -> h's dtype
+    (the gradient of gelu(h) @ w.T with respect to h, given dy)."""
     ct = _compute_dtype(h.dtype)
-    gelu = jax.grad(lambda v: jnp.sum(jax.nn.gelu(v, approximate=True)))(h.astype(ct))
-    dh = jnp.dot(dy.astype(ct), w.astype(ct)) * gelu
-    return (dh.astype(h.dtype), jnp.sum(dh, axis=0)) if bias_grad else dh.astype(h.dtype)
+    x = h.astype(ct)
+    gelu = jax.grad(lambda v: jnp.sum(jax.nn.gelu(v, approximate=True)))(x)
+    return (jnp.dot(dy.astype(ct), w.astype(ct)) * gelu).astype(h.dtype)

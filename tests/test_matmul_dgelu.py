@@ -26,12 +26,6 @@ def _inputs(m, k, n, dtype=jnp.bfloat16, seed=0):
     return dy, w, h
 
 
-def _standin(dy, w, h, bias_grad=False):
-    """The kernel stood in by its reference on the CPU: db as one block of rows, (1, N)."""
-    out = pallas_kernels.matmul_dgelu_ref(dy, w, h, bias_grad)
-    return (out[0], out[1][None]) if bias_grad else out
-
-
 def _check_close(float64_ref, out, dy, w, h):
     """Within two roundings of the output's 16-bit dtype of the float64 reference."""
     ref = float64_ref(pallas_kernels.matmul_dgelu_ref, dy, w, h)
@@ -40,30 +34,17 @@ def _check_close(float64_ref, out, dy, w, h):
     assert out.dtype == h.dtype and err <= tol, (err, tol)
 
 
-def _check_bias_rows(float64_ref, db_rows, dy, w, h):
-    """Each 128 rows' column sums of dh before its rounding: float32 sums of 128 terms."""
-    ref = pallas_kernels.matmul_dgelu_ref
-    blocks = range(0, h.shape[0], 128)
-    want = np.stack([float64_ref(ref, dy[r : r + 128], w, h[r : r + 128], True)[1] for r in blocks])
-    assert db_rows.dtype == jnp.float32 and db_rows.shape == want.shape
-    np.testing.assert_allclose(db_rows, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-
-
 @pytest.mark.skipif(InterpretGPUParams is None, reason="needs jax 0.10's Mosaic GPU interpreter")
 @pytest.mark.parametrize(
-    "cfg, m, k, n, bias_grad",
+    "cfg, m, k, n",
     [
-        (mgpu.Config(stages=2, ctas=3), 512, 256, 256, True),  # 8 tiles: 3, 3 and 2 a CUDA block
-        (mgpu.Config(block_n=64, stages=3, ctas=5), 384, 128, 320, True),  # k-blocks < slots
-        (mgpu.Config(block_n=64, stages=3, ctas=5), 384, 128, 320, False),
+        (mgpu.Config(stages=2, ctas=3), 512, 256, 256),  # 8 tiles: 3, 3 and 2 a CUDA block
+        (mgpu.Config(block_n=64, stages=3, ctas=5), 384, 128, 320),  # fewer k-blocks than slots
     ],
 )
-def test_interpreted_kernel_matches_float64_reference(float64_ref, cfg, m, k, n, bias_grad):
+def test_interpreted_kernel_matches_float64_reference(float64_ref, cfg, m, k, n):
     dy, w, h = _inputs(m, k, n)
-    out = mgpu.matmul_dgelu(dy, w, h, cfg, InterpretGPUParams(), bias_grad)
-    _check_close(float64_ref, out[0] if bias_grad else out, dy, w, h)
-    if bias_grad:
-        _check_bias_rows(float64_ref, out[1], dy, w, h)
+    _check_close(float64_ref, mgpu.matmul_dgelu(dy, w, h, cfg, InterpretGPUParams()), dy, w, h)
 
 
 @pytest.mark.skipif(not mosaic_gpu_capable(), reason="needs a Hopper-class GPU")
@@ -72,9 +53,6 @@ def test_interpreted_kernel_matches_float64_reference(float64_ref, cfg, m, k, n,
 def test_compiled_kernel_matches_float64_reference(float64_ref, m, k, n, dtype):
     dy, w, h = _inputs(m, k, n, dtype)
     _check_close(float64_ref, pallas_kernels.matmul_dgelu(dy, w, h), dy, w, h)
-    dh, db_rows = pallas_kernels.matmul_dgelu(dy, w, h, bias_grad=True)
-    _check_close(float64_ref, dh, dy, w, h)
-    _check_bias_rows(float64_ref, db_rows, dy, w, h)
 
 
 @pytest.mark.parametrize(
@@ -105,25 +83,19 @@ def test_refused_without_a_hopper_gpu(monkeypatch):
         pallas_kernels.matmul_dgelu(*_inputs(128, 64, 128))
 
 
-@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [(2, 128), (3, 5)])  # a multiple of 128 rows, and not (XLA's)
-def test_gelu_matmul_pallas_path_has_the_xla_paths_values_and_gradients(monkeypatch, rows, bias):
+def test_gelu_matmul_pallas_path_has_the_xla_paths_values_and_gradients(monkeypatch, rows):
     """The custom VJP around the kernel (stood in by its reference on the CPU): same output,
-    dh, dw (and db) as autodiff of the XLA path."""
-    monkeypatch.setattr(pallas_kernels, "matmul_dgelu", _standin)
-    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    dh and dw as autodiff of the XLA path."""
+    monkeypatch.setattr(pallas_kernels, "matmul_dgelu", pallas_kernels.matmul_dgelu_ref)
+    keys = jax.random.split(jax.random.PRNGKey(1), 3)
     h = 2 * jax.random.normal(keys[0], (*rows, 256))
     w = jax.random.normal(keys[1], (256, 64)) / 16
     g = jax.random.normal(keys[2], (*rows, 64))
-    b = jax.random.normal(keys[3], (256,)) if bias else None
 
     def run(path):
-        if path == "xla":  # the bias added before, as Linear does on that path
-            f = lambda h, w, b: ops.gelu_matmul(h if b is None else h + b, w, path)  # noqa: E731
-        else:
-            f = lambda h, w, b: ops.gelu_matmul(h, w, path, b=b)  # noqa: E731
-        y, vjp = jax.vjp(f, h, w, b)
-        return y, *(x for x in vjp(g) if x is not None)
+        y, vjp = jax.vjp(lambda h, w: ops.gelu_matmul(h, w, path), h, w)
+        return y, *vjp(g)
 
     for got, want in zip(run("pallas_mgpu"), run("xla"), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -135,7 +107,7 @@ def test_gpt2_mlp_on_the_kernel_path_has_the_xla_paths_gradients(monkeypatch):
     reference, up to the bf16 rounding of dh (the reference rounds once, XLA after each op)."""
     from jaxllm.layers import FeedForward
 
-    monkeypatch.setattr(pallas_kernels, "matmul_dgelu", _standin)
+    monkeypatch.setattr(pallas_kernels, "matmul_dgelu", pallas_kernels.matmul_dgelu_ref)
     x = jax.random.normal(jax.random.PRNGKey(2), (2, 128, 64))
     g = jax.random.normal(jax.random.PRNGKey(3), (2, 128, 64))
     mlp = {p: FeedForward(256, compute_dtype=jnp.bfloat16, path=p) for p in ("xla", "pallas_mgpu")}
