@@ -47,6 +47,14 @@ def test_interpreted_kernel_matches_float64_reference(float64_ref, cfg, m, k, n)
     _check_close(float64_ref, mgpu.matmul_dgelu(dy, w, h, cfg, InterpretGPUParams()), dy, w, h)
 
 
+def test_kernels_gelu_grad_is_autodiffs_in_float64():
+    """The epilogue's gelu' (rearranged to save multiplies) against jax.grad of GPT-2's GELU."""
+    with jax.enable_x64(True):
+        x = jnp.linspace(-12.0, 12.0, 100_001, dtype=jnp.float64)
+        want = jax.vmap(jax.grad(lambda v: jax.nn.gelu(v, approximate=True)))(x)
+        np.testing.assert_allclose(mgpu.gelu_grad(x), want, rtol=0, atol=1e-13)
+
+
 @pytest.mark.skipif(not mosaic_gpu_capable(), reason="needs a Hopper-class GPU")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("m, k, n", [(8192, 768, 3072), (1024, 1024, 4096), (256, 64, 128)])
