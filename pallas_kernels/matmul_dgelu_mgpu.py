@@ -19,9 +19,9 @@ Memory traffic (s bytes per element): read h and write dh once (2 M N s), read d
 column of tiles and w once per row of tiles, mostly from L2 (about M K s + K N s from memory);
 the GEMM alone writes M N s. At GPT-2's shape on an H200 it takes 1.27x cuBLAS's time for
 dy @ w alone, against 1.7x for cuBLAS's GEMM and XLA's fusion of gelu'; the matmuls alone run at
-cuBLAS's speed, and the epilogue is not hidden: ncu finds shared memory at 59% of its peak and
-the tensor pipe active 70% of the cycles, the epilogue bound by its instructions' latency in the
-one warp per scheduler that runs it (benchmarks/RESULTS.md).
+cuBLAS's speed, and the epilogue is not hidden, most of its excess now h's load and dh's store
+(ncu before gelu' was rewritten: shared memory at 59% of its peak, the tensor pipe active 70% of
+the cycles, not bandwidth-bound; benchmarks/RESULTS.md).
 Refused (ValueError): M not a multiple of block_m, N of block_n, K of block_k.
 """
 
@@ -76,8 +76,9 @@ def check(cfg: Config, m: int, n: int, k: int) -> None:
 def gelu_grad(x: jax.Array) -> jax.Array:
     """d/dx of GPT-2's tanh GELU, x * 0.5 * (1 + tanh(u)), u = c (x + 0.044715 x^3):
     0.5 (1 + t) + 0.5 x u' (1 - t^2), t = tanh(u), with 0.5 x u' = 1.5 u - c x. Written in 3
-    multiplies and 5 multiply-adds an element (the textbook form took 8 and 4: its gelu' cost
-    the kernel 0.05 ms at GPT-2's batch 64, this one 0.02; benchmarks/RESULTS.md)."""
+    multiplies and 5 multiply-adds an element (the textbook form compiled to 7 multiplies, 4
+    multiply-adds and an add: 0.05 ms of the kernel at GPT-2's batch 64, this one 0.02;
+    benchmarks/RESULTS.md). u overflows float32 past |x| ~ 2e13 (NaN there, a diverged run)."""
     x2 = x * x
     u = x * (_GELU_C + (_GELU_C * 0.044715) * x2)
     t = jnp.tanh(u)
