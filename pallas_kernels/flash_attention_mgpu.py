@@ -146,8 +146,8 @@ def _tiles(bsz: int, n_heads: int, n: int, n_ctas: int):
 
 
 def _kernel(q_g, k_g, v_g, o_g, lse_g, sm, *, cfg: Config, scale: float, causal: bool,
-            n_ctas: int):  # fmt: skip
-    bsz, t, n_heads = q_g.shape[:3]
+            n_ctas: int, heads: tuple[int, int, int]):  # fmt: skip
+    bsz, t, n_heads = o_g.shape[:3]
     n_q = t // (COMPUTE_WGS * cfg.block_q)
     count, tiles = _tiles(bsz, n_heads, n_q, n_ctas)
 
@@ -164,7 +164,8 @@ def _kernel(q_g, k_g, v_g, o_g, lse_g, sm, *, cfg: Config, scale: float, causal:
     @pl.when(wg < COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(232, action="increase")
-        _compute_wg(q_g, o_g, lse_g, sm, wg, count, tile, cfg=cfg, scale=scale, causal=causal)
+        _compute_wg(q_g, o_g, lse_g, sm, wg, count, tile, cfg=cfg, scale=scale, causal=causal,
+                    q_head=heads[0])  # fmt: skip
 
     @pl.when(wg == COMPUTE_WGS)
     def _():
@@ -172,7 +173,7 @@ def _kernel(q_g, k_g, v_g, o_g, lse_g, sm, *, cfg: Config, scale: float, causal:
 
         def tile_views(i):  # one ring for all tiles: the next one's first blocks load early
             b, h, _, n_kv = tile(i)
-            return _kv_views(k_g, v_g, b, h, cfg.block_kv), n_kv
+            return _kv_views(k_g, v_g, b, h, cfg.block_kv, heads), n_kv
 
         _ring_tiles(sm, ("k_free", "v_free"), cfg.stages, count, tile_views)
 
@@ -186,7 +187,7 @@ def _masked(s, q0, k0, transposed: bool):
 
 
 def _compute_wg(q_g, o_g, lse_g, sm, wg, count, tile, *, cfg: Config, scale: float,
-                causal: bool):  # fmt: skip
+                causal: bool, q_head: int):  # fmt: skip
     """Compute warpgroup wg: block_q queries of each of the CUDA block's tiles. The next tile's Q
     load is issued once this tile's last matmul is done; O and lse leave through their own
     buffers without waiting, so both overlap the next tile."""
@@ -196,7 +197,7 @@ def _compute_wg(q_g, o_g, lse_g, sm, wg, count, tile, *, cfg: Config, scale: flo
     def load_q(i):
         b, h, qi, _ = tile(i)
         q0 = qi * (COMPUTE_WGS * bq) + wg * bq
-        plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(q0, bq), h], q_s, sm["q_bar"].at[wg])
+        plgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(q0, bq), h + q_head], q_s, sm["q_bar"].at[wg])
 
     load_q(jnp.int32(0))
 
@@ -295,10 +296,11 @@ def _attend(sm, wg, q0, base, n_kv, *, cfg: Config, scale: float, causal: bool, 
     return carry
 
 
-def _kv_views(k_g, v_g, b, h, bkv: int) -> dict:
-    """name -> (s -> streamed block s of K / V of (b, h): keys s * bkv .. (s + 1) * bkv - 1)."""
-    return {name: (lambda s, ref=ref: ref.at[b, pl.ds(s * bkv, bkv), h])
-            for name, ref in (("k", k_g), ("v", v_g))}  # fmt: skip
+def _kv_views(k_g, v_g, b, h, bkv: int, heads: tuple[int, int, int]) -> dict:
+    """name -> (s -> streamed block s of K / V of (b, h): keys s * bkv .. (s + 1) * bkv - 1;
+    head h of K is head heads[1] + h of k_g, of V heads[2] + h of v_g)."""
+    return {name: (lambda s, ref=ref, hh=h + off: ref.at[b, pl.ds(s * bkv, bkv), hh])
+            for name, ref, off in (("k", k_g, heads[1]), ("v", v_g, heads[2]))}  # fmt: skip
 
 
 def _ring_tiles(sm, frees: tuple[str, ...], stages: int, count, tile_views) -> None:
@@ -344,11 +346,28 @@ def _ring_drain(sm, frees: tuple[str, ...], g, stages: int):
     jax.lax.fori_loop(jnp.maximum(g - stages, 0), g, drain, None)
 
 
+def _inputs(q, k, v) -> tuple[tuple, tuple[int, int, int], tuple[int, ...]]:
+    """(the kernels' q/k/v operands, the head offset of q, k, v in them, (B, T, H, D)): q, k, v
+    (B, T, H, D) apart, or q packed (B, T, 3, H, D) and k = v = None, read in place as heads
+    h, H + h, 2H + h of its (B, T, 3H, D) view (a fused q/k/v projection's output, no copy)."""
+    if k is None and v is None:
+        bsz, t, _, n_heads, d = q.shape
+        packed = q.reshape(bsz, t, 3 * n_heads, d)
+        return (packed,), (0, n_heads, 2 * n_heads), (bsz, t, n_heads, d)
+    return (q, k, v), (0, 0, 0), q.shape
+
+
+def _qkv_refs(refs, n: int) -> tuple:
+    """The kernel's q, k, v refs from its first n (1: packed, 3: apart) and the rest."""
+    return (refs[0],) * 3 + refs[1:] if n == 1 else refs
+
+
 def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = None):
-    """(o (B, T, H, D), lse (B, H, T) float32) of q, k, v (B, T, H, D).
+    """(o (B, T, H, D), lse (B, H, T) float32) of q, k, v (B, T, H, D), or of q packed
+    (B, T, 3, H, D) with k = v = None (_inputs).
 
     `interpret`: jax's Mosaic GPU interpreter parameters, for CPU tests of the kernel itself."""
-    bsz, t, n_heads, d = q.shape
+    ins, heads, (bsz, t, n_heads, d) = _inputs(q, k, v)
     check(cfg, t, d)
     swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     kv_ring = (cfg.stages, cfg.block_kv, d)
@@ -367,18 +386,18 @@ def forward(q, k, v, cfg: Config, scale: float, causal: bool, interpret: Any = N
         sched=plgpu.Barrier(num_arrivals=COMPUTE_WGS),
     )
 
-    def kernel(q_g, k_g, v_g, o_g, lse_g, **sm):
-        _kernel(q_g, k_g, v_g, o_g, lse_g, sm, cfg=cfg, scale=scale, causal=causal,
-                n_ctas=n_ctas)  # fmt: skip
+    def kernel(*refs, **sm):
+        _kernel(*_qkv_refs(refs, len(ins)), sm, cfg=cfg, scale=scale, causal=causal,
+                n_ctas=n_ctas, heads=heads)  # fmt: skip
 
     out_type = (
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((bsz, t, n_heads, d), q.dtype),
         jax.ShapeDtypeStruct((bsz, n_heads, t), jnp.float32),
     )
     n_ctas = grid_size(bsz, n_heads, t // (COMPUTE_WGS * cfg.block_q), cfg.ctas)
     grid = {"p": n_ctas}
     return rows.launch(kernel, "flash_attention_fwd_mgpu", out_type, scratch, grid, 0, interpret,
-                       (q, k, v), approx_math=True, threads=COMPUTE_WGS + 1)  # fmt: skip
+                       ins, approx_math=True, threads=COMPUTE_WGS + 1)  # fmt: skip
 
 
 # ---------------------------------------------------------------- backward
@@ -468,13 +487,13 @@ def _roles(copy, compute) -> None:
 
 
 def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig, scale: float,
-               causal: bool, n_ctas: int):  # fmt: skip
+               causal: bool, n_ctas: int, heads: tuple[int, int, int]):  # fmt: skip
     """dq of tiles of 2 * block_q queries of one (b, h), block_q per compute warpgroup, persistent
     (_tiles): a loop over the key blocks up to the later warpgroup's diagonal; the earlier one
     skips the blocks past its own. The ring runs on across tiles."""
-    bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, q_g.shape[1]
+    bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, do_g.shape[1]
     tile = COMPUTE_WGS * bq
-    count, tiles = _tiles(q_g.shape[0], q_g.shape[2], t // tile, n_ctas)
+    count, tiles = _tiles(do_g.shape[0], do_g.shape[2], t // tile, n_ctas)
 
     def n_kv_of(j):
         return i32((j * tile + tile + bkv - 1) // bkv if causal else t // bkv)
@@ -482,7 +501,7 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig,
     def copy():
         def tile_views(i):
             b, h, j = tiles(i)
-            return _kv_views(k_g, v_g, b, h, bkv), n_kv_of(j)
+            return _kv_views(k_g, v_g, b, h, bkv, heads), n_kv_of(j)
 
         _ring_tiles(sm, ("free",), stages, count, tile_views)
 
@@ -490,7 +509,7 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig,
         def load_own(i):  # tile i's q, do, lse, delta rows of this warpgroup, not waited for
             b, h, j = tiles(i)
             qs = pl.ds(j * tile + wg * bq, bq)
-            _load_own(sm, wg, {"q": q_g.at[b, qs, h], "do": do_g.at[b, qs, h],
+            _load_own(sm, wg, {"q": q_g.at[b, qs, h + heads[0]], "do": do_g.at[b, qs, h],
                                "lse": lse_g.at[b, h, qs], "delta": delta_g.at[b, h, qs]},
                       wait=False)  # fmt: skip
 
@@ -555,14 +574,15 @@ def _dq_tile(sm, wg, q0, base, n_kv, *, cfg: BwdConfig, scale: float, causal: bo
 
 
 def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: BwdConfig,
-                scale: float, causal: bool, n_ctas: int):  # fmt: skip
+                scale: float, causal: bool, n_ctas: int, heads: tuple[int, ...]):  # fmt: skip
     """dk, dv of tiles of 2 * block_kv keys of one (b, h), block_kv per compute warpgroup,
     persistent (_tiles): a loop over the query blocks from the earlier warpgroup's diagonal to
     the end (the later one skips those wholly before its keys), computed transposed (keys along
-    the rows): no register transposes. The ring runs on across tiles."""
-    bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, q_g.shape[1]
+    the rows): no register transposes. The ring runs on across tiles. `heads`: the head offsets
+    of q, k, v in their refs, then of dk, dv in theirs."""
+    bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, do_g.shape[1]
     tile = COMPUTE_WGS * bkv
-    count, tiles = _tiles(q_g.shape[0], q_g.shape[2], t // tile, n_ctas)
+    count, tiles = _tiles(do_g.shape[0], do_g.shape[2], t // tile, n_ctas)
 
     def first_of(j):  # the first query block with a query >= the tile's first key
         return i32(j * tile // bq if causal else 0)
@@ -572,13 +592,13 @@ def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: Bwd
             b, h, j = tiles(i)
             first = first_of(j)
 
-            def view(ref):
-                return lambda i: ref.at[b, pl.ds((first + i) * bq, bq), h]
+            def view(ref, hh=h):
+                return lambda i: ref.at[b, pl.ds((first + i) * bq, bq), hh]
 
             def row_view(ref):
                 return lambda i: ref.at[b, h, pl.ds((first + i) * bq, bq)]
 
-            views = {"q": view(q_g), "do": view(do_g), "lse": row_view(lse_g),
+            views = {"q": view(q_g, h + heads[0]), "do": view(do_g), "lse": row_view(lse_g),
                      "delta": row_view(delta_g)}  # fmt: skip
             return views, i32(t // bq) - first
 
@@ -588,8 +608,8 @@ def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: Bwd
         def run_tile(i, base):
             b, h, j = tiles(i)
             first = first_of(j)
-            _dkv_tile(q_g, k_g, v_g, dk_g, dv_g, sm, wg, b, h, j * tile + wg * bkv, first, base,
-                      cfg=cfg, scale=scale, causal=causal)  # fmt: skip
+            _dkv_tile(k_g, v_g, dk_g, dv_g, sm, wg, b, h, j * tile + wg * bkv, first, base,
+                      cfg=cfg, scale=scale, causal=causal, t=t, heads=heads)  # fmt: skip
             return base + i32(t // bq) - first
 
         jax.lax.fori_loop(jnp.int32(0), count, run_tile, jnp.int32(0))
@@ -598,15 +618,15 @@ def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: Bwd
     _roles(copy, compute)
 
 
-def _dkv_tile(q_g, k_g, v_g, dk_g, dv_g, sm, wg, b, h, k0, first, base, *, cfg: BwdConfig,
-              scale: float, causal: bool):  # fmt: skip
+def _dkv_tile(k_g, v_g, dk_g, dv_g, sm, wg, b, h, k0, first, base, *, cfg: BwdConfig,
+              scale: float, causal: bool, t: int, heads: tuple[int, ...]):  # fmt: skip
     """dk, dv of keys k0 .. k0 + block_kv - 1 of (b, h) against query blocks first .. T / block_q
     - 1; query block first + i is ring step base + i."""
-    bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, q_g.shape[1]
+    bq, bkv, stages = cfg.block_q, cfg.block_kv, cfg.stages
     names = ("q", "do", "lse", "delta")
     n = i32(t // bq) - first
     ks = pl.ds(k0, bkv)
-    _load_own(sm, wg, {"k": k_g.at[b, ks, h], "v": v_g.at[b, ks, h]})
+    _load_own(sm, wg, {"k": k_g.at[b, ks, h + heads[1]], "v": v_g.at[b, ks, h + heads[2]]})
     k_s, v_s = sm["k"].at[wg], sm["v"].at[wg]
     col = plgpu.Layout.WGMMA.reduce(0)
     c = scale * math.log2(math.e)
@@ -637,7 +657,7 @@ def _dkv_tile(q_g, k_g, v_g, dk_g, dv_g, sm, wg, b, h, k0, first, base, *, cfg: 
         plgpu.barrier_arrive(sm["free"].at[slot])
         return dk, dv
 
-    zeros = rows.cast(jnp.zeros((bkv, q_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
+    zeros = rows.cast(jnp.zeros((bkv, k_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
     zeros_t = rows.cast(jnp.zeros((bkv, bq), jnp.float32), plgpu.Layout.WGMMA)
     # query blocks wholly before the keys are skipped; those holding a query < the last key
     # need the mask
@@ -649,14 +669,16 @@ def _dkv_tile(q_g, k_g, v_g, dk_g, dv_g, sm, wg, b, h, k0, first, base, *, cfg: 
     k_s[...] = (dk * scale).astype(dk_g.dtype)  # dk, dv reuse k's and v's buffers
     v_s[...] = dv.astype(dv_g.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_s, dk_g.at[b, ks, h])
-    plgpu.copy_smem_to_gmem(v_s, dv_g.at[b, ks, h])
+    plgpu.copy_smem_to_gmem(k_s, dk_g.at[b, ks, h + heads[3]])
+    plgpu.copy_smem_to_gmem(v_s, dv_g.at[b, ks, h + heads[4]])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # before the next tile's k, v overwrite them
 
 
 def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
              interpret: Any = None):  # fmt: skip
-    """(dq, dk, dv) (B, T, H, D) in q's dtype of the attention whose forward gave o and lse.
+    """(dq, dk, dv) (B, T, H, D) in q's dtype of the attention whose forward gave o and lse; of
+    q packed (B, T, 3, H, D) with k = v = None (_inputs): (dq, dkv (B, T, 2, H, D)), dk and dv
+    written by one kernel into one array (a fused projection's backward reads it in place).
 
     delta = rowsum(o * do) (B, H, T) is one XLA fusion (a read of o and do at memory speed, the
     cost a kernel would have too); then two kernels, neither needing atomics, each with two
@@ -673,13 +695,13 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
     lse, delta) about (n + 1) / 2 times (n = T / (2 * block_kv)) and writes dk, dv. Compute: S
     and dP are recomputed in both kernels (7 matmuls of B*H*T^2*D / 2 causal, against a fused
     backward's 5)."""
-    bsz, t, n_heads, d = q.shape
+    ins, heads, (bsz, t, n_heads, d) = _inputs(q, k, v)
     check_bwd(cfg, t, d)
     delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
     sw = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     bq, bkv, st, dt = cfg.block_q, cfg.block_kv, cfg.stages, q.dtype
     kw = dict(cfg=cfg, scale=scale, causal=causal)
-    args = (q, k, v, do, lse, delta)
+    args = (*ins, do, lse, delta)
 
     def ring(name, shape, dtype, **kw_):  # a ring of `stages` blocks, its arrival barriers
         return {name: plgpu.SMEM((st, *shape), dtype, **kw_),
@@ -698,9 +720,10 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
     dq_ctas = grid_size(bsz, n_heads, t // (w * bq), cfg.ctas)
 
     def dq_body(*refs, **sm):
-        _dq_kernel(*refs, sm, **kw, n_ctas=dq_ctas)
+        _dq_kernel(*_qkv_refs(refs, len(ins)), sm, **kw, n_ctas=dq_ctas, heads=heads)
 
-    dq = rows.launch(dq_body, "flash_attention_dq_mgpu", jax.ShapeDtypeStruct(q.shape, dt),
+    grads = jax.ShapeDtypeStruct((bsz, t, n_heads, d), dt)
+    dq = rows.launch(dq_body, "flash_attention_dq_mgpu", grads,
                      dq_scratch, {"p": dq_ctas}, 0, interpret, args, approx_math=True,
                      threads=w + 1)  # fmt: skip
     dkv_scratch = dict(
@@ -712,11 +735,16 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
 
     dkv_ctas = grid_size(bsz, n_heads, t // (w * bkv), cfg.ctas)
 
-    def dkv_body(*refs, **sm):
-        _dkv_kernel(*refs, sm, **kw, n_ctas=dkv_ctas)
+    packed = len(ins) == 1
+    out_heads = (0, n_heads) if packed else (0, 0)  # dk's and dv's in their outputs
 
-    grads = jax.ShapeDtypeStruct(q.shape, dt)
-    dk, dv = rows.launch(dkv_body, "flash_attention_dkv_mgpu", (grads, grads), dkv_scratch,
-                         {"p": dkv_ctas}, 0, interpret, args, approx_math=True,
-                         threads=w + 1)  # fmt: skip
-    return dq, dk, dv
+    def dkv_body(*refs, **sm):
+        refs = _qkv_refs(refs, len(ins))
+        refs = refs + refs[-1:] if packed else refs  # one (B, T, 2H, D) output for dk and dv
+        _dkv_kernel(*refs, sm, **kw, n_ctas=dkv_ctas, heads=heads + out_heads)
+
+    out = jax.ShapeDtypeStruct((bsz, t, 2 * n_heads, d), dt) if packed else (grads, grads)
+    dkv = rows.launch(dkv_body, "flash_attention_dkv_mgpu", out, dkv_scratch,
+                      {"p": dkv_ctas}, 0, interpret, args, approx_math=True,
+                      threads=w + 1)  # fmt: skip
+    return (dq, dkv.reshape(bsz, t, 2, n_heads, d)) if packed else (dq, *dkv)

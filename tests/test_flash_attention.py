@@ -140,6 +140,29 @@ def test_backward_in_interpreter(interpreter, float64_ref, name):
     _grad_close(got, float64_ref(ref_grads, q, k, v, do))
 
 
+def test_packed_qkv_runs_as_apart_in_interpreter(interpreter):
+    """q, k, v packed (B, T, 3, H, D), as a fused projection writes them, read in place: the
+    same o, lse, dq as apart, bit for bit, and dk, dv written into one (B, T, 2, H, D) array.
+    3 heads, 9 tiles a kernel on 2 CUDA blocks (head offsets 3 and 6 in the packed view)."""
+    b, t, h, d = 1, 384, 3, 64
+    cfg, bwd_cfg = fa_mgpu.Config(64, 64, 3, ctas=2), fa_mgpu.BwdConfig(64, 64, 2, ctas=2)
+    q, k, v = _qkv((b, t, h, d), seed=3)
+    qkv = jnp.stack([q, k, v], axis=2)
+    fwd = functools.partial(fa_mgpu.forward, cfg=cfg, scale=d**-0.5, causal=True,
+                            interpret=interpreter)  # fmt: skip
+    o, lse = fwd(q, k, v)
+    for got, want in zip(fwd(qkv, None, None), (o, lse), strict=True):
+        np.testing.assert_array_equal(got, want)
+    do = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.bfloat16)
+    bwd = functools.partial(fa_mgpu.backward, o=o, lse=lse, do=do, cfg=bwd_cfg, scale=d**-0.5,
+                            causal=True, interpret=interpreter)  # fmt: skip
+    dq, dk, dv = bwd(q, k, v)
+    dq_p, dkv = bwd(qkv, None, None)
+    assert dkv.shape == (b, t, 2, h, d)
+    for got, want in ((dq_p, dq), (dkv[:, :, 0], dk), (dkv[:, :, 1], dv)):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_public_function_and_gradients_in_interpreter(
     interpreter, pretend_gpu, monkeypatch, float64_ref
 ):
