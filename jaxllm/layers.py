@@ -9,7 +9,9 @@ or `cs336_init()` (CS336's truncated normals).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -49,18 +51,22 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(
         self, x: jax.Array, splits: int = 1, gelu: ops.MLPPath | None = None,
-        shard: ops.KernelShard | None = None,
+        shard: ops.KernelShard | None = None, attend: Callable | None = None,
     ) -> jax.Array | tuple[jax.Array, ...]:  # fmt: skip
         """x (..., D_in) -> (..., D_out); `splits=n` returns the n equal column blocks of the
         output as a tuple, each from its own matmul on a slice of W (for a fused q/k/v kernel:
         one (..., 3D) output split afterwards costs a copy forward and a concat backward; XLA's
         dot merger may still re-merge small ones, as at GPT-2 batch 16, not at batch 64). The
         bias gradient is a float32 sum over the rows (_add_bias). `gelu`: y = gelu(x) W (+ b),
-        GELU's backward on that path (ops.gelu_matmul, `shard` as there)."""
+        GELU's backward on that path (ops.gelu_matmul, `shard` as there). `attend`: returns
+        attend(x, W, b) (x and W in compute_dtype, b the float32 bias or None), an op that owns
+        the projection (ops.qkv_attention)."""
         d_in = x.shape[-1]
         w = self.param("kernel", self.kernel_init, (d_in, self.features))
         b = self.param("bias", nn.initializers.zeros, (self.features,)) if self.use_bias else None
         xc, cd = x.astype(self.compute_dtype), self.compute_dtype
+        if attend is not None:
+            return attend(xc, w.astype(cd), b)
         if gelu is None:
             ys = tuple(jnp.dot(xc, wi.astype(cd)) for wi in jnp.split(w, splits, 1))
         elif splits == 1:
@@ -260,30 +266,37 @@ class MultiHeadAttention(nn.Module):
         b, t, d = x.shape
         h, dh = self.n_heads, d // self.n_heads
         lin = dict(kernel_init=self.kernel_init, compute_dtype=self.compute_dtype)
-        with jax.named_scope("qkv"):  # the projection, and RoPE
-            qkv = Linear(3 * d, use_bias=self.qkv_bias, name="qkv", **lin)(x, splits=3)
-            q, k, v = (a.reshape(b, t, h, dh) for a in qkv)  # (B, T, H, Dh)
-            if self.rope_theta is not None:
-                cos, sin = F.rope_angles(inputs.positions, dh, self.rope_theta)
-                q, k = F.apply_rope(q, cos, sin), F.apply_rope(k, cos, sin)
+        qkv = Linear(3 * d, use_bias=self.qkv_bias, name="qkv", **lin)
+        if cache is None and self.path == "flash" and self.rope_theta is None:
+            # one op, whose kernels read q, k, v in place from the projection's output
+            y = qkv(x, attend=functools.partial(ops.qkv_attention, n_heads=h, shard=self.shard))
+        else:
+            with jax.named_scope("qkv"):
+                q, k, v = (a.reshape(b, t, h, dh) for a in qkv(x, splits=3))  # (B, T, H, Dh)
+            y, cache = self._attend(q, k, v, inputs, cache)
+        with jax.named_scope("out"):
+            out = Linear(d, self.out_bias, self.out_init, self.compute_dtype, name="out")
+            y = nn.Dropout(self.dropout)(out(y.reshape(b, t, d)), inputs.deterministic)
+        return y, cache
 
+    def _attend(self, q, k, v, inputs: AttentionInputs, cache: KVCache | None):
+        """(attention of q, k, v (B, T, H, Dh): RoPE, then the path, or XLA over the cache;
+        the updated cache or None)."""
+        if self.rope_theta is not None:
+            with jax.named_scope("qkv"):
+                cos, sin = F.rope_angles(inputs.positions, q.shape[-1], self.rope_theta)
+                q, k = F.apply_rope(q, cos, sin), F.apply_rope(k, cos, sin)
         rng = None
         if not inputs.deterministic and self.dropout > 0.0:
             rng = self.make_rng("dropout")
         with jax.named_scope("sdpa"):  # softmax(q k^T / sqrt(Dh) + mask) v, + the cache write
             if cache is None:
-                y = ops.causal_attention(q, k, v, self.path, self.dropout, rng, self.shard)
-            else:
-                slot, old_k, old_v = inputs.cache_index, cache["k"], cache["v"]
-                k = jax.lax.dynamic_update_slice_in_dim(old_k, k.astype(old_k.dtype), slot, 1)
-                v = jax.lax.dynamic_update_slice_in_dim(old_v, v.astype(old_v.dtype), slot, 1)
-                cache = {"k": k, "v": v}  # (B, S, H, Dh)
-                mask = F.attention_mask(t, k.shape[1], slot, inputs.key_mask)
-                y = F.attention(q, k, v, mask, self.dropout, rng)
-        with jax.named_scope("out"):
-            out = Linear(d, self.out_bias, self.out_init, self.compute_dtype, name="out")
-            y = nn.Dropout(self.dropout)(out(y.reshape(b, t, d)), inputs.deterministic)
-        return y, cache
+                return ops.causal_attention(q, k, v, self.path, self.dropout, rng, self.shard), None
+            slot, old_k, old_v = inputs.cache_index, cache["k"], cache["v"]
+            k = jax.lax.dynamic_update_slice_in_dim(old_k, k.astype(old_k.dtype), slot, 1)
+            v = jax.lax.dynamic_update_slice_in_dim(old_v, v.astype(old_v.dtype), slot, 1)
+            mask = F.attention_mask(q.shape[1], k.shape[1], slot, inputs.key_mask)
+            return F.attention(q, k, v, mask, self.dropout, rng), {"k": k, "v": v}  # (B, S, H, Dh)
 
 
 class FeedForward(nn.Module):

@@ -13,7 +13,13 @@ from .attention_softmax import attention_softmax
 from .common import mosaic_gpu_refusal, triton_refusal
 from .cross_entropy import head_chunk_rows, linear_cross_entropy, mosaic_loss_refusal
 from .depthwise_conv1d import depthwise_conv1d
-from .flash_attention import faster_than_cudnn, flash_attention, flash_attention_refusal
+from .flash_attention import (
+    faster_than_cudnn,
+    flash_attention,
+    flash_attention_qkv,
+    flash_attention_qkv_grad,
+    flash_attention_refusal,
+)
 from .layer_norm import add_layer_norm, add_rms_norm, layer_norm, mosaic_norm_refusal, rms_norm
 from .matmul_dgelu import matmul_dgelu, matmul_dgelu_refusal
 from .reference import (
@@ -39,6 +45,8 @@ __all__ = [
     "depthwise_conv1d_ref",
     "faster_than_cudnn",
     "flash_attention",
+    "flash_attention_qkv",
+    "flash_attention_qkv_grad",
     "flash_attention_refusal",
     "flash_attention_ref",
     "head_chunk_rows",

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from . import common
 from . import flash_attention_mgpu as mgpu
-from .common import check_config, first_order_rules
+from .common import check_config, first_order_only, first_order_rules
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -80,6 +80,33 @@ def flash_attention_refusal(head_dim: int, compute_dtype) -> str | None:
     return None
 
 
+def _setup(shape, dtype, config, bwd_config, scale, causal: bool = True):
+    """The checked (config, backward config, padded T, scale) of q's (B, T, H, D) and dtype."""
+    if dtype not in DTYPES:
+        raise ValueError(f"flash attention needs bfloat16 or float16 inputs, got {dtype}")
+    if scale is not None and not isinstance(scale, int | float):
+        raise ValueError(f"scale must be a Python number or None, got {type(scale).__name__}")
+    t, d = shape[1], shape[3]
+    if (refusal := flash_attention_refusal(d, dtype)) is not None:
+        raise ValueError(f"flash_attention needs {refusal}")
+    check_config(config, "mosaic_gpu", mgpu.Config)
+    cfg = config or mgpu.CONFIGS.get(d, mgpu.Config())
+    check_config(bwd_config, "mosaic_gpu", mgpu.BwdConfig)
+    bwd_cfg = bwd_config or mgpu.BwdConfig()
+    padded = -(-t // (tile := causal_tile(cfg, bwd_cfg))) * tile if causal else t
+    mgpu.check(cfg, padded, d)
+    mgpu.check_bwd(bwd_cfg, padded, d)
+    return cfg, bwd_cfg, padded, d**-0.5 if scale is None else float(scale)
+
+
+def _pad_t(x: jax.Array, padded: int) -> jax.Array:
+    """x padded with zeros along T (axis 1) to `padded`: keys past T come after every real
+    query, so causally invisible to them."""
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, padded - x.shape[1])
+    return jnp.pad(x, pad) if padded != x.shape[1] else x
+
+
 def flash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -98,22 +125,62 @@ def flash_attention(
     if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must share one (B, T, H, D) shape, got {q.shape}, {k.shape}, "
                          f"{v.shape}")  # fmt: skip
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must all be bfloat16 or float16, got {q.dtype}, {k.dtype}, "
-                         f"{v.dtype}")  # fmt: skip
-    if scale is not None and not isinstance(scale, int | float):
-        raise ValueError(f"scale must be a Python number or None, got {type(scale).__name__}")
-    t, d = q.shape[1], q.shape[3]
-    if (refusal := flash_attention_refusal(d, q.dtype)) is not None:
-        raise ValueError(f"flash_attention needs {refusal}")
-    check_config(config, "mosaic_gpu", mgpu.Config)
-    cfg = config or mgpu.CONFIGS.get(d, mgpu.Config())
-    check_config(bwd_config, "mosaic_gpu", mgpu.BwdConfig)
-    bwd_cfg = bwd_config or mgpu.BwdConfig()
-    padded = -(-t // (tile := causal_tile(cfg, bwd_cfg))) * tile if causal else t
-    mgpu.check(cfg, padded, d)
-    mgpu.check_bwd(bwd_cfg, padded, d)
-    scale = d**-0.5 if scale is None else float(scale)
-    if padded != t:  # keys past T come after every real query: causally invisible to them
-        q, k, v = (jnp.pad(x, ((0, 0), (0, padded - t), (0, 0), (0, 0))) for x in (q, k, v))
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    cfg, bwd_cfg, padded, scale = _setup(q.shape, q.dtype, config, bwd_config, scale, causal)
+    t = q.shape[1]
+    q, k, v = (_pad_t(x, padded) for x in (q, k, v))
     return _attention(q, k, v, cfg, bwd_cfg, scale, bool(causal))[:, :t]
+
+
+def _check_packed(qkv: jax.Array) -> None:
+    if qkv.ndim != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must be (B, T, 3, H, D) (q, k, v along axis 2), got {qkv.shape}")
+
+
+def flash_attention_qkv(
+    qkv: jax.Array, *, scale: float | None = None, config: mgpu.Config | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Causal attention of q, k, v packed (B, T, 3, H, D), as a fused q/k/v projection writes
+    them (read in place: no copies), without a VJP: (o (B, T, H, D), lse (B, H, Tp) float32,
+    the natural-log logsumexp of each query's scaled scores, T padded to the tile as in
+    flash_attention). flash_attention_qkv_grad is its backward; jaxllm.ops.qkv_attention owns
+    the custom VJP (of the projection and the attention together)."""
+    _check_packed(qkv)
+    sh = (qkv.shape[0], qkv.shape[1], qkv.shape[3], qkv.shape[4])
+    cfg, _, padded, scale = _setup(sh, qkv.dtype, config, None, scale)
+
+    def forward(qkv):
+        return _forward(qkv, None, None, cfg, scale, True)
+
+    o, lse = first_order_only("flash_attention", forward, _pad_t(qkv, padded))
+    return o[:, : qkv.shape[1]], lse
+
+
+def flash_attention_qkv_grad(
+    qkv: jax.Array,
+    o: jax.Array,
+    lse: jax.Array,
+    do: jax.Array,
+    *,
+    scale: float | None = None,
+    bwd_config: mgpu.BwdConfig | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The backward of flash_attention_qkv: (dq (B, T, H, D), dkv (B, T, 2, H, D)) of the
+    output's cotangent do (B, T, H, D), given its o and lse; dk and dv come from one kernel in
+    one array, which a fused projection's backward reads in place."""
+    _check_packed(qkv)
+    b, t, _, h, d = qkv.shape
+    if o.shape != (b, t, h, d) or do.shape != o.shape or lse.shape[:2] != (b, h):
+        raise ValueError(f"flash_attention_qkv_grad needs o, do (B, T, H, D) and lse (B, H, Tp) "
+                         f"of qkv {qkv.shape}, got {o.shape}, {do.shape}, {lse.shape}")  # fmt: skip
+    _, bwd_cfg, padded, scale = _setup(o.shape, qkv.dtype, None, bwd_config, scale)
+    if lse.shape[2] != padded:
+        raise ValueError(f"lse must be flash_attention_qkv's (B, H, {padded}), got {lse.shape}")
+    args = (_pad_t(qkv, padded), _pad_t(o, padded), lse, _pad_t(do.astype(o.dtype), padded))
+
+    def grad(qkv, o, lse, do):
+        return _backward(qkv, None, None, o, lse, do, bwd_cfg, scale, True)
+
+    dq, dkv = first_order_only("flash_attention", grad, *args)
+    return dq[:, :t], dkv[:, :t]

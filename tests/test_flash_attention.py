@@ -186,6 +186,39 @@ def test_public_function_and_gradients_in_interpreter(
     _grad_close(got[1], ref[1])
 
 
+def test_qkv_attention_matches_projection_and_reference_in_interpreter(
+    interpreter, pretend_gpu, monkeypatch, float64_ref
+):
+    """jaxllm.ops.qkv_attention (the model's flash path: the q/k/v projection and the attention
+    in one VJP, the kernels interpreted), T padded inside: output and the gradients of x, W, b
+    against the projection and the float64 reference's attention differentiated."""
+    for name in ("forward", "backward"):
+        fn = functools.partial(getattr(fa_mgpu, name), interpret=interpreter)
+        jitted = jax.jit(fn, static_argnames=("cfg", "scale", "causal"))
+        monkeypatch.setattr(flash_module, f"_{name}", jitted)
+    b, t, h, dh = 1, 100, 2, 64
+    keys = jax.random.split(jax.random.PRNGKey(4), 4)
+    x = jax.random.normal(keys[0], (b, t, h * dh), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (h * dh, 3 * h * dh)) * 0.1).astype(jnp.bfloat16)
+    bias = jax.random.normal(keys[2], (3 * h * dh,), jnp.float32)
+    ct = jax.random.normal(keys[3], (b, t, h * dh), jnp.float32)
+
+    def loss(attend):
+        return lambda x, w, bias: jnp.sum(attend(x, w, bias).astype(jnp.float32) * ct)
+
+    def apart(x, w, bias):
+        q, k, v = jnp.split((x @ w + bias.astype(x.dtype)).reshape(b, t, 3 * h, dh), 3, 2)
+        return flash_attention_ref(q, k, v, causal=True).reshape(b, t, h * dh)
+
+    got = jax.value_and_grad(loss(functools.partial(ops.qkv_attention, n_heads=h)), (0, 1, 2))
+    got = got(x, w, bias)
+    ref = float64_ref(jax.value_and_grad(loss(apart), (0, 1, 2)), x, w, bias)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-2)
+    assert [g.dtype for g in got[1]] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
+    for g, r in zip(got[1], ref[1], strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float64), r, atol=1e-2 * np.abs(r).max())
+
+
 @pytest.mark.parametrize(
     "d, cfg, bwd_cfg, causal, x64",
     [
@@ -275,6 +308,24 @@ def test_compiled_on_a_gpu_and_refused_elsewhere(float64_ref, d):
         ref, ref_grads = float64_ref(functools.partial(grads, flash_attention_ref), q, k, v, do)
         np.testing.assert_allclose(np.asarray(o, np.float64), ref, atol=2e-2)
         _grad_close(got, ref_grads)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_qkv_compiled_on_a_gpu_is_apart_bit_for_bit(d):
+    """On a GPU: flash_attention_qkv and its backward on q, k, v packed give the o, dq, dk, dv
+    of q, k, v apart exactly (T = 448: padded inside); elsewhere the call is refused."""
+    q, k, v = _qkv((2, 448, 3, d), seed=5)
+    qkv = jnp.stack([q, k, v], axis=2)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="needs a GPU of compute capability 9.x or 10.x"):
+            flash_module.flash_attention_qkv(qkv)
+        return
+    do = jax.random.normal(jax.random.PRNGKey(6), q.shape, jnp.bfloat16)
+    o, vjp = jax.vjp(flash_attention, q, k, v)
+    o_p, lse = jax.jit(flash_module.flash_attention_qkv)(qkv)
+    dq_p, dkv = jax.jit(flash_module.flash_attention_qkv_grad)(qkv, o_p, lse, do)
+    for got, want in zip((o_p, dq_p, dkv[:, :, 0], dkv[:, :, 1]), (o, *vjp(do)), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def _bench():

@@ -248,6 +248,41 @@ def test_model_reaches_every_mosaic_kernel_when_planned(monkeypatch):
     assert "matmul_dgelu_mgpu" not in text.as_text()
 
 
+def test_flash_path_lowers_the_qkv_projection_and_kernels_as_one_op(monkeypatch):
+    """attention_impl=pallas on Hopper (path flash): the model's attention lowers, forward and
+    gradient, to the flash kernels through ops.qkv_attention (q, k, v read in place from the
+    projection), with the same parameters as every other path."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels.common as tb
+    from jaxllm import ops
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(tb, "mosaic_gpu_capable", lambda: True)
+    calls, fused = [], ops.qkv_attention
+    monkeypatch.setattr(ops, "qkv_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    kw = dict(compute_dtype="bfloat16", d_model=128, n_heads=2, context_length=128)
+    model = tiny_model(attention_impl="pallas", **kw)
+    assert model.plan.attention == "flash"
+    tokens = jnp.zeros((2, 128), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
+    other = jax.eval_shape(
+        tiny_model(attention_impl="xla", **kw).init, jax.random.PRNGKey(0), tokens
+    )
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), other
+    )
+
+    def loss(p):
+        return model.apply(p, tokens, tokens, method="loss")[0]
+
+    text = jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
+    for kernel in ("fwd", "dq", "dkv"):
+        assert f"flash_attention_{kernel}_mgpu" in text
+    assert calls  # every layer, once per trace
+
+
 NO_TRITON = """
 import sys
 sys.modules["jax.experimental.pallas.triton"] = None  # as in a jax that dropped the lowering
