@@ -25,7 +25,9 @@ kernel: execution.kernel_backend picks; `auto` takes Mosaic GPU wherever its ker
              | cudnn | flash       softmax between two XLA einsums (Mosaic GPU's runs a batch
                                    whose length is not a multiple of 128 on Triton, or padded
                                    without it), cuDNN flash attention, or
-                                   ours (pallas_kernels.flash_attention, Mosaic GPU)
+                                   ours (pallas_kernels.flash_attention, Mosaic GPU; without
+                                   RoPE the model calls qkv_attention: the q/k/v projection
+                                   and our kernels, reading its output in place, in one VJP)
   decode     xla                   attention over a KV cache (generation): always XLA
   loss       xla | pallas[_mgpu]   LM head + cross-entropy: logits then softmax_loss, or the
                                    fused Pallas kernel that never keeps the logits (its Mosaic
