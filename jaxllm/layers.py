@@ -267,7 +267,8 @@ class MultiHeadAttention(nn.Module):
         h, dh = self.n_heads, d // self.n_heads
         lin = dict(kernel_init=self.kernel_init, compute_dtype=self.compute_dtype)
         qkv = Linear(3 * d, use_bias=self.qkv_bias, name="qkv", **lin)
-        if cache is None and self.path == "flash" and self.rope_theta is None:
+        dropout = not inputs.deterministic and self.dropout > 0.0  # flash refuses it (ops)
+        if cache is None and self.path == "flash" and self.rope_theta is None and not dropout:
             # one op, whose kernels read q, k, v in place from the projection's output
             y = qkv(x, attend=functools.partial(ops.qkv_attention, n_heads=h, shard=self.shard))
         else:

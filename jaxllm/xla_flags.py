@@ -4,8 +4,10 @@
 into Triton GEMMs that run far below cuBLAS on the H100 (GPT-2 124M train step, batch 16:
 47.3 ms with them, 40.6 ms without; benchmarks/RESULTS.md).
 `--xla_gpu_dot_merger_threshold_mb=0`: keep the q/k/v projections three GEMMs with their bias
-adds in the epilogue (jaxllm.layers.Linear(splits=3)); XLA's dot merger otherwise re-merges them
-at small batches and slices q, k, v out with separate bias-add kernels. GPT-2 124M train step,
+adds in the epilogue (jaxllm.layers.Linear(splits=3): every attention path but our flash
+attention without RoPE, whose kernels read one GEMM's output in place); XLA's dot merger
+otherwise re-merges them at small batches and slices q, k, v out with separate bias-add
+kernels. GPT-2 124M train step,
 batch 16, H100: 35.72 -> 34.99 ms, Llama-style 124M-class 40.5 -> 40.2 ms (RESULTS.md).
 `--xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}=true`: let XLA start a
 loop's collectives an iteration early, overlapping them with compute. With

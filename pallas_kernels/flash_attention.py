@@ -7,7 +7,9 @@ kernel's check asks (128 by default). Forward and backward are
 flash_attention_mgpu.py's Mosaic GPU kernels (Hopper+): the forward also returns the logsumexp of
 each query's scores, which the backward (delta = rowsum(o * do), then a dq and a dk/dv kernel)
 reads with o to recompute the probabilities block by block. This module checks the arguments and
-owns the custom VJP. Memory traffic: see flash_attention_mgpu.forward and .backward.
+owns the custom VJP of flash_attention; flash_attention_qkv and its backward run the same kernels
+on q, k, v packed (B, T, 3, H, D) without a VJP (jaxllm.ops.qkv_attention owns theirs, with the
+q/k/v projection). Memory traffic: see flash_attention_mgpu.forward and .backward.
 """
 
 from __future__ import annotations
@@ -133,22 +135,22 @@ def flash_attention(
     return _attention(q, k, v, cfg, bwd_cfg, scale, bool(causal))[:, :t]
 
 
-def _check_packed(qkv: jax.Array) -> None:
+def _packed_setup(qkv: jax.Array) -> tuple[mgpu.Config, mgpu.BwdConfig, int, float]:
+    """flash_attention_qkv's and its backward's shared (configs, padded T, scale): the defaults."""
     if qkv.ndim != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must be (B, T, 3, H, D) (q, k, v along axis 2), got {qkv.shape}")
+    b, t, _, h, d = qkv.shape
+    return _setup((b, t, h, d), qkv.dtype, None, None, None)
 
 
-def flash_attention_qkv(
-    qkv: jax.Array, *, scale: float | None = None, config: mgpu.Config | None = None
-) -> tuple[jax.Array, jax.Array]:
+def flash_attention_qkv(qkv: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Causal attention of q, k, v packed (B, T, 3, H, D), as a fused q/k/v projection writes
-    them (read in place: no copies), without a VJP: (o (B, T, H, D), lse (B, H, Tp) float32,
-    the natural-log logsumexp of each query's scaled scores, T padded to the tile as in
-    flash_attention). flash_attention_qkv_grad is its backward; jaxllm.ops.qkv_attention owns
-    the custom VJP (of the projection and the attention together)."""
-    _check_packed(qkv)
-    sh = (qkv.shape[0], qkv.shape[1], qkv.shape[3], qkv.shape[4])
-    cfg, _, padded, scale = _setup(sh, qkv.dtype, config, None, scale)
+    them (read in place where T is a multiple of the tile, else padded), without a VJP, default
+    configs and scale 1/sqrt(D): (o (B, T, H, D), lse (B, H, Tp) float32, the natural-log
+    logsumexp of each query's scaled scores, T padded as in flash_attention).
+    flash_attention_qkv_grad is its backward; jaxllm.ops.qkv_attention owns the custom VJP (of
+    the projection and the attention together)."""
+    cfg, _, padded, scale = _packed_setup(qkv)
 
     def forward(qkv):
         return _forward(qkv, None, None, cfg, scale, True)
@@ -158,25 +160,20 @@ def flash_attention_qkv(
 
 
 def flash_attention_qkv_grad(
-    qkv: jax.Array,
-    o: jax.Array,
-    lse: jax.Array,
-    do: jax.Array,
-    *,
-    scale: float | None = None,
-    bwd_config: mgpu.BwdConfig | None = None,
+    qkv: jax.Array, o: jax.Array, lse: jax.Array, do: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """The backward of flash_attention_qkv: (dq (B, T, H, D), dkv (B, T, 2, H, D)) of the
     output's cotangent do (B, T, H, D), given its o and lse; dk and dv come from one kernel in
     one array, which a fused projection's backward reads in place."""
-    _check_packed(qkv)
+    _, bwd_cfg, padded, scale = _packed_setup(qkv)
     b, t, _, h, d = qkv.shape
-    if o.shape != (b, t, h, d) or do.shape != o.shape or lse.shape[:2] != (b, h):
-        raise ValueError(f"flash_attention_qkv_grad needs o, do (B, T, H, D) and lse (B, H, Tp) "
-                         f"of qkv {qkv.shape}, got {o.shape}, {do.shape}, {lse.shape}")  # fmt: skip
-    _, bwd_cfg, padded, scale = _setup(o.shape, qkv.dtype, None, bwd_config, scale)
-    if lse.shape[2] != padded:
-        raise ValueError(f"lse must be flash_attention_qkv's (B, H, {padded}), got {lse.shape}")
+    if o.shape != (b, t, h, d) or do.shape != o.shape or lse.shape != (b, h, padded):
+        raise ValueError(f"flash_attention_qkv_grad needs o, do (B, T, H, D) and lse (B, H, "
+                         f"{padded}) of qkv {qkv.shape}, got {o.shape}, {do.shape}, "
+                         f"{lse.shape}")  # fmt: skip
+    if o.dtype != qkv.dtype or lse.dtype != jnp.float32:
+        raise ValueError(f"flash_attention_qkv_grad needs o in qkv's {qkv.dtype} and lse in "
+                         f"float32, got {o.dtype}, {lse.dtype}")  # fmt: skip
     args = (_pad_t(qkv, padded), _pad_t(o, padded), lse, _pad_t(do.astype(o.dtype), padded))
 
     def grad(qkv, o, lse, do):

@@ -1,7 +1,9 @@
 """Flash attention on Pallas' Mosaic GPU lowering (Hopper): forward (FlashAttention-3 structure)
 and backward (`backward`: dq and dk/dv kernels, see its docstring).
 
-q, k, v (B, T, H, D) bfloat16/float16, D in {64, 128}. Both directions are persistent: one CUDA
+q, k, v (B, T, H, D) bfloat16/float16, D in {64, 128}, or packed as one (B, T, 3, H, D) array
+read in place (head offsets, `_inputs`; the backward then writes dk and dv into one (B, T, 2, H,
+D) array). Both directions are persistent: one CUDA
 block per SM (at most `Config.ctas`), each running its share of the tiles (in the forward 2 *
 block_q queries of one (batch, head)) in pairs, a long causal tile with a short one (`_tiles`),
 so that the shares are equal; where the tiles fit on the SMs, a CUDA block per tile. A forward

@@ -220,6 +220,18 @@ def test_qkv_attention_matches_projection_and_reference_in_interpreter(
         np.testing.assert_allclose(np.asarray(g, np.float64), r, atol=1e-2 * np.abs(r).max())
 
 
+def test_flash_path_refuses_attention_dropout_in_a_direct_call():
+    """The config refuses flash attention with dropout; a layer built by hand says so too (the
+    fused projection's path would otherwise have skipped the dropout)."""
+    from jaxllm.layers import AttentionInputs, MultiHeadAttention
+
+    mha = MultiHeadAttention(2, dropout=0.1, path="flash", compute_dtype=jnp.bfloat16)
+    x, key = jnp.zeros((1, 128, 128), jnp.bfloat16), jax.random.PRNGKey(0)
+    inputs = AttentionInputs(jnp.zeros((1, 128), jnp.int32), deterministic=False)
+    with pytest.raises(ValueError, match="flash attention has no dropout"):
+        mha.init({"params": key, "dropout": key}, x, inputs)
+
+
 @pytest.mark.parametrize(
     "d, cfg, bwd_cfg, causal, x64",
     [

@@ -15,6 +15,9 @@ backward (the VJP w.r.t. its inputs and parameters, one call):
 
 On the Pallas or cuDNN attention path the scores, softmax and AV are one kernel or one chain of
 a kernel between einsums: they are timed together (ops.causal_attention) as `attention core`.
+On the flash path without RoPE the model runs the projection and the kernels as one op
+(ops.qkv_attention, one GEMM read in place); the pieces time them apart, the `layer` row as
+the model runs them.
 The whole Block, jitted as one function, is timed too: against the sum of the pieces it shows
 what XLA's fusion across pieces saves.
 
