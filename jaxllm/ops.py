@@ -440,11 +440,6 @@ def qkv_attention(
     return _qkv_attention(x, w, b, n_heads, shard)
 
 
-def _qkv_project(x, w, b, n_heads):
-    y = jnp.dot(x, w) if b is None else jnp.dot(x, w) + b.astype(x.dtype)
-    return y.reshape(*x.shape[:-1], 3, n_heads, -1)  # (B, T, 3, H, Dh)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _qkv_attention(x, w, b, n_heads, shard):
     return _qkv_attention_fwd(x, w, b, n_heads, shard)[0]
@@ -452,7 +447,8 @@ def _qkv_attention(x, w, b, n_heads, shard):
 
 def _qkv_attention_fwd(x, w, b, n_heads, shard):
     with jax.named_scope("qkv"):
-        qkv = _qkv_project(x, w, b, n_heads)
+        y = jnp.dot(x, w) if b is None else jnp.dot(x, w) + b.astype(x.dtype)
+        qkv = y.reshape(*x.shape[:-1], 3, n_heads, -1)  # (B, T, 3, H, Dh)
     with jax.named_scope("sdpa"):
         kernel = pallas_kernels.flash_attention_qkv
         o, lse = _per_shard(shard, kernel, (qkv,), (True,), (True, True))
