@@ -274,22 +274,20 @@ class MultiHeadAttention(nn.Module):
         else:
             with jax.named_scope("qkv"):
                 q, k, v = (a.reshape(b, t, h, dh) for a in qkv(x, splits=3))  # (B, T, H, Dh)
-            y, cache = self._attend(q, k, v, inputs, cache)
+            rng = self.make_rng("dropout") if dropout else None
+            y, cache = self._attend(q, k, v, inputs, cache, rng)
         with jax.named_scope("out"):
             out = Linear(d, self.out_bias, self.out_init, self.compute_dtype, name="out")
             y = nn.Dropout(self.dropout)(out(y.reshape(b, t, d)), inputs.deterministic)
         return y, cache
 
-    def _attend(self, q, k, v, inputs: AttentionInputs, cache: KVCache | None):
-        """(attention of q, k, v (B, T, H, Dh): RoPE, then the path, or XLA over the cache;
-        the updated cache or None)."""
+    def _attend(self, q, k, v, inputs: AttentionInputs, cache: KVCache | None, rng):
+        """(attention of q, k, v (B, T, H, Dh): RoPE, then the path, or XLA over the cache,
+        dropout with `rng` unless None; the updated cache or None)."""
         if self.rope_theta is not None:
             with jax.named_scope("qkv"):
                 cos, sin = F.rope_angles(inputs.positions, q.shape[-1], self.rope_theta)
                 q, k = F.apply_rope(q, cos, sin), F.apply_rope(k, cos, sin)
-        rng = None
-        if not inputs.deterministic and self.dropout > 0.0:
-            rng = self.make_rng("dropout")
         with jax.named_scope("sdpa"):  # softmax(q k^T / sqrt(Dh) + mask) v, + the cache write
             if cache is None:
                 return ops.causal_attention(q, k, v, self.path, self.dropout, rng, self.shard), None
