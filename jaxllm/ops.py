@@ -468,7 +468,10 @@ def _qkv_attention_bwd(n_heads, shard, res, dy):
         dw = jnp.concatenate([jnp.dot(x2.T, dq2), jnp.dot(x2.T, dkv2)], axis=1)
         db = None
         if b is not None:  # float32 sums, as Linear's bias gradient
-            sums = (dq2.sum(0, dtype=jnp.float32), dkv2.sum(0, dtype=jnp.float32))
+            # k's is exactly 0: a key bias adds q_i . b_k to all of row i's scores, which the
+            # softmax ignores (so no read of dk; its sum is rounding noise)
+            sums = (dq2.sum(0, dtype=jnp.float32), jnp.zeros((d,), jnp.float32),
+                    dkv2[:, d:].sum(0, dtype=jnp.float32))  # fmt: skip
             db = jnp.concatenate(sums).astype(b.dtype)
     return dx.reshape(x.shape), dw, db
 

@@ -417,10 +417,10 @@ class BwdConfig(NamedTuple):
 
 def bwd_smem_bytes(cfg: BwdConfig, d: int, itemsize: int = 2) -> int:
     """Shared memory of the larger backward kernel's CUDA block: own tiles per compute warpgroup
-    (q, do, dq; k, v) and two rings of `stages` streamed tiles (+ float32 lse and delta rows,
+    (q, do, o, dq; k, v) and two rings of `stages` streamed tiles (+ float32 lse and delta rows,
     slack)."""
     bq, bkv, st, w = cfg.block_q, cfg.block_kv, cfg.stages, COMPUTE_WGS
-    dq = (3 * w * bq + 2 * st * bkv) * d * itemsize + 8 * w * bq
+    dq = (4 * w * bq + 2 * st * bkv) * d * itemsize + 8 * w * bq
     dkv = (2 * w * bkv + 2 * st * bq) * d * itemsize + 8 * st * bq
     return max(dq, dkv) + SMEM_SLACK
 
@@ -488,11 +488,12 @@ def _roles(copy, compute) -> None:
         compute(wg)
 
 
-def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig, scale: float,
-               causal: bool, n_ctas: int, heads: tuple[int, int, int]):  # fmt: skip
-    """dq of tiles of 2 * block_q queries of one (b, h), block_q per compute warpgroup, persistent
-    (_tiles): a loop over the key blocks up to the later warpgroup's diagonal; the earlier one
-    skips the blocks past its own. The ring runs on across tiles."""
+def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, o_g, dq_g, delta_g, sm, *, cfg: BwdConfig,
+               scale: float, causal: bool, n_ctas: int, heads: tuple[int, int, int]):  # fmt: skip
+    """dq, and delta = rowsum(o * do) for the dk/dv kernel, of tiles of 2 * block_q queries of
+    one (b, h), block_q per compute warpgroup, persistent (_tiles): a loop over the key blocks
+    up to the later warpgroup's diagonal; the earlier one skips the blocks past its own. The ring
+    runs on across tiles."""
     bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, do_g.shape[1]
     tile = COMPUTE_WGS * bq
     count, tiles = _tiles(do_g.shape[0], do_g.shape[2], t // tile, n_ctas)
@@ -508,27 +509,32 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig,
         _ring_tiles(sm, ("free",), stages, count, tile_views)
 
     def compute(wg):
-        def load_own(i):  # tile i's q, do, lse, delta rows of this warpgroup, not waited for
+        def load_own(i):  # tile i's q, do, o, lse rows of this warpgroup, not waited for
             b, h, j = tiles(i)
             qs = pl.ds(j * tile + wg * bq, bq)
             _load_own(sm, wg, {"q": q_g.at[b, qs, h + heads[0]], "do": do_g.at[b, qs, h],
-                               "lse": lse_g.at[b, h, qs], "delta": delta_g.at[b, h, qs]},
+                               "o": o_g.at[b, qs, h], "lse": lse_g.at[b, h, qs]},
                       wait=False)  # fmt: skip
 
         load_own(jnp.int32(0))
 
         def run_tile(i, base):
             b, h, j = tiles(i)
-            n_kv = n_kv_of(j)
+            qs, n_kv = pl.ds(j * tile + wg * bq, bq), n_kv_of(j)
             _wait_own(sm, wg, 4)
-            dq = _dq_tile(sm, wg, j * tile + wg * bq, base, n_kv, cfg=cfg, scale=scale,
+            delta = _delta(sm, wg)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the last tile's delta is out
+            sm["delta"].at[wg][...] = delta
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(sm["delta"].at[wg], delta_g.at[b, h, qs])
+            dq = _dq_tile(sm, wg, delta, j * tile + wg * bq, base, n_kv, cfg=cfg, scale=scale,
                           causal=causal, d=q_g.shape[3])  # fmt: skip
             pl.when(i + 1 < count)(lambda: load_own(i + 1))  # its last matmul is done
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dq is out
             dq_s = sm["dq"].at[wg]
             dq_s[...] = (dq * scale).astype(dq_g.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dq_s, dq_g.at[b, pl.ds(j * tile + wg * bq, bq), h])
+            plgpu.copy_smem_to_gmem(dq_s, dq_g.at[b, qs, h])
             return base + n_kv
 
         jax.lax.fori_loop(jnp.int32(0), count, run_tile, jnp.int32(0))
@@ -537,14 +543,21 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dq_g, sm, *, cfg: BwdConfig,
     _roles(copy, compute)
 
 
-def _dq_tile(sm, wg, q0, base, n_kv, *, cfg: BwdConfig, scale: float, causal: bool, d: int):
-    """dq / scale (block_q, d) f32 of queries q0 .. q0 + block_q - 1, whose q, do, lse, delta
-    are in warpgroup wg's buffers; key block kv is ring step base + kv."""
+def _delta(sm, wg) -> jax.Array:
+    """rowsum(o * do) (block_q,) float32 of warpgroup wg's o and do tiles."""
+    o, do = (rows.cast(sm[name].at[wg][...], plgpu.Layout.WGMMA) for name in ("o", "do"))
+    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=1)
+
+
+def _dq_tile(sm, wg, delta, q0, base, n_kv, *, cfg: BwdConfig, scale: float, causal: bool,
+             d: int):  # fmt: skip
+    """dq / scale (block_q, d) f32 of queries q0 .. q0 + block_q - 1, whose q, do, lse are in
+    warpgroup wg's buffers (delta (block_q,) given); key block kv is ring step base + kv."""
     bq, bkv, stages = cfg.block_q, cfg.block_kv, cfg.stages
     q_s, do_s = sm["q"].at[wg], sm["do"].at[wg]
     row = plgpu.Layout.WGMMA.reduce(1)
     lse = rows.load(sm["lse"].at[wg], row) * math.log2(math.e)  # (bq,), log2 units
-    delta = rows.load(sm["delta"].at[wg], row)  # (bq,)
+    delta = rows.cast(delta, row)
     c = scale * math.log2(math.e)
 
     def step(kv, dq, masked: bool):
@@ -682,28 +695,26 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
     q packed (B, T, 3, H, D) with k = v = None (_inputs): (dq, dkv (B, T, 2, H, D)), dk and dv
     written by one kernel into one array (a fused projection's backward reads it in place).
 
-    delta = rowsum(o * do) (B, H, T) is one XLA fusion (a read of o and do at memory speed, the
-    cost a kernel would have too); then two kernels, neither needing atomics, each with two
-    compute warpgroups sharing what a third streams, both persistent like the forward (`_tiles`):
-    dq (tiles of 2 * block_q queries; K/V blocks 0 .. diagonal streamed) and dk/dv (tiles of
-    2 * block_kv keys; Q, dO, lse, delta blocks diagonal .. end streamed). Both recompute
+    Two kernels, neither needing atomics, each with two compute warpgroups sharing what a third
+    streams, both persistent like the forward (`_tiles`): dq (tiles of 2 * block_q queries; K/V
+    blocks 0 .. diagonal streamed), which also computes delta = rowsum(o * do) (B, H, T) from
+    its own o and do tiles and writes it, and dk/dv (tiles of 2 * block_kv keys; Q, dO, lse,
+    delta blocks diagonal .. end streamed). Both recompute
     P = exp(scale * q k^T - lse) and dS = P * (dO V^T - delta); dq = scale * dS K, dv = P^T dO,
     dk = scale * dS^T Q; f32 accumulation, only the diagonal blocks masked. A step's exponentials
     run while its dP matmul is on the tensor cores, and in dk/dv its dS^T while dV's is.
 
-    Memory traffic (causal, s bytes per element, N = B*T*H*D): delta reads o and do (2 N s) and
-    writes 4 B*H*T bytes; dq reads q, do, lse, delta once, K and V about (n + 1) / 2 times
-    (N s each pass, n = T / (2 * block_q)) and writes dq; dk/dv reads k, v once, q and do (plus
+    Memory traffic (causal, s bytes per element, N = B*T*H*D): dq reads q, do, o, lse once, K and
+    V about (n + 1) / 2 times (N s each pass, n = T / (2 * block_q)) and writes dq and delta
+    (4 B*H*T bytes); dk/dv reads k, v once, q and do (plus
     lse, delta) about (n + 1) / 2 times (n = T / (2 * block_kv)) and writes dk, dv. Compute: S
     and dP are recomputed in both kernels (7 matmuls of B*H*T^2*D / 2 causal, against a fused
     backward's 5)."""
     ins, heads, (bsz, t, n_heads, d) = _inputs(q, k, v)
     check_bwd(cfg, t, d)
-    delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
     sw = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     bq, bkv, st, dt = cfg.block_q, cfg.block_kv, cfg.stages, q.dtype
     kw = dict(cfg=cfg, scale=scale, causal=causal)
-    args = (*ins, do, lse, delta)
 
     def ring(name, shape, dtype, **kw_):  # a ring of `stages` blocks, its arrival barriers
         return {name: plgpu.SMEM((st, *shape), dtype, **kw_),
@@ -713,7 +724,7 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
     free = plgpu.Barrier(num_arrivals=w, num_barriers=st)
     dq_scratch = dict(
         q=plgpu.SMEM((w, bq, d), dt, **sw), do=plgpu.SMEM((w, bq, d), dt, **sw),
-        dq=plgpu.SMEM((w, bq, d), dt, **sw),
+        o=plgpu.SMEM((w, bq, d), dt, **sw), dq=plgpu.SMEM((w, bq, d), dt, **sw),
         lse=plgpu.SMEM((w, bq), jnp.float32), delta=plgpu.SMEM((w, bq), jnp.float32),
         own_bar=plgpu.Barrier(num_barriers=4 * w), free=free,
         **ring("k", (bkv, d), dt, **sw), **ring("v", (bkv, d), dt, **sw),
@@ -725,9 +736,10 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
         _dq_kernel(*_qkv_refs(refs, len(ins)), sm, **kw, n_ctas=dq_ctas, heads=heads)
 
     grads = jax.ShapeDtypeStruct((bsz, t, n_heads, d), dt)
-    dq = rows.launch(dq_body, "flash_attention_dq_mgpu", grads,
-                     dq_scratch, {"p": dq_ctas}, 0, interpret, args, approx_math=True,
-                     threads=w + 1)  # fmt: skip
+    rows_f32 = jax.ShapeDtypeStruct((bsz, n_heads, t), jnp.float32)
+    dq, delta = rows.launch(dq_body, "flash_attention_dq_mgpu", (grads, rows_f32), dq_scratch,
+                            {"p": dq_ctas}, 0, interpret, (*ins, do, lse, o), approx_math=True,
+                            threads=w + 1)  # fmt: skip
     dkv_scratch = dict(
         k=plgpu.SMEM((w, bkv, d), dt, **sw), v=plgpu.SMEM((w, bkv, d), dt, **sw),
         own_bar=plgpu.Barrier(num_barriers=2 * w), free=free,
@@ -747,6 +759,6 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
 
     out = jax.ShapeDtypeStruct((bsz, t, 2 * n_heads, d), dt) if packed else (grads, grads)
     dkv = rows.launch(dkv_body, "flash_attention_dkv_mgpu", out, dkv_scratch,
-                      {"p": dkv_ctas}, 0, interpret, args, approx_math=True,
+                      {"p": dkv_ctas}, 0, interpret, (*ins, do, lse, delta), approx_math=True,
                       threads=w + 1)  # fmt: skip
     return (dq, dkv.reshape(bsz, t, 2, n_heads, d)) if packed else (dq, *dkv)
