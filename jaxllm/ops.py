@@ -469,9 +469,10 @@ def _qkv_attention_bwd(n_heads, shard, res, dy):
         db = None
         if b is not None:  # float32 sums, as Linear's bias gradient
             # k's is exactly 0: a key bias adds q_i . b_k to all of row i's scores, which the
-            # softmax ignores (so no read of dk; its sum is rounding noise)
+            # softmax ignores (so no read of dk; its sum is rounding noise). v's is the sum of
+            # dy: each row of P sums to 1 (the same read as dv's, of the unrounded values)
             sums = (dq2.sum(0, dtype=jnp.float32), jnp.zeros((d,), jnp.float32),
-                    dkv2[:, d:].sum(0, dtype=jnp.float32))  # fmt: skip
+                    dy.reshape(rows, d).sum(0, dtype=jnp.float32))  # fmt: skip
             db = jnp.concatenate(sums).astype(b.dtype)
     return dx.reshape(x.shape), dw, db
 

@@ -3,13 +3,13 @@
 q, k, v (B, T, H, D) bfloat16 or float16 (the layout of jax.nn.dot_product_attention), D 64 or
 128; causal: any T (padded to the kernels' tile, `causal_tile`, 128 by default: a padded key
 comes after every real query, so no real query sees it); otherwise T a multiple of what each
-kernel's check asks (128 by default). Forward and backward are
-flash_attention_mgpu.py's Mosaic GPU kernels (Hopper+): the forward also returns the logsumexp of
-each query's scores, which the backward (delta = rowsum(o * do), then a dq and a dk/dv kernel)
-reads with o to recompute the probabilities block by block. This module checks the arguments and
-owns the custom VJP of flash_attention; flash_attention_qkv and its backward run the same kernels
-on q, k, v packed (B, T, 3, H, D) without a VJP (jaxllm.ops.qkv_attention owns theirs, with the
-q/k/v projection). Memory traffic: see flash_attention_mgpu.forward and .backward.
+kernel's check asks (128 by default). Forward and backward are flash_attention_mgpu.py's Mosaic
+GPU kernels (Hopper+): the forward also returns the logsumexp of each query's scores, which the
+backward (a dq kernel, which also computes delta = rowsum(o * do), then a dk/dv kernel) reads to
+recompute the probabilities block by block. This module checks the arguments and owns the custom
+VJP of flash_attention; flash_attention_qkv and its backward run the same kernels on q, k, v
+packed (B, T, 3, H, D) without a VJP (jaxllm.ops.qkv_attention owns theirs, with the q/k/v
+projection). Memory traffic: see flash_attention_mgpu.forward and .backward.
 """
 
 from __future__ import annotations

@@ -100,6 +100,7 @@ BWD_CASES = {  # name -> (D, causal, config[, (B, T, H)]); (1, 256, 2) unless gi
     # its second warpgroup skips two
     "causal_d64_kv128_3stages": (64, True, fa_mgpu.BwdConfig(64, 128, 3)),
     "causal_d128_kv128": (128, True, fa_mgpu.BwdConfig(64, 128, 1)),
+    "causal_d128": (128, True, fa_mgpu.BwdConfig(64, 64, 2)),
     # one CUDA block: 4 dq tiles (2 units) and 2 dk/dv tiles (1 unit) in turn
     "full_d64_1stage_1cta": (64, False, fa_mgpu.BwdConfig(64, 128, 1, ctas=1)),
     # one ring slot: skipped and computed blocks share it
@@ -218,8 +219,9 @@ def test_qkv_attention_matches_projection_and_reference_in_interpreter(
     assert [g.dtype for g in got[1]] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
     for g, r in zip(got[1], ref[1], strict=True):
         np.testing.assert_allclose(np.asarray(g, np.float64), r, atol=1e-2 * np.abs(r).max())
-    db_k = ref[1][2][h * dh : 2 * h * dh]  # the op returns 0: the softmax ignores a key bias
-    assert np.abs(db_k).max() < 1e-9 * np.abs(ref[1][2]).max()
+    keys = slice(h * dh, 2 * h * dh)  # the op returns 0: the softmax ignores a key bias
+    assert np.abs(ref[1][2][keys]).max() < 1e-9 * np.abs(ref[1][2]).max()
+    assert not np.any(np.asarray(got[1][2][keys]))
 
 
 def test_flash_path_refuses_attention_dropout_in_a_direct_call():
@@ -299,10 +301,11 @@ def test_full_attention_needs_whole_tiles(pretend_gpu):
         flash_attention(x, x, x, causal=False)
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_compiled_on_a_gpu_and_refused_elsewhere(float64_ref, d):
+@pytest.mark.parametrize("d, ctas", [(64, 0), (128, 0), (64, 2)], ids=["d64", "d128", "2ctas"])
+def test_compiled_on_a_gpu_and_refused_elsewhere(float64_ref, d, ctas):
     """On a GPU (JAX_PLATFORMS=cuda,cpu) the kernels compile and the output and gradients match
-    the reference over several query tiles, causal (T = 448: padded) and not (T = 512);
+    the reference over several query tiles, causal (T = 448: padded) and not (T = 512), also on
+    2 CUDA blocks (each kernel's tiles in turn: its rings and stores run on across them);
     elsewhere the call is refused."""
     q, k, v = _qkv((2, 512, 3, d), seed=3)
     if jax.default_backend() != "gpu":
@@ -310,6 +313,8 @@ def test_compiled_on_a_gpu_and_refused_elsewhere(float64_ref, d):
             flash_attention(q, k, v)
         return
     do = jax.random.normal(jax.random.PRNGKey(4), q.shape, jnp.bfloat16)
+    flash = functools.partial(flash_attention, config=fa_mgpu.CONFIGS[d]._replace(ctas=ctas),
+                              bwd_config=fa_mgpu.BwdConfig(ctas=ctas))  # fmt: skip
     for causal in (True, False):
         t = 448 if causal else 512
 
@@ -319,7 +324,7 @@ def test_compiled_on_a_gpu_and_refused_elsewhere(float64_ref, d):
             )
             return o, vjp(do[:, :t])
 
-        o, got = jax.jit(functools.partial(grads, flash_attention))(q, k, v, do)
+        o, got = jax.jit(functools.partial(grads, flash))(q, k, v, do)
         ref, ref_grads = float64_ref(functools.partial(grads, flash_attention_ref), q, k, v, do)
         np.testing.assert_allclose(np.asarray(o, np.float64), ref, atol=2e-2)
         _grad_close(got, ref_grads)
