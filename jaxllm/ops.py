@@ -170,9 +170,8 @@ class OpPlan:
         if self.loss not in ("pallas", "pallas_mgpu"):
             return None
         rows = self.shard.rows_per_device(rows) if self.shard else rows
-        backend = _backend(self.loss)
         per_chunk = pallas_kernels.head_chunk_rows(
-            rows, cfg.vocab_size, ex.compute_dtype, backend, ex.loss_chunk_mib * 2**20
+            rows, cfg.vocab_size, ex.compute_dtype, ex.loss_chunk_mib * 2**20
         )
         if per_chunk >= rows:
             return None

@@ -14,9 +14,8 @@ scalar cotangent. z never outlives the forward and no float32 copy of it is made
 goes through in chunks of rows, one after the other (`max_chunk_bytes` of logits each, default
 8 GiB; dW summed in float32), so only one chunk's z (and dz) exists at a time.
 
-The vocabulary is padded inside (to a multiple of 128 for Triton, 1024 for Mosaic GPU: 50257 ->
-50304 or 51200) so the GEMMs see aligned shapes; padded columns are masked out of the softmax and
-get zero gradient.
+The vocabulary is padded inside to a multiple of 128 (50257 -> 50304) so the GEMMs see aligned
+shapes; padded columns are masked out of the softmax and get zero gradient.
 
 Memory traffic beyond the GEMMs, N rows of Vp columns, s bytes per element of z:
   forward (with gradient): read z, write dz = 2 * N * Vp * s
@@ -47,13 +46,9 @@ LOGITS_CHUNK_BYTES = 8 * 2**30
 CHUNK_ROW_MULTIPLE = 32  # rows of a chunk: whole 32-row runs of the Mosaic kernel's programs
 
 
-def _align(backend: str) -> int:
-    return cross_entropy_mgpu.VOCAB_ALIGN if backend == "mosaic_gpu" else VOCAB_ALIGN
-
-
-def _head_weights(x, w, compute_dtype, align: int = VOCAB_ALIGN):
-    """x and W in the compute dtype, W's rows padded to a multiple of `align` (zero rows)."""
-    pad = -w.shape[0] % align
+def _head_weights(x, w, compute_dtype):
+    """x and W in the compute dtype, W's rows padded to a multiple of VOCAB_ALIGN (zero rows)."""
+    pad = -w.shape[0] % VOCAB_ALIGN
     return x.astype(compute_dtype), jnp.pad(w.astype(compute_dtype), ((0, pad), (0, 0)))
 
 
@@ -77,12 +72,11 @@ def head_chunk_rows(
     n_rows: int,
     vocab: int,
     compute_dtype,
-    backend: str = "triton",
     max_chunk_bytes: int = LOGITS_CHUNK_BYTES,
 ) -> int:
     """Rows per chunk `linear_cross_entropy` takes for n_rows rows of a `vocab`-word head (the
-    vocabulary padded as `backend`'s kernel pads it); n_rows: one chunk."""
-    n_cols = vocab + -vocab % _align(backend)
+    vocabulary padded to VOCAB_ALIGN); n_rows: one chunk."""
+    n_cols = vocab + -vocab % VOCAB_ALIGN
     return chunk_rows(n_rows, n_cols, jnp.dtype(compute_dtype).itemsize, max_chunk_bytes)
 
 
@@ -126,7 +120,7 @@ def _linear_ce(x, w, targets, weights, compute_dtype, interpret, cfg, backend, r
     # no gradient: the Triton kernel's one sweep; the Mosaic one (it also writes dz) where jax
     # has no Triton lowering
     mosaic = backend == "mosaic_gpu" and common.triton_refusal() is not None
-    xc, wc = _head_weights(x, w, compute_dtype, _align(backend) if mosaic else VOCAB_ALIGN)
+    xc, wc = _head_weights(x, w, compute_dtype)
     cfg = cfg if backend == "triton" or mosaic else default_config()
 
     def one(x_rows, t, wt, carry):
@@ -143,7 +137,7 @@ def _linear_ce(x, w, targets, weights, compute_dtype, interpret, cfg, backend, r
 
 def _linear_ce_fwd(x, w, targets, weights, compute_dtype, interpret, cfg, backend, rows):
     vocab, f32 = w.shape[0], jnp.float32
-    xc, wc = _head_weights(x, w, compute_dtype, _align(backend))
+    xc, wc = _head_weights(x, w, compute_dtype)
 
     def one(x_rows, t, wt, dw):  # dw (Vp, D) float32: the sum over the chunks so far
         z = jnp.dot(x_rows, wc.T)  # (rows, Vp)
@@ -236,7 +230,7 @@ def linear_cross_entropy(
     # (mark_out_of_range). In the padding columns [V, Vp) it would read a masked logit, which
     # float16 holds as -inf: ce = inf, and a weight-0 row would make the loss 0 * inf = NaN.
     targets = jnp.where(targets_in_range(targets, w.shape[0]), targets.astype(jnp.int32), -1)
-    rows = head_chunk_rows(x.shape[0], w.shape[0], compute_dtype, backend, max_chunk_bytes)
+    rows = head_chunk_rows(x.shape[0], w.shape[0], compute_dtype, max_chunk_bytes)
     loss, ce, hit = _linear_ce(
         x, w, targets, weights, jnp.dtype(compute_dtype), interpret, cfg, backend, rows
     )
@@ -250,7 +244,7 @@ def mosaic_loss_refusal(n_vocab: int, compute_dtype) -> str | None:
         return refusal
     if (dtype := jnp.dtype(compute_dtype)) != jnp.bfloat16:
         return f"bfloat16 logits (got {dtype})"
-    if not cross_entropy_mgpu.fits(n_vocab):
+    if not cross_entropy_mgpu.fits(n_vocab + -n_vocab % VOCAB_ALIGN):
         limit = cross_entropy_mgpu.MAX_COLS_TWO_PER_SM
         return f"a vocabulary of at most {limit} (two padded rows per SM; got {n_vocab})"
     return None

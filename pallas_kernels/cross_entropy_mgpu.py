@@ -15,12 +15,15 @@ By default two programs share an SM with one row buffer each, so one computes wh
 copies run (`stages=2` double-buffers within one program instead: slower, see default_config).
 Exponentials and the log use the GPU's approximate instructions.
 
-z (N, Vp) with Vp % 1024 == 0 (cross_entropy pads the head to VOCAB_ALIGN here): a chunk of
-1024 columns spreads 8 bf16 (16 bytes) over each of the warpgroup's 128 lanes. Two rows of
-shared memory per SM bound the row: Vp up to MAX_COLS_TWO_PER_SM bf16 columns (one row per SM:
-MAX_COLS). dz is a new array (`plgpu.kernel` takes no input/output aliasing): the forward holds
-z and dz of a chunk of rows together (cross_entropy.linear_cross_entropy's chunks bound both),
-where the Triton kernel writes dz over z. The per-row targets and weights are
+z (N, Vp) with Vp % 8 == 0 (16-byte rows; cross_entropy pads the head to a multiple of 128
+for the GEMMs). A row's buffer in shared memory holds whole chunks of a
+multiple of 1024 columns (LANE_CHUNK: 8 bf16, 16 bytes, on each of the warpgroup's 128 lanes);
+the bulk copies move the Vp columns, and the chunks that hold a column >= the vocabulary mask
+both the vocabulary's padding and the buffer's tail. Two rows of shared memory per SM bound the
+row: Vp up to MAX_COLS_TWO_PER_SM bf16 columns (one row per SM: MAX_COLS). dz is a new array
+(`plgpu.kernel` takes no input/output aliasing): the forward holds z and dz of a chunk of rows
+together (cross_entropy.linear_cross_entropy's chunks bound both), where the Triton kernel writes
+dz over z. The per-row targets and weights are
 padded to whole runs of rows (ce and hit come back that long, then sliced), so no copy runs past
 an array: a bulk copy moves multiples of 16 bytes, which a clamped run of 4-byte values is not.
 Padding columns are masked with MASK_VALUE (finite, as in the Triton kernel): a row whose target
@@ -42,22 +45,28 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from . import rows_mgpu as rows
 from .common import MASK_VALUE, core_count
 
-VOCAB_ALIGN = 1024  # columns: 128 lanes x 8 bf16 (16-byte accesses)
+LANE_CHUNK = 1024  # columns of one register chunk unit: 128 lanes x 8 bf16 (16-byte accesses)
 ROW_ALIGN = 32  # rows per program's run: its targets/weights/ce copies move multiples of 128 B
 MAX_RUN = 256  # rows per program at most: its 4 vectors of per-row values take <= 4 KB
 SCRATCH_BYTES = 2048  # the compiler's scratch for cross-lane reductions, per program
 
 
 class Config(NamedTuple):
-    chunk: int  # columns per register chunk: a multiple of VOCAB_ALIGN dividing Vp
+    chunk: int  # columns per register chunk: a multiple of LANE_CHUNK
     programs_per_sm: int = 2  # CUDA blocks resident per SM (default_config: why 2)
     stages: int = 1  # row buffers per program: 2 copies row k + 1 in while row k is computed
+
+
+def _buffer_cols(cfg: Config, n_cols: int) -> int:
+    """Columns of a row's buffer in shared memory: whole chunks."""
+    return -(-n_cols // cfg.chunk) * cfg.chunk
 
 
 def _smem_bytes(cfg: Config, n_cols: int) -> int:
     """Shared memory one program takes: its row buffers, its 4 KB of per-row vectors, the
     reduction scratch and the 1 KB the driver reserves per block."""
-    return cfg.stages * n_cols * 2 + 4 * 1024 + SCRATCH_BYTES + rows.BLOCK_RESERVED_BYTES
+    row = _buffer_cols(cfg, n_cols) * 2
+    return cfg.stages * row + 4 * 1024 + SCRATCH_BYTES + rows.BLOCK_RESERVED_BYTES
 
 
 def _fit(cfg: Config, n_cols: int) -> bool:
@@ -67,41 +76,44 @@ def _fit(cfg: Config, n_cols: int) -> bool:
 
 
 def _max_cols(cfg: Config) -> int:
-    """The widest padded row (a multiple of VOCAB_ALIGN) `cfg`'s programs fit."""
+    """The widest row `cfg`'s programs fit."""
     n = 0
-    while _fit(cfg, n + VOCAB_ALIGN):
-        n += VOCAB_ALIGN
+    while _fit(cfg, n + LANE_CHUNK):
+        n += LANE_CHUNK
     return n
 
 
-MAX_COLS_TWO_PER_SM = _max_cols(Config(VOCAB_ALIGN, 2, 1))  # 54272 on an H100
-MAX_COLS = _max_cols(Config(VOCAB_ALIGN, 1, 1))  # 112640
+MAX_COLS_TWO_PER_SM = _max_cols(Config(LANE_CHUNK, 2, 1))  # 54272 on an H100
+MAX_COLS = _max_cols(Config(LANE_CHUNK, 1, 1))  # 112640
 
 
 def default_config(n_cols: int) -> Config:
-    """Two programs per SM with one row buffer each where two rows fit (GPT-2's 51200 columns:
-    5.02 ms at 65536 rows on the H100, against 6.06 ms for one double-buffered program per SM:
-    a single warpgroup cannot hide its own latencies), else one program per SM."""
-    chunk = rows.pick_chunk(n_cols, rows.pick_vec(n_cols, 2), 2048)
+    """Two programs per SM with one row buffer each where two rows fit (GPT-2's head padded to
+    51200: 5.02 ms at 65536 rows on the H100, against 6.06 ms for one double-buffered program
+    per SM: a single warpgroup cannot hide its own latencies), else one program per SM. Chunks of
+    2048 columns where they pad the row's buffer no further than chunks of 1024."""
+    chunk = 2 * LANE_CHUNK
+    if _buffer_cols(Config(chunk), n_cols) > _buffer_cols(Config(LANE_CHUNK), n_cols):
+        chunk = LANE_CHUNK
     two = Config(chunk, programs_per_sm=2, stages=1)
     return two if _fit(two, n_cols) else Config(chunk, programs_per_sm=1, stages=1)
 
 
-def fits(n_vocab: int) -> bool:
-    """Whether rows of `n_vocab` logits (padded to VOCAB_ALIGN) fit two programs per SM, the
-    measured configuration (one program alone per SM leaves its copies unhidden): n_vocab up to
+def fits(n_cols: int) -> bool:
+    """Whether rows of `n_cols` (padded) logits fit two programs per SM, the measured
+    configuration (one program alone per SM leaves its copies unhidden): up to
     MAX_COLS_TWO_PER_SM."""
-    return default_config(-(-n_vocab // VOCAB_ALIGN) * VOCAB_ALIGN).programs_per_sm == 2
+    return default_config(n_cols).programs_per_sm == 2
 
 
 def _check(z: jax.Array, cfg: Config) -> None:
     n_cols = z.shape[1]
     if z.dtype != jnp.bfloat16:
         raise ValueError(f"backend='mosaic_gpu' cross-entropy takes bfloat16 logits, got {z.dtype}")
-    if n_cols % VOCAB_ALIGN or n_cols % cfg.chunk or cfg.chunk % VOCAB_ALIGN:
+    if n_cols % 8 or cfg.chunk < LANE_CHUNK or cfg.chunk % LANE_CHUNK:
         raise ValueError(
-            f"backend='mosaic_gpu' needs the padded vocabulary ({n_cols}) and the chunk "
-            f"({cfg.chunk}) to be multiples of {VOCAB_ALIGN}, the chunk dividing the vocabulary"
+            f"backend='mosaic_gpu' needs the padded vocabulary ({n_cols}) to be a multiple of 8 "
+            f"(16-byte rows) and the chunk ({cfg.chunk}) a multiple of {LANE_CHUNK}"
         )
     if cfg.stages not in (1, 2) or cfg.programs_per_sm < 1:
         raise ValueError(
@@ -118,19 +130,19 @@ def _check(z: jax.Array, cfg: Config) -> None:
 
 def _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, *, vocab: int, n_rows: int, tiles: rows.Tiles,
             steps: int, stages: int):  # fmt: skip
-    nc = tiles.n_chunks
-    n_cols = nc * tiles.chunk
-    clean = vocab // tiles.chunk  # chunks 0 .. clean - 1 hold no padding column
+    n_cols = z_g.shape[1]
+    chunk = tiles.chunk
+    clean = vocab // chunk  # chunks 0 .. clean - 1 hold no padding column
     first, count = rows.my_blocks(steps, n_rows)  # this program's run of rows
     # this program's targets and weights (padded to whole runs: the copy stays in bounds)
     rows.copy_in(t_g.at[pl.ds(first, steps)], sm["t"], sm["params_bar"])
     rows.copy_in(w_g.at[pl.ds(first, steps)], sm["w"], sm["params_bar"])
 
-    def row(g, k):  # row first + k of a (N * nc, chunk) array
-        return g.at[pl.ds((first + k) * nc, nc)]
+    def row_buf(slot):  # the part of a row buffer the copies move (its tail stays stale)
+        return sm["z"].at[slot, pl.ds(0, n_cols)]
 
     def fetch(k, slot):
-        rows.copy_in(row(z_g, k), sm["z"].at[slot], sm["bar"].at[slot])
+        rows.copy_in(z_g.at[first + k], row_buf(slot), sm["bar"].at[slot])
 
     fetch(jnp.int32(0), jnp.int32(0))
     plgpu.barrier_wait(sm["params_bar"])
@@ -148,15 +160,18 @@ def _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, *, vocab: int, n_rows: int, ti
         z_s = sm["z"].at[slot]
         target, weight = sm["t"][k], sm["w"][k]
 
+        def chunk_ref(ci):
+            return z_s.at[pl.ds(ci * chunk, chunk)]
+
         def sweep(body, init):
             """body(ci, acc, z) over the row's chunks, z a chunk of logits as float32; only the
-            chunks that hold padding columns pay for their mask."""
+            chunks that hold a column >= vocab (padding, the buffer's stale tail) mask them."""
 
             def at(masked):
                 def step(ci, acc):
-                    z = tiles.load(z_s, 0, ci)
+                    z = rows.load(chunk_ref(ci), tiles.layout).astype(jnp.float32)
                     if masked:
-                        z = jnp.where(tiles.col_ids(ci * tiles.chunk) < vocab, z, MASK_VALUE)
+                        z = jnp.where(tiles.col_ids(ci * chunk) < vocab, z, MASK_VALUE)
                     return body(ci, acc, z)
 
                 return step
@@ -173,14 +188,13 @@ def _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, *, vocab: int, n_rows: int, ti
         # overwrites the row.
         on_row = (target >= 0) & (target < n_cols)
         t_clip = jnp.clip(target, 0, n_cols - 1)
-        t_at, t_col = z_s.at[t_clip // tiles.chunk], t_clip % tiles.chunk
-        z_t = jnp.where(target < vocab, t_at[t_col].astype(jnp.float32), MASK_VALUE)
+        z_t = jnp.where(target < vocab, z_s[t_clip].astype(jnp.float32), MASK_VALUE)
         z_t = jnp.where(on_row, z_t, 0.0)
         sm["ce"][k] = lse - z_t
         sm["hit"][k] = (z_t >= m).astype(jnp.int32)
 
         def write(ci, c, z):
-            tiles.store(z_s, 0, ci, jnp.exp(z - lse) * weight)
+            chunk_ref(ci)[...] = (jnp.exp(z - lse) * weight).astype(z_s.dtype)
             return c
 
         sweep(write, None)
@@ -188,10 +202,10 @@ def _kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, sm, *, vocab: int, n_rows: int, ti
         @pl.when(on_row)
         def _():  # dz's one-hot term: every thread stores the same value, after a barrier
             # (Pallas puts one around each store to shared memory) that follows the row's stores
-            t_at[t_col] = ((jnp.exp(z_t - lse) - 1.0) * weight).astype(z_s.dtype)
+            z_s[t_clip] = ((jnp.exp(z_t - lse) - 1.0) * weight).astype(z_s.dtype)
 
         plgpu.commit_smem()  # the register writes visible to the copy engine
-        plgpu.copy_smem_to_gmem(z_s, row(dz_g, k), commit_group=False)
+        plgpu.copy_smem_to_gmem(row_buf(slot), dz_g.at[first + k], commit_group=False)
         plgpu.commit_smem_to_gmem_group()
         if stages == 1:  # one buffer: the next row comes in once this one has gone out
 
@@ -223,15 +237,15 @@ def cross_entropy_from_logits(
     cfg = cfg or default_config(z.shape[1])
     _check(z, cfg)
     n_rows, n_cols = z.shape
-    tiles = rows.Tiles(1, cfg.chunk, n_cols // cfg.chunk, rows.pick_vec(cfg.chunk, 2))
+    n_chunks = -(-n_cols // cfg.chunk)
+    tiles = rows.Tiles(1, cfg.chunk, n_chunks, rows.pick_vec(cfg.chunk, 2))
     programs = max(1, cfg.programs_per_sm * core_count())
     # runs of whole 32-row multiples, at most MAX_RUN (more rows: more programs than SMs hold)
     steps = min(MAX_RUN, -(-pl.cdiv(n_rows, programs) // ROW_ALIGN) * ROW_ALIGN)
     programs = pl.cdiv(n_rows, steps)
     padded = programs * steps  # per-row arrays in whole runs
-    sub = (n_rows * tiles.n_chunks, cfg.chunk)  # a row is nc consecutive sub-rows
     scratch = dict(
-        z=plgpu.SMEM((cfg.stages, tiles.n_chunks, cfg.chunk), z.dtype),
+        z=plgpu.SMEM((cfg.stages, n_chunks * cfg.chunk), z.dtype),
         t=plgpu.SMEM((steps,), jnp.int32),
         w=plgpu.SMEM((steps,), jnp.float32),
         ce=plgpu.SMEM((steps,), jnp.float32),
@@ -242,7 +256,7 @@ def cross_entropy_from_logits(
     out_type = (
         jax.ShapeDtypeStruct((padded,), jnp.float32),
         jax.ShapeDtypeStruct((padded,), jnp.int32),
-        jax.ShapeDtypeStruct(sub, z.dtype),
+        jax.ShapeDtypeStruct(z.shape, z.dtype),
     )
 
     def kernel(z_g, t_g, w_g, ce_g, hit_g, dz_g, **sm):
@@ -250,9 +264,8 @@ def cross_entropy_from_logits(
                 steps=steps, stages=cfg.stages)  # fmt: skip
 
     pad = (0, padded - n_rows)
-    args = (z.reshape(sub), jnp.pad(targets.astype(jnp.int32), pad),
-            jnp.pad(weights.astype(jnp.float32), pad))  # fmt: skip
+    args = (z, jnp.pad(targets.astype(jnp.int32), pad), jnp.pad(weights.astype(jnp.float32), pad))
     ce, hit, dz = rows.launch(kernel, "cross_entropy_fwd_bwd_mgpu", out_type, scratch,
                               {"p": programs}, SCRATCH_BYTES, interpret, args,
                               approx_math=True)  # fmt: skip
-    return ce[:n_rows], hit[:n_rows], dz.reshape(z.shape)
+    return ce[:n_rows], hit[:n_rows], dz

@@ -182,8 +182,8 @@ def test_mosaic_loss_path_lowers_for_cuda(monkeypatch):
         return ops.linear_cross_entropy(x, w, t, wt, jnp.bfloat16, "pallas_mgpu")[0]
 
     low = jax.jit(jax.grad(loss, (0, 1))).trace(x, w).lower(lowering_platforms=("cuda",))
-    # padded to 3 x 1024 (Triton's padding would give 2176)
-    assert "mosaic_gpu" in low.as_text() and "3072" in low.as_text()
+    # padded to 17 x 128
+    assert "mosaic_gpu" in low.as_text() and "2176" in low.as_text()
 
 
 def test_model_loss_reaches_the_mosaic_kernel_when_planned(monkeypatch):
@@ -207,8 +207,8 @@ def test_model_loss_reaches_the_mosaic_kernel_when_planned(monkeypatch):
         return model.apply(p, tokens, tokens, method="loss")[0]
 
     text = jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
-    # padded to 3 x 1024 (Triton's padding would give 2176)
-    assert "cross_entropy_fwd_bwd_mgpu" in text and "3072" in text
+    # padded to 17 x 128
+    assert "cross_entropy_fwd_bwd_mgpu" in text and "2176" in text
 
 
 def test_model_reaches_every_mosaic_kernel_when_planned(monkeypatch):
@@ -347,7 +347,7 @@ def test_without_triton_the_plan_runs_mosaic_gpu_or_refuses(monkeypatch):
         return ops.linear_cross_entropy(x, w, t, wt, jnp.bfloat16, "pallas_mgpu")[0]
 
     text = jax.jit(loss).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-    assert "cross_entropy_fwd_bwd_mgpu" in text and "3072" in text
+    assert "cross_entropy_fwd_bwd_mgpu" in text and "2176" in text
 
 
 @pytest.mark.parametrize("triton", [True, False])
@@ -437,11 +437,12 @@ def test_the_start_line_names_the_loss_chunks_the_kernel_takes():
     assert plan.loss_chunks(cfg, ex, 400) is None  # 1,000 KiB of logits: one chunk
     assert plan.loss_chunks(cfg, ExecutionConfig(loss_impl="pallas"), 512) is None
     assert OpPlan().loss_chunks(cfg, ex, 4096) is None  # XLA's loss: no chunks
-    # bf16: Triton pads 600 to 640 columns (800 rows = 1,000 KiB: one chunk), Mosaic GPU to 1024
-    # (1 MiB holds 512 rows: 800 take 2 chunks of 416, whole 32-row runs)
+    # bf16: both kernels pad 600 to 640 columns (800 rows = 1,000 KiB: one chunk; 900 take 2
+    # chunks of 480, whole 32-row runs)
     bf16 = dataclasses.replace(ex, compute_dtype="bfloat16")
-    assert OpPlan(loss="pallas").loss_chunks(cfg, bf16, 800) is None
-    assert OpPlan(loss="pallas_mgpu").loss_chunks(cfg, bf16, 800) == line.format(800, 2, 416)
+    for loss in ("pallas", "pallas_mgpu"):
+        assert OpPlan(loss=loss).loss_chunks(cfg, bf16, 800) is None
+        assert OpPlan(loss=loss).loss_chunks(cfg, bf16, 900) == line.format(900, 2, 480)
     # data 4 x fsdp 1 x pipeline 2: 8192 rows split 8 ways (1024 a device, 3 chunks of 352);
     # 4100 rows do not split 8 ways, so over data only (1025 a device), as the kernel call does;
     # data 2 x fsdp 2: 4 ways

@@ -428,22 +428,25 @@ def test_mosaic_cross_entropy_refusals(pretend_gpu):
         linear_cross_entropy(x, w, t, wt, backend="mosaic_gpu", config=CEConfig(1, 512, 4, 8))
     with pytest.raises(ValueError, match="takes a cross_entropy_triton.Config"):
         linear_cross_entropy(x, w, t, wt, config=ce_mgpu.Config(1024))
-    z = jnp.zeros((8, 2000), jnp.bfloat16)  # not padded to a multiple of 1024
-    with pytest.raises(ValueError, match="multiples of 1024"):
+    z = jnp.zeros((8, 2004), jnp.bfloat16)  # rows of 4008 bytes: not whole 16-byte units
+    with pytest.raises(ValueError, match="multiple of 8"):
         ce_mgpu.cross_entropy_from_logits(z, t[:8], wt[:8], 2000)
+    with pytest.raises(ValueError, match="a multiple of 1024"):
+        ce_mgpu.cross_entropy_from_logits(z[:, :2000], t[:8], wt[:8], 2000, ce_mgpu.Config(512))
     z = jnp.zeros((8, 115712), jnp.bfloat16)  # not even one row fits
     with pytest.raises(ValueError, match="rows of 115712 bfloat16 logits, 1 per SM, do not fit"):
         ce_mgpu.cross_entropy_from_logits(z, t[:8], wt[:8], 9)
     assert ce_mgpu.default_config(57344) == ce_mgpu.Config(2048, 1, 1)  # one row per SM fits
-    assert ce_mgpu.default_config(51200) == ce_mgpu.Config(2048, 2, 1)  # GPT-2: two
-    assert ce_mgpu.fits(50257) and not ce_mgpu.fits(57344)
+    assert ce_mgpu.default_config(50304) == ce_mgpu.Config(2048, 2, 1)  # GPT-2: two
+    assert ce_mgpu.default_config(5120) == ce_mgpu.Config(1024, 2, 1)  # 2048s would pad more
+    assert ce_mgpu.fits(50304) and not ce_mgpu.fits(57344)
     z = jnp.zeros((8, 51200), jnp.bfloat16)  # GPT-2's padded head: 2 per SM only single-buffered
     with pytest.raises(ValueError, match="rows of 51200 bfloat16 logits, 4 per SM, do not fit"):
         ce_mgpu.cross_entropy_from_logits(z, t[:8], wt[:8], 9, ce_mgpu.Config(2048, 2, 2))
 
 
 def test_mosaic_cross_entropy_lowers_for_cuda(pretend_gpu):
-    """GPT-2's head at 4 rows: the vocabulary padded to 50 x 1024 for the Mosaic kernel, which
+    """GPT-2's head at 4 rows: the vocabulary padded to 50304 (128s) for the Mosaic kernel, which
     runs in the forward (it makes dz there); the backward only scales dx and dW."""
     x, w, t, wt = _ce_args(n_rows=4, vocab=50257)
 
@@ -451,19 +454,21 @@ def test_mosaic_cross_entropy_lowers_for_cuda(pretend_gpu):
         return linear_cross_entropy(x, w, t, wt, backend="mosaic_gpu")[0]
 
     text = _lower_for_cuda(jax.value_and_grad(loss, (0, 1)), x, w)
-    assert "mosaic_gpu" in text and "51200" in text  # padded columns: 50257 -> 51200
+    assert "mosaic_gpu" in text and "50304" in text and "51200" not in text  # 50257 -> 50304
 
 
 @needs_interpreter
-@pytest.mark.parametrize("vocab", [2000, 700])
+@pytest.mark.parametrize("vocab", [1100, 700])
 def test_cross_entropy_kernel_in_interpreter(float64_ref, vocab):
-    """ce, hit and dz of padded bf16 logits against float64, the padding columns masked (in the
-    last of 2 chunks a row, or at vocab 700 in both); 70 rows over 3 programs, the last with a
-    ragged run of 6 rows (the per-row arrays are padded to whole runs, so no copy leaves its
-    array). Half the targets are their row's max (hit must say so); one row's target lies in the
-    padding columns with weight 0, as a caller masks a row: finite ce, no gradient; targets -1
-    and past the row, with weights, give ce = logsumexp and dz = w softmax."""
-    n_rows, width = 70, 2048
+    """ce, hit and dz of padded bf16 logits against float64, the padding columns masked: rows of
+    1152 columns, one chunk of 1024 and a tail of 128 (the buffer's other 896 columns never
+    copied, masked as padding), vocab 1100 in the tail, 700 in the first chunk; 70 rows over 3
+    programs, the last with a ragged run of 6 rows (the per-row arrays are padded to whole runs,
+    so no copy leaves its array). Half the targets are their row's max (hit must say so); one
+    row's target lies in the padding columns with weight 0, as a caller masks a row: finite ce,
+    no gradient; targets -1 and past the row, with weights, give ce = logsumexp and dz = w
+    softmax."""
+    n_rows, width = 70, 1152
     rng = np.random.default_rng(1)
     z = jnp.asarray(rng.normal(size=(n_rows, width)) * 3, jnp.bfloat16)
     zv = np.asarray(z[:, :vocab], np.float32)
@@ -488,7 +493,7 @@ def test_cross_entropy_kernel_in_interpreter(float64_ref, vocab):
     assert 20 < ref_hit[ok].sum() < n_rows - 20  # hits and misses both checked
     # double-buffered rows, one program per SM; one buffer, two programs per SM
     cfgs = (ce_mgpu.Config(1024, 1, 2), ce_mgpu.Config(1024, 2, 1))
-    for cfg in cfgs if vocab == 2000 else cfgs[1:]:
+    for cfg in cfgs if vocab == 1100 else cfgs[1:]:
         ce, hit, dz = ce_mgpu.cross_entropy_from_logits(
             z, t, wt, vocab, cfg, interpret=InterpretGPUParams()
         )
