@@ -254,13 +254,13 @@ def test_bad_settings_raise_before_the_kernel():
     reason="compiles the Mosaic GPU kernel: needs a Hopper-class GPU and JAX_PLATFORMS=cuda,cpu "
     "(CPU: test_pallas_backend runs it in the interpreter, whole row runs only)",
 )
-@pytest.mark.parametrize("n,v", [(1000, 2000), (70000, 2000), (300, 50257)])
+@pytest.mark.parametrize("n,v", [(1000, 2000), (70000, 2000), (300, 50257), (1000, 1100)])
 def test_mosaic_kernel_with_ragged_row_runs_matches_triton(float64_ref, n, v):
     """backend="mosaic_gpu" on the GPU, at row counts whose last program gets a partial run (8,
-    112 and 12 rows; 70000 rows: more programs than the SMs hold) and GPT-2's vocabulary padded
-    to 50 x 1024: ce, hit and both gradients against the Triton kernel on the same bf16 logits
-    (the Mosaic kernel's exp/log are the GPU's approximate ones; the two heads' GEMMs differ in
-    width, so a tie may round apart) and ce against float64."""
+    112 and 12 rows; 70000 rows: more programs than the SMs hold) and rows that end inside a
+    chunk (50257 padded to 50304 = 24 x 2048 + 1152; 1100 to 1152 of one 2048 chunk): ce, hit
+    and both gradients against the Triton kernel on the same bf16 logits (the Mosaic kernel's
+    exp/log are the GPU's approximate ones, so a tie may round apart) and ce against float64."""
     x, w, t, weights = make(n, 64, v, seed=5)
     argmax = jnp.argmax(x @ w.T, axis=1).astype(jnp.int32)  # half the rows hit: hit is checked
     t = jnp.where(jnp.arange(n) % 2 == 0, argmax, t)
@@ -308,7 +308,7 @@ def test_compiled_chunks_match_one_chunk(backend):
     kernel on the same rows: only the GEMMs' tilings and dW's summation order may differ)."""
     n, v = 5000, 50257
     x, w, t, weights = make(n, 64, v, seed=6)
-    width = v + -v % (1024 if backend == "mosaic_gpu" else 128)
+    width = v + -v % 128
     budget = 1280 * width * 2
     assert chunk_rows(n, width, 2, budget) == 1280
 
