@@ -454,20 +454,12 @@ def _qkv_attention_fwd(x, w, b, n_heads, shard):
     return o.reshape(x.shape), (x, w, b, qkv, o, lse)
 
 
-def _qkv_attention_grad(qkv, o, lse, do):
-    """The kernels' (dq, dkv) and the column sums of dq and do (1, 2, H, D) float32 (the q and v
-    bias gradients; summed by XLA where the kernel leaves them out), on one device's rows."""
-    dq, dkv, sums = pallas_kernels.flash_attention_qkv_grad(qkv, o, lse, do)
-    if sums is None:
-        sums = jnp.stack([a.sum((0, 1), dtype=jnp.float32) for a in (dq, do)])
-    return dq, dkv, sums[None]
-
-
 def _qkv_attention_bwd(n_heads, shard, res, dy):
     x, w, b, qkv, o, lse = res
     with jax.named_scope("sdpa"):
+        kernel = pallas_kernels.flash_attention_qkv_grad
         args = (qkv, o, lse, dy.reshape(o.shape))
-        dq, dkv, sums = _per_shard(shard, _qkv_attention_grad, args, (True,) * 4, (True,) * 3)
+        dq, dkv = _per_shard(shard, kernel, args, (True,) * 4, (True, True))
     with jax.named_scope("qkv"):
         d, rows = x.shape[-1], math.prod(x.shape[:-1])
         x2, dq2, dkv2 = x.reshape(rows, d), dq.reshape(rows, d), dkv.reshape(rows, 2 * d)
@@ -477,9 +469,10 @@ def _qkv_attention_bwd(n_heads, shard, res, dy):
         if b is not None:  # float32 sums, as Linear's bias gradient
             # k's is exactly 0: a key bias adds q_i . b_k to all of row i's scores, which the
             # softmax ignores (so no read of dk; its sum is rounding noise). v's is the sum of
-            # dy: each row of P sums to 1. Both summed per device, then over the devices.
-            q_sum, v_sum = sums.sum(0).reshape(2, d)
-            db = jnp.concatenate([q_sum, jnp.zeros((d,), jnp.float32), v_sum]).astype(b.dtype)
+            # dy: each row of P sums to 1 (the same read as dv's, of the unrounded values)
+            sums = (dq2.sum(0, dtype=jnp.float32), jnp.zeros((d,), jnp.float32),
+                    dy.reshape(rows, d).sum(0, dtype=jnp.float32))  # fmt: skip
+            db = jnp.concatenate(sums).astype(b.dtype)
     return dx.reshape(x.shape), dw, db
 
 

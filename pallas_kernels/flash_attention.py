@@ -161,12 +161,10 @@ def flash_attention_qkv(qkv: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def flash_attention_qkv_grad(
     qkv: jax.Array, o: jax.Array, lse: jax.Array, do: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """The backward of flash_attention_qkv: (dq (B, T, H, D), dkv (B, T, 2, H, D), sums) of the
+) -> tuple[jax.Array, jax.Array]:
+    """The backward of flash_attention_qkv: (dq (B, T, H, D), dkv (B, T, 2, H, D)) of the
     output's cotangent do (B, T, H, D), given its o and lse; dk and dv come from one kernel in
-    one array, which a fused projection's backward reads in place; sums (2, H, D) float32 are
-    the column sums of dq and do over (B, T) from the dq kernel (the projection's q and v bias
-    gradients), or None where its shared memory has no room for them (head dim 128)."""
+    one array, which a fused projection's backward reads in place."""
     _, bwd_cfg, padded, scale = _packed_setup(qkv)
     b, t, _, h, d = qkv.shape
     if o.shape != (b, t, h, d) or do.shape != o.shape or lse.shape != (b, h, padded):
@@ -181,5 +179,5 @@ def flash_attention_qkv_grad(
     def grad(qkv, o, lse, do):
         return _backward(qkv, None, None, o, lse, do, bwd_cfg, scale, True)
 
-    dq, dkv, sums = first_order_only("flash_attention", grad, *args)
-    return dq[:, :t], dkv[:, :t], sums
+    dq, dkv = first_order_only("flash_attention", grad, *args)
+    return dq[:, :t], dkv[:, :t]

@@ -415,13 +415,12 @@ class BwdConfig(NamedTuple):
     # (0: the SMs)
 
 
-def bwd_smem_bytes(cfg: BwdConfig, d: int, itemsize: int = 2, sums: bool = False) -> int:
+def bwd_smem_bytes(cfg: BwdConfig, d: int, itemsize: int = 2) -> int:
     """Shared memory of the larger backward kernel's CUDA block: own tiles per compute warpgroup
     (q, do, o, dq; k, v) and two rings of `stages` streamed tiles (+ float32 lse and delta rows,
-    with `sums` the dq kernel's float32 column sums, slack)."""
+    slack)."""
     bq, bkv, st, w = cfg.block_q, cfg.block_kv, cfg.stages, COMPUTE_WGS
     dq = (4 * w * bq + 2 * st * bkv) * d * itemsize + 8 * w * bq
-    dq += w * (8 * d + 64 * bq * itemsize) if sums else 0  # the sums, _col_sums' selector
     dkv = (2 * w * bkv + 2 * st * bq) * d * itemsize + 8 * st * bq
     return max(dq, dkv) + SMEM_SLACK
 
@@ -489,13 +488,12 @@ def _roles(copy, compute) -> None:
         compute(wg)
 
 
-def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, o_g, dq_g, delta_g, sums_g, sm, *, cfg: BwdConfig,
+def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, o_g, dq_g, delta_g, sm, *, cfg: BwdConfig,
                scale: float, causal: bool, n_ctas: int, heads: tuple[int, int, int]):  # fmt: skip
     """dq, and delta = rowsum(o * do) for the dk/dv kernel, of tiles of 2 * block_q queries of
     one (b, h), block_q per compute warpgroup, persistent (_tiles): a loop over the key blocks
     up to the later warpgroup's diagonal; the earlier one skips the blocks past its own. The ring
-    runs on across tiles. sums_g (unless None): each warpgroup's column sums of its dq and do
-    rows, (B, T / block_q, 2, H, D) float32."""
+    runs on across tiles."""
     bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, do_g.shape[1]
     tile = COMPUTE_WGS * bq
     count, tiles = _tiles(do_g.shape[0], do_g.shape[2], t // tile, n_ctas)
@@ -511,10 +509,6 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, o_g, dq_g, delta_g, sums_g, sm, *, cf
         _ring_tiles(sm, ("free",), stages, count, tile_views)
 
     def compute(wg):
-        if sums_g is not None:  # _col_sums' selector
-            col = rows.iota(sm["sel"].shape[1:], 1, plgpu.Layout.WGMMA)
-            sm["sel"].at[wg][...] = (col == 0).astype(sm["sel"].dtype)
-
         def load_own(i):  # tile i's q, do, o, lse rows of this warpgroup, not waited for
             b, h, j = tiles(i)
             qs = pl.ds(j * tile + wg * bq, bq)
@@ -529,7 +523,6 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, o_g, dq_g, delta_g, sums_g, sm, *, cf
             qs, n_kv = pl.ds(j * tile + wg * bq, bq), n_kv_of(j)
             _wait_own(sm, wg, 4)
             delta = _delta(sm, wg)
-            do_sum = _col_sums(sm["do"].at[wg], sm["sel"].at[wg]) if sums_g is not None else None
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the last tile's delta is out
             sm["delta"].at[wg][...] = delta
             plgpu.commit_smem()
@@ -541,13 +534,7 @@ def _dq_kernel(q_g, k_g, v_g, do_g, lse_g, o_g, dq_g, delta_g, sums_g, sm, *, cf
             dq_s = sm["dq"].at[wg]
             dq_s[...] = (dq * scale).astype(dq_g.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dq_s, dq_g.at[b, qs, h], commit_group=sums_g is None)
-            if sums_g is not None:  # in dq's store group: the same wait frees both buffers
-                sm["sums"].at[wg, 0][...] = _col_sums(dq_s, sm["sel"].at[wg])  # of dq as stored
-                sm["sums"].at[wg, 1][...] = do_sum
-                plgpu.commit_smem()
-                part = j * COMPUTE_WGS + wg  # this warpgroup's block of block_q queries
-                plgpu.copy_smem_to_gmem(sm["sums"].at[wg], sums_g.at[b, part, :, h])
+            plgpu.copy_smem_to_gmem(dq_s, dq_g.at[b, qs, h])
             return base + n_kv
 
         jax.lax.fori_loop(jnp.int32(0), count, run_tile, jnp.int32(0))
@@ -560,19 +547,6 @@ def _delta(sm, wg) -> jax.Array:
     """rowsum(o * do) (block_q,) float32 of warpgroup wg's o and do tiles."""
     o, do = (rows.cast(sm[name].at[wg][...], plgpu.Layout.WGMMA) for name in ("o", "do"))
     return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=1)
-
-
-def _col_sums(tile, sel) -> jax.Array:
-    """Column sums (D,) float32 of a (block_q, D) shared-memory tile as one wgmma, tile^T @ sel
-    with sel (block_q, 64) ones in column 0, zeros elsewhere, then a sum along each row, which
-    stays inside a warp (a sum over the tile's rows would cross warps: shared scratch that the
-    two compute warpgroups would share)."""
-
-    def mma(acc):
-        plgpu.wgmma(acc, tile.T, sel)
-        return jnp.sum(rows.acc_load(acc, pending=0), axis=1)
-
-    return pl.run_scoped(mma, plgpu.ACC((tile.shape[1], sel.shape[1]), jnp.float32))
 
 
 def _dq_tile(sm, wg, delta, q0, base, n_kv, *, cfg: BwdConfig, scale: float, causal: bool,
@@ -718,11 +692,8 @@ def _dkv_tile(k_g, v_g, dk_g, dv_g, sm, wg, b, h, k0, first, base, *, cfg: BwdCo
 def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
              interpret: Any = None):  # fmt: skip
     """(dq, dk, dv) (B, T, H, D) in q's dtype of the attention whose forward gave o and lse; of
-    q packed (B, T, 3, H, D) with k = v = None (_inputs): (dq, dkv (B, T, 2, H, D), sums), dk
-    and dv written by one kernel into one array (a fused projection's backward reads it in
-    place), sums (2, H, D) float32 the column sums of dq and do over (B, T) (the projection's q
-    and v bias gradients), made by the dq kernel from its tiles at head dim 64 where its shared
-    memory holds them (else None: at head dim 128 the default config leaves no room).
+    q packed (B, T, 3, H, D) with k = v = None (_inputs): (dq, dkv (B, T, 2, H, D)), dk and dv
+    written by one kernel into one array (a fused projection's backward reads it in place).
 
     Two kernels, neither needing atomics, each with two compute warpgroups sharing what a third
     streams, both persistent like the forward (`_tiles`): dq (tiles of 2 * block_q queries; K/V
@@ -760,24 +731,15 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
     )  # fmt: skip
 
     dq_ctas = grid_size(bsz, n_heads, t // (w * bq), cfg.ctas)
-    packed = len(ins) == 1
-    sums = packed and d == 64 and bwd_smem_bytes(cfg, d, sums=True) <= rows.SMEM_BYTES
-    if sums:
-        dq_scratch["sums"] = plgpu.SMEM((w, 2, d), jnp.float32)
-        dq_scratch["sel"] = plgpu.SMEM((w, bq, 64), dt, **sw)
 
     def dq_body(*refs, **sm):
-        refs = _qkv_refs(refs, len(ins))
-        _dq_kernel(*refs, *(() if sums else (None,)), sm, **kw, n_ctas=dq_ctas, heads=heads)
+        _dq_kernel(*_qkv_refs(refs, len(ins)), sm, **kw, n_ctas=dq_ctas, heads=heads)
 
     grads = jax.ShapeDtypeStruct((bsz, t, n_heads, d), dt)
     rows_f32 = jax.ShapeDtypeStruct((bsz, n_heads, t), jnp.float32)
-    parts = jax.ShapeDtypeStruct((bsz, t // bq, 2, n_heads, d), jnp.float32)
-    dq, delta, *part_sums = rows.launch(
-        dq_body, "flash_attention_dq_mgpu", (grads, rows_f32, *([parts] if sums else [])),
-        dq_scratch, {"p": dq_ctas}, 0, interpret, (*ins, do, lse, o), approx_math=True,
-        threads=w + 1,
-    )  # fmt: skip
+    dq, delta = rows.launch(dq_body, "flash_attention_dq_mgpu", (grads, rows_f32), dq_scratch,
+                            {"p": dq_ctas}, 0, interpret, (*ins, do, lse, o), approx_math=True,
+                            threads=w + 1)  # fmt: skip
     dkv_scratch = dict(
         k=plgpu.SMEM((w, bkv, d), dt, **sw), v=plgpu.SMEM((w, bkv, d), dt, **sw),
         own_bar=plgpu.Barrier(num_barriers=2 * w), free=free,
@@ -786,6 +748,8 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
     )  # fmt: skip
 
     dkv_ctas = grid_size(bsz, n_heads, t // (w * bkv), cfg.ctas)
+
+    packed = len(ins) == 1
     out_heads = (0, n_heads) if packed else (0, 0)  # dk's and dv's in their outputs
 
     def dkv_body(*refs, **sm):
@@ -797,7 +761,4 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
     dkv = rows.launch(dkv_body, "flash_attention_dkv_mgpu", out, dkv_scratch,
                       {"p": dkv_ctas}, 0, interpret, (*ins, do, lse, delta), approx_math=True,
                       threads=w + 1)  # fmt: skip
-    if not packed:
-        return dq, *dkv
-    sums = part_sums[0].sum((0, 1)) if sums else None  # (2, H, D)
-    return dq, dkv.reshape(bsz, t, 2, n_heads, d), sums
+    return (dq, dkv.reshape(bsz, t, 2, n_heads, d)) if packed else (dq, *dkv)

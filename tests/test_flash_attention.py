@@ -144,10 +144,8 @@ def test_backward_in_interpreter(interpreter, float64_ref, name):
 @pytest.mark.slow  # the fast tier checks the packed path end to end (qkv_attention below)
 def test_packed_qkv_runs_as_apart_in_interpreter(interpreter):
     """q, k, v packed (B, T, 3, H, D), as a fused projection writes them, read in place: the
-    same o, lse, dq as apart, bit for bit, and dk, dv written into one (B, T, 2, H, D) array;
-    the dq kernel's column sums of dq and do those of the arrays (float32 sums of bf16 dq in
-    another order: within 2^-7 of its largest row sum). 2 heads (offsets 2 and 4 in the packed
-    view), 4 tiles a kernel on 2 CUDA blocks."""
+    same o, lse, dq as apart, bit for bit, and dk, dv written into one (B, T, 2, H, D) array.
+    2 heads (offsets 2 and 4 in the packed view), 4 tiles a kernel on 2 CUDA blocks."""
     b, t, h, d = 1, 256, 2, 64
     cfg, bwd_cfg = fa_mgpu.Config(64, 64, 3, ctas=2), fa_mgpu.BwdConfig(64, 64, 2, ctas=2)
     q, k, v = _qkv((b, t, h, d), seed=3)
@@ -161,13 +159,10 @@ def test_packed_qkv_runs_as_apart_in_interpreter(interpreter):
     bwd = functools.partial(fa_mgpu.backward, o=o, lse=lse, do=do, cfg=bwd_cfg, scale=d**-0.5,
                             causal=True, interpret=interpreter)  # fmt: skip
     dq, dk, dv = bwd(q, k, v)
-    dq_p, dkv, sums = bwd(qkv, None, None)
-    assert dkv.shape == (b, t, 2, h, d) and sums.shape == (2, h, d)
+    dq_p, dkv = bwd(qkv, None, None)
+    assert dkv.shape == (b, t, 2, h, d)
     for got, want in ((dq_p, dq), (dkv[:, :, 0], dk), (dkv[:, :, 1], dv)):
         np.testing.assert_array_equal(got, want)
-    np.testing.assert_allclose(sums[1], do.astype(np.float32).sum((0, 1)), rtol=1e-5, atol=1e-4)
-    dq_sum = np.asarray(dq, np.float64).sum((0, 1))
-    np.testing.assert_allclose(sums[0], dq_sum, atol=2**-7 * np.abs(dq_sum).max())
 
 
 def test_public_function_and_gradients_in_interpreter(
@@ -338,8 +333,7 @@ def test_compiled_on_a_gpu_and_refused_elsewhere(float64_ref, d, ctas):
 @pytest.mark.parametrize("d", [64, 128])
 def test_packed_qkv_compiled_on_a_gpu_is_apart_bit_for_bit(d):
     """On a GPU: flash_attention_qkv and its backward on q, k, v packed give the o, dq, dk, dv
-    of q, k, v apart exactly (T = 448: padded inside), and at head dim 64 the column sums of dq
-    and do; elsewhere the call is refused."""
+    of q, k, v apart exactly (T = 448: padded inside); elsewhere the call is refused."""
     q, k, v = _qkv((2, 448, 3, d), seed=5)
     qkv = jnp.stack([q, k, v], axis=2)
     if jax.default_backend() != "gpu":
@@ -349,15 +343,9 @@ def test_packed_qkv_compiled_on_a_gpu_is_apart_bit_for_bit(d):
     do = jax.random.normal(jax.random.PRNGKey(6), q.shape, jnp.bfloat16)
     o, vjp = jax.vjp(flash_attention, q, k, v)
     o_p, lse = jax.jit(flash_module.flash_attention_qkv)(qkv)
-    dq_p, dkv, sums = jax.jit(flash_module.flash_attention_qkv_grad)(qkv, o_p, lse, do)
+    dq_p, dkv = jax.jit(flash_module.flash_attention_qkv_grad)(qkv, o_p, lse, do)
     for got, want in zip((o_p, dq_p, dkv[:, :, 0], dkv[:, :, 1]), (o, *vjp(do)), strict=True):
         np.testing.assert_array_equal(got, want)
-    if d == 128:  # the default config leaves the dq kernel no room for the sums
-        assert sums is None
-        return
-    np.testing.assert_allclose(sums[1], do.astype(np.float32).sum((0, 1)), rtol=1e-5, atol=1e-4)
-    dq_sum = np.asarray(dq_p, np.float64).sum((0, 1))
-    np.testing.assert_allclose(sums[0], dq_sum, atol=2**-7 * np.abs(dq_sum).max())
 
 
 def _bench():
