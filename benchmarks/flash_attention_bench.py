@@ -63,8 +63,7 @@ def implementations(configs: list, bwd_configs: list = (None,)) -> dict[str, Cal
     impls = {}
     for cfg in configs:
         for bwd in bwd_configs:
-            tags = [f"{tag}{'-'.join(str(int(x)) for x in c[:4])}{'-fused' * c[4:5].count(True)}"
-                    for tag, c in (("-", cfg), ("-bwd", bwd)) if c]  # fmt: skip
+            tags = [f"{tag}{'-'.join(map(str, c))}" for tag, c in (("-", cfg), ("-bwd", bwd)) if c]
             name = "ours" + "".join(tags)
             impls[name] = lambda q, k, v, cfg=cfg, bwd=bwd: flash_attention(
                 q, k, v, config=cfg, bwd_config=bwd
@@ -126,8 +125,7 @@ def parse_config(text: str) -> fa_mgpu.Config:
 
 
 def parse_bwd_config(text: str) -> fa_mgpu.BwdConfig:
-    ints = [int(x) for x in text.split(",")]
-    return fa_mgpu.BwdConfig(*ints[:4], fused=bool(ints[4]) if len(ints) > 4 else False)
+    return fa_mgpu.BwdConfig(*(int(x) for x in text.split(",")))
 
 
 def main(argv=None) -> None:
@@ -140,7 +138,7 @@ def main(argv=None) -> None:
         nargs="*",
         type=parse_bwd_config,
         default=[None],
-        help="our backward's block_q,block_kv,stages[,ctas[,fused 0/1]] (default: BwdConfig())",
+        help="our backward's block_q,block_kv,stages[,ctas] (default: BwdConfig())",
     )
     parser.add_argument("--grad", action="store_true", help="also time fwd+bwd")
     parser.add_argument("--quick", action="store_true", help="GPT-2's shape, fewer repetitions")

@@ -413,14 +413,6 @@ class BwdConfig(NamedTuple):
     stages: int = 3
     ctas: int = 0  # at most this many CUDA blocks a kernel, each running a share of the tiles
     # (0: the SMs)
-    # one kernel: the dk/dv kernel also adds each step's dq part dS K into a zeroed float32 dq
-    # by TMA reduce-add (5 matmuls a block pair, not 7; dq's sums then run in no fixed order)
-    fused: bool = False
-
-
-# head dim -> float32 dq part buffers a warpgroup of the fused backward stores from in turn (two
-# let one reduce-add read while the next part is written; head dim 128 fits one)
-DQ_BUFFERS = {64: 2, 128: 1}
 
 
 def bwd_smem_bytes(cfg: BwdConfig, d: int, itemsize: int = 2) -> int:
@@ -430,8 +422,6 @@ def bwd_smem_bytes(cfg: BwdConfig, d: int, itemsize: int = 2) -> int:
     bq, bkv, st, w = cfg.block_q, cfg.block_kv, cfg.stages, COMPUTE_WGS
     dq = (4 * w * bq + 2 * st * bkv) * d * itemsize + 8 * w * bq
     dkv = (2 * w * bkv + 2 * st * bq) * d * itemsize + 8 * st * bq
-    if cfg.fused:  # dS^T and the float32 dq part buffers per warpgroup
-        return dkv + w * (bkv * bq * itemsize + DQ_BUFFERS[d] * bq * d * 4) + SMEM_SLACK
     return max(dq, dkv) + SMEM_SLACK
 
 
@@ -598,14 +588,13 @@ def _dq_tile(sm, wg, delta, q0, base, n_kv, *, cfg: BwdConfig, scale: float, cau
     return dq
 
 
-def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, dq_g, sm, *, cfg: BwdConfig,
+def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, sm, *, cfg: BwdConfig,
                 scale: float, causal: bool, n_ctas: int, heads: tuple[int, ...]):  # fmt: skip
     """dk, dv of tiles of 2 * block_kv keys of one (b, h), block_kv per compute warpgroup,
     persistent (_tiles): a loop over the query blocks from the earlier warpgroup's diagonal to
     the end (the later one skips those wholly before its keys), computed transposed (keys along
     the rows): no register transposes. The ring runs on across tiles. `heads`: the head offsets
-    of q, k, v in their refs, then of dk, dv in theirs. dq_g: the float32 dq (B, T, H, D) that
-    a fused config adds into (else None)."""
+    of q, k, v in their refs, then of dk, dv in theirs."""
     bq, bkv, stages, t = cfg.block_q, cfg.block_kv, cfg.stages, do_g.shape[1]
     tile = COMPUTE_WGS * bkv
     count, tiles = _tiles(do_g.shape[0], do_g.shape[2], t // tile, n_ctas)
@@ -634,7 +623,7 @@ def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, dq_g, sm, *, cf
         def run_tile(i, base):
             b, h, j = tiles(i)
             first = first_of(j)
-            _dkv_tile(k_g, v_g, dk_g, dv_g, dq_g, sm, wg, b, h, j * tile + wg * bkv, first, base,
+            _dkv_tile(k_g, v_g, dk_g, dv_g, sm, wg, b, h, j * tile + wg * bkv, first, base,
                       cfg=cfg, scale=scale, causal=causal, t=t, heads=heads)  # fmt: skip
             return base + i32(t // bq) - first
 
@@ -644,18 +633,16 @@ def _dkv_kernel(q_g, k_g, v_g, do_g, lse_g, delta_g, dk_g, dv_g, dq_g, sm, *, cf
     _roles(copy, compute)
 
 
-def _dkv_tile(k_g, v_g, dk_g, dv_g, dq_g, sm, wg, b, h, k0, first, base, *, cfg: BwdConfig,
+def _dkv_tile(k_g, v_g, dk_g, dv_g, sm, wg, b, h, k0, first, base, *, cfg: BwdConfig,
               scale: float, causal: bool, t: int, heads: tuple[int, ...]):  # fmt: skip
     """dk, dv of keys k0 .. k0 + block_kv - 1 of (b, h) against query blocks first .. T / block_q
-    - 1; query block first + i is ring step base + i. With dq_g, each step's dq part
-    scale * dS K (block_q, D) leaves through one of two float32 buffers by TMA reduce-add."""
+    - 1; query block first + i is ring step base + i."""
     bq, bkv, stages = cfg.block_q, cfg.block_kv, cfg.stages
     names = ("q", "do", "lse", "delta")
     n = i32(t // bq) - first
     ks = pl.ds(k0, bkv)
     _load_own(sm, wg, {"k": k_g.at[b, ks, h + heads[1]], "v": v_g.at[b, ks, h + heads[2]]})
     k_s, v_s = sm["k"].at[wg], sm["v"].at[wg]
-    ds_s = None if dq_g is None else sm["ds"].at[wg]
     col = plgpu.Layout.WGMMA.reduce(0)
     c = scale * math.log2(math.e)
 
@@ -667,7 +654,7 @@ def _dkv_tile(k_g, v_g, dk_g, dv_g, dq_g, sm, wg, b, h, k0, first, base, *, cfg:
             plgpu.barrier_wait(sm[f"{name}_bar"].at[slot])
 
         def mma(refs):  # S^T, dP^T into fresh accumulators, dV += P^T dO, dK += dS^T Q
-            dk_r, dv_r, st_r, dpt_r, *dq_r = refs
+            dk_r, dv_r, st_r, dpt_r = refs
             plgpu.wgmma(st_r, k_s, q_s.T)  # S^T (bkv, bq)
             plgpu.wgmma(dpt_r, v_s, do_s.T)  # dP^T (bkv, bq)
             st = rows.acc_load(st_r, pending=1)  # dP^T still on the tensor cores
@@ -678,29 +665,15 @@ def _dkv_tile(k_g, v_g, dk_g, dv_g, dq_g, sm, wg, b, h, k0, first, base, *, cfg:
             pt = jnp.exp2(st * c - jax.lax.broadcast_in_dim(lse, st.shape, [1]))
             plgpu.wgmma(dv_r, pt.astype(q_s.dtype), do_s)  # dV += P^T dO
             dpt = rows.acc_load(dpt_r, pending=1)  # dV still on the tensor cores
-            dst = (pt * (dpt - jax.lax.broadcast_in_dim(delta, st.shape, [1]))).astype(q_s.dtype)
-            plgpu.wgmma(dk_r, dst, q_s)  # dK += dS^T Q
-            if dq_r:  # the dq part dS K, dS^T through shared memory (A transposed)
-                ds_s[...] = dst
-                plgpu.commit_smem()
-                plgpu.wgmma(dq_r[0], ds_s.T, k_s)
+            dst = pt * (dpt - jax.lax.broadcast_in_dim(delta, st.shape, [1]))
+            plgpu.wgmma(dk_r, dst.astype(q_s.dtype), q_s)  # dK += dS^T Q
 
-        dq_zero = () if dq_g is None else (zeros_q,)
-        dk, dv, _, _, *dq = rows.acc_mma((dk, dv, zeros_t, zeros_t, *dq_zero), mma)
+        dk, dv, _, _ = rows.acc_mma((dk, dv, zeros_t, zeros_t), mma)
         plgpu.barrier_arrive(sm["free"].at[slot])
-        if dq:  # buffer (base + i) % n is free once at most n - 1 stores (the others') pend
-            n_buf = sm["dq"].shape[1]
-            dq_s = sm["dq"].at[wg, jax.lax.rem(base + i, jnp.int32(n_buf))]
-            plgpu.wait_smem_to_gmem(n_buf - 1, wait_read_only=True)
-            dq_s[...] = dq[0] * scale
-            plgpu.commit_smem()
-            qs = pl.ds((first + i) * bq, bq)
-            plgpu.copy_smem_to_gmem(dq_s, dq_g.at[b, qs, h], reduction_op="add")
         return dk, dv
 
     zeros = rows.cast(jnp.zeros((bkv, k_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
     zeros_t = rows.cast(jnp.zeros((bkv, bq), jnp.float32), plgpu.Layout.WGMMA)
-    zeros_q = rows.cast(jnp.zeros((bq, k_g.shape[3]), jnp.float32), plgpu.Layout.WGMMA)
     # query blocks wholly before the keys are skipped; those holding a query < the last key
     # need the mask
     skipped = i32(k0 // bq) - first if causal else 0
@@ -736,12 +709,7 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
     (4 B*H*T bytes); dk/dv reads k, v once, q and do (plus
     lse, delta) about (n + 1) / 2 times (n = T / (2 * block_kv)) and writes dk, dv. Compute: S
     and dP are recomputed in both kernels (7 matmuls of B*H*T^2*D / 2 causal, against a fused
-    backward's 5).
-
-    Fused (cfg.fused): one kernel, the dk/dv kernel, which also adds each step's dq part into a
-    float32 dq by TMA reduce-add (zeroed before, converted after; the additions' order varies
-    from run to run); delta is computed before it, by XLA. Memory traffic: as dk/dv's, plus
-    about (n + 1) / 2 float32 reduce-adds of dq (in L2) and dq's zeroing and conversion."""
+    backward's 5)."""
     ins, heads, (bsz, t, n_heads, d) = _inputs(q, k, v)
     check_bwd(cfg, t, d)
     sw = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
@@ -769,17 +737,10 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
 
     grads = jax.ShapeDtypeStruct((bsz, t, n_heads, d), dt)
     rows_f32 = jax.ShapeDtypeStruct((bsz, n_heads, t), jnp.float32)
-    if cfg.fused:
-        delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-    else:
-        dq, delta = rows.launch(dq_body, "flash_attention_dq_mgpu", (grads, rows_f32),
-                                dq_scratch, {"p": dq_ctas}, 0, interpret, (*ins, do, lse, o),
-                                approx_math=True, threads=w + 1)  # fmt: skip
-    sw32 = dict(transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
-    fused = dict(ds=plgpu.SMEM((w, bkv, bq), dt, **sw),
-                 dq=plgpu.SMEM((w, DQ_BUFFERS[d], bq, d), jnp.float32, **sw32),
-                 ) if cfg.fused else {}  # fmt: skip
-    dkv_scratch = dict(**fused,
+    dq, delta = rows.launch(dq_body, "flash_attention_dq_mgpu", (grads, rows_f32), dq_scratch,
+                            {"p": dq_ctas}, 0, interpret, (*ins, do, lse, o), approx_math=True,
+                            threads=w + 1)  # fmt: skip
+    dkv_scratch = dict(
         k=plgpu.SMEM((w, bkv, d), dt, **sw), v=plgpu.SMEM((w, bkv, d), dt, **sw),
         own_bar=plgpu.Barrier(num_barriers=2 * w), free=free,
         **ring("q", (bq, d), dt, **sw), **ring("do", (bq, d), dt, **sw),
@@ -793,17 +754,11 @@ def backward(q, k, v, o, lse, do, cfg: BwdConfig, scale: float, causal: bool,
 
     def dkv_body(*refs, **sm):
         refs = _qkv_refs(refs, len(ins))
-        dq_g = refs[-1] if cfg.fused else None
-        refs = refs[:-1] if cfg.fused else refs
         refs = refs + refs[-1:] if packed else refs  # one (B, T, 2H, D) output for dk and dv
-        _dkv_kernel(*refs, dq_g, sm, **kw, n_ctas=dkv_ctas, heads=heads + out_heads)
+        _dkv_kernel(*refs, sm, **kw, n_ctas=dkv_ctas, heads=heads + out_heads)
 
     out = jax.ShapeDtypeStruct((bsz, t, 2 * n_heads, d), dt) if packed else (grads, grads)
-    acc = jax.ShapeDtypeStruct(grads.shape, jnp.float32) if cfg.fused else None
     dkv = rows.launch(dkv_body, "flash_attention_dkv_mgpu", out, dkv_scratch,
                       {"p": dkv_ctas}, 0, interpret, (*ins, do, lse, delta), approx_math=True,
-                      threads=w + 1, accumulator=acc)  # fmt: skip
-    if cfg.fused:
-        dkv, dq = dkv
-        dq = dq.astype(dt)
+                      threads=w + 1)  # fmt: skip
     return (dq, dkv.reshape(bsz, t, 2, n_heads, d)) if packed else (dq, *dkv)

@@ -198,63 +198,33 @@ class Tiles(NamedTuple):
 
 
 def launch(body, name: str, out_type, scratch: dict, grid: dict[str, int], scratch_bytes: int,
-           interpret: Any, args: tuple, approx_math: bool = False, threads: int = 1,
-           accumulator: jax.ShapeDtypeStruct | None = None):  # fmt: skip
+           interpret: Any, args: tuple, approx_math: bool = False, threads: int = 1):  # fmt: skip
     """Run `body` as a Mosaic GPU kernel named `name` over `grid` (axis name -> size), with
     `threads` warpgroups per CUDA block (axis "wg" when more than one).
 
     `scratch_bytes`: shared memory for cross-warp row reductions (more lets one reduction exchange
     more rows at once). `approx_math`: the GPU's approximate exp/log/divide instructions. Lane
     lowering semantics: the kernels state every register layout themselves (jax 0.11's default,
-    Warpgroup semantics, infers layouts instead). `accumulator`: an array that starts at zero and
-    that the kernel adds into (TMA reduce-adds), its ref after the outputs'; then the result is
-    (outputs, its final value)."""
+    Warpgroup semantics, infers layouts instead)."""
     body.__name__ = name  # the kernel's name in profiles
     params = plgpu.CompilerParams(
         lowering_semantics=plgpu.LoweringSemantics.Lane,
         reduction_scratch_bytes=scratch_bytes,
         approx_math=approx_math,
     )
-    threads_kw = dict(num_threads=threads, thread_name="wg") if threads > 1 else {}
+    call = plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=tuple(grid.values()),
+        grid_names=tuple(grid),
+        compiler_params=params,
+        interpret=interpret,
+        **(dict(num_threads=threads, thread_name="wg") if threads > 1 else {}),
+    )
     token = _LAYOUTS.set(interpret is None)  # trace for the compiler, or for jax's interpreter
     try:
-        acc = accumulator
-        if acc is None or interpret is not None:
-            # jax's interpreter discharges no ref argument: there the accumulator is one more
-            # output, which it fills with zeros when asked (uninitialized_memory="zero")
-            if acc is not None and getattr(interpret, "uninitialized_memory", "") != "zero":
-                raise ValueError("a kernel with an accumulator needs the interpreter's "
-                                 "uninitialized_memory='zero'")  # fmt: skip
-            extra = () if acc is None else (acc,)
-            single = not isinstance(out_type, (tuple, list))
-            outs = (out_type,) if single and extra else tuple(out_type) if extra else out_type
-            call = plgpu.kernel(body, out_type=(*outs, *extra) if extra else outs,
-                                scratch_types=scratch, grid=tuple(grid.values()),
-                                grid_names=tuple(grid), compiler_params=params,
-                                interpret=interpret, **threads_kw)  # fmt: skip
-            res = call(*args)
-            if not extra:
-                return res
-            return (res[0] if single else tuple(res[:-1])), res[-1]
-        # plgpu.kernel takes no refs (its vmap rule): pl.kernel on the same mesh aliases a ref
-        # argument in and out of the kernel; the body sees it after the outputs, as above
-        mesh = plgpu.Mesh(grid=tuple(grid.values()), grid_names=tuple(grid), **threads_kw)
-        n = len(args)
-
-        def scoped(*refs):
-            refs = (*refs[:n], *refs[n + 1 :], refs[n])
-            pl.run_scoped(lambda **sm: body(*refs, **sm), **scratch,
-                          collective_axes=threads_kw.get("thread_name", ()))  # fmt: skip
-
-        kernel = pl.kernel(scoped, out_type=out_type, mesh=mesh, compiler_params=params, name=name)
-
-        def run(refs):  # in run_state: a pure function outside (no ref crosses a custom rule)
-            acc_ref, out_refs = refs
-            jax.tree.map(lambda r, x: r.__setitem__(..., x), out_refs, kernel(*args, acc_ref))
-
-        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (acc, out_type))
-        acc_out, outs = pl.run_state(run)(zeros)
-        return outs, acc_out
+        return call(*args)
     finally:
         _LAYOUTS.reset(token)
 

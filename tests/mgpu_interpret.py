@@ -1,10 +1,9 @@
 """Test-only patches of jax's Mosaic GPU interpreter (private API, jax 0.10.x) for wgmma forms it
 does not model, so the flash attention kernels run on the CPU:
 
-* a transposed shared-memory operand (`k.T`, Q K^T; `ds.T`, dS K): the
+* a transposed shared-memory B operand (`k.T`, Q K^T): the
   interpreter looks for `.indices` on every transform and fails on TransposeTransform;
-* an A operand in registers (P V): the interpreter takes every operand for a shared-memory ref;
-* a TMA store that adds into global memory (`reduction_op="add"`), which it refuses.
+* an A operand in registers (P V): the interpreter takes every operand for a shared-memory ref.
 
 `patched(monkeypatch)` installs both for one test and returns True, or False when the private
 modules moved or changed shape (jax 0.11; the caller skips). Never imported by the library.
@@ -49,9 +48,7 @@ def _mma(gc, *, token, device_id, thread_id, grid_point_coords, acc_key, acc_tra
         source_info=source_info,
     )  # fmt: skip
     if isinstance(a, tuple):
-        a_tr, a_perm = _split_transpose(a[1])
-        a, _ = _read(gc, gc.HostAllocationKey.from_array(a[0]), a_tr, thread, info)
-        a = a if a_perm is None else np.transpose(a, a_perm)
+        a, _ = _read(gc, gc.HostAllocationKey.from_array(a[0]), a[1], thread, info)
     b_tr, b_perm = _split_transpose(b_transforms)
     b, _ = _read(gc, gc.HostAllocationKey.from_array(b_key), b_tr, thread, info)
     if b_perm is not None:
@@ -82,7 +79,7 @@ def patched(monkeypatch) -> bool:
     ref_wgmma = ji.JaxprInterpreter._interpret_wgmma_ref_p
 
     def wgmma(*, a_transforms, b_transforms, **kw):  # both operands in shared memory
-        if _split_transpose(b_transforms)[1] is None and _split_transpose(a_transforms)[1] is None:
+        if _split_transpose(b_transforms)[1] is None:
             return smem_wgmma(a_transforms=a_transforms, b_transforms=b_transforms, **kw)
         return _mma(
             gc, token=kw["token"], device_id=kw["device_id"], thread_id=kw["thread_id"],
@@ -114,27 +111,6 @@ def patched(monkeypatch) -> bool:
         )  # fmt: skip
         return out, []
 
-    store = gc.copy_smem_to_gmem
-
-    def copy_smem_to_gmem(*, reduction_op, **kw):  # "add": read, add, write (in order here)
-        if reduction_op is None:
-            return store(reduction_op=None, **kw)
-        assert str(reduction_op).lower().endswith("add"), reduction_op
-        memory = gc._get_shared_memory()
-        thread = memory.get_global_thread_id(int(kw["device_id"]), int(kw["thread_id"]))
-        info = gc.interpret_utils.GPULoggingInfo(
-            device_id=int(kw["device_id"]), thread_id=int(kw["thread_id"]),
-            grid_point_coords=tuple(int(x) for x in kw["grid_point_coords"]),
-            source_info=kw["source_info"],
-        )  # fmt: skip
-        src, _ = _read(gc, gc.HostAllocationKey.from_array(kw["src_allocation_key_as_array"]),
-                       kw["src_transforms"], thread, info)  # fmt: skip
-        dst_key = gc.HostAllocationKey.from_array(kw["dst_allocation_key_as_array"])
-        dst, span = _read(gc, dst_key, kw["dst_transforms"], thread, info)
-        memory.store_buffer_content(dst_key, span, dst + src, thread, logging_info=info)
-        return kw["token"]
-
-    monkeypatch.setattr(gc, "copy_smem_to_gmem", copy_smem_to_gmem)
     monkeypatch.setattr(gc, "wgmma", wgmma)
     monkeypatch.setattr(ji.JaxprInterpreter, "_interpret_wgmma_ref_p", interpret_wgmma)
     return True

@@ -12,7 +12,6 @@ pressure are the GPU's to check (also benchmarks/flash_attention_bench.py).
 """
 
 import argparse
-import dataclasses
 import functools
 import importlib.util
 
@@ -114,15 +113,6 @@ BWD_CASES = {  # name -> (D, causal, config[, (B, T, H)]); (1, 256, 2) unless gi
     "causal_d64_t512_3ctas": (64, True, fa_mgpu.BwdConfig(64, 64, 2, ctas=3), (1, 512, 2)),
     # 9 tiles a kernel (5 units, the last one tile) on 2 CUDA blocks
     "causal_d64_odd_2ctas": (64, True, fa_mgpu.BwdConfig(64, 64, 2, ctas=2), (1, 384, 3)),
-    # one kernel, dq added into by reduce-adds: 2 query blocks a step's pair of warpgroups
-    # masks, 8 dk/dv tiles on 3 CUDA blocks; and without the mask
-    "fused_causal_d64_kv128_t512_3ctas": (
-        64,
-        True,
-        fa_mgpu.BwdConfig(64, 128, 2, ctas=3, fused=True),
-        (1, 512, 2),
-    ),  # fmt: skip
-    "fused_full_d128": (128, False, fa_mgpu.BwdConfig(64, 64, 2, fused=True)),
 }
 
 
@@ -133,10 +123,8 @@ def _grad_close(got, ref):
         np.testing.assert_allclose(np.asarray(g, np.float64), r, atol=1e-2 * np.abs(r).max())
 
 
-@pytest.mark.parametrize(  # the fast tier checks the backward end to end (below), and the fused
-    "name",  # kernel here
-    [n if n == "fused_full_d128" else pytest.param(n, marks=pytest.mark.slow) for n in BWD_CASES],
-)
+@pytest.mark.slow  # the fast tier checks the backward end to end (the test below)
+@pytest.mark.parametrize("name", sorted(BWD_CASES))
 def test_backward_in_interpreter(interpreter, float64_ref, name):
     """dq, dk, dv of the backward kernels, given the exact o and lse (rounded as the forward
     stores them), against the float64 reference's VJP."""
@@ -145,8 +133,6 @@ def test_backward_in_interpreter(interpreter, float64_ref, name):
     do = jax.random.normal(jax.random.PRNGKey(7), q.shape, jnp.bfloat16)
     o = float64_ref(flash_attention_ref, q, k, v, causal=causal).astype(jnp.bfloat16)
     lse = float64_ref(_lse_ref, q, k, causal=causal).astype(np.float32)
-    if cfg.fused:  # dq starts at zero: the interpreter's memory, which is NaN by default
-        interpreter = dataclasses.replace(interpreter, uninitialized_memory="zero")
     got = fa_mgpu.backward(q, k, v, o, lse, do, cfg, d**-0.5, causal, interpret=interpreter)
 
     def ref_grads(q, k, v, do):
@@ -315,12 +301,8 @@ def test_full_attention_needs_whole_tiles(pretend_gpu):
         flash_attention(x, x, x, causal=False)
 
 
-@pytest.mark.parametrize(
-    "d, ctas, fused",
-    [(64, 0, False), (128, 0, False), (64, 2, False), (64, 0, True), (128, 2, True)],
-    ids=["d64", "d128", "2ctas", "d64_fused", "d128_2ctas_fused"],
-)
-def test_compiled_on_a_gpu_and_refused_elsewhere(float64_ref, d, ctas, fused):
+@pytest.mark.parametrize("d, ctas", [(64, 0), (128, 0), (64, 2)], ids=["d64", "d128", "2ctas"])
+def test_compiled_on_a_gpu_and_refused_elsewhere(float64_ref, d, ctas):
     """On a GPU (JAX_PLATFORMS=cuda,cpu) the kernels compile and the output and gradients match
     the reference over several query tiles, causal (T = 448: padded) and not (T = 512), also on
     2 CUDA blocks (each kernel's tiles in turn: its rings and stores run on across them);
@@ -332,8 +314,7 @@ def test_compiled_on_a_gpu_and_refused_elsewhere(float64_ref, d, ctas, fused):
         return
     do = jax.random.normal(jax.random.PRNGKey(4), q.shape, jnp.bfloat16)
     flash = functools.partial(flash_attention, config=fa_mgpu.CONFIGS[d]._replace(ctas=ctas),
-                              bwd_config=fa_mgpu.BwdConfig(stages=2 if fused and d == 128 else 3,
-                                                           ctas=ctas, fused=fused))  # fmt: skip
+                              bwd_config=fa_mgpu.BwdConfig(ctas=ctas))  # fmt: skip
     for causal in (True, False):
         t = 448 if causal else 512
 
