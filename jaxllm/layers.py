@@ -50,29 +50,22 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, splits: int = 1, gelu: ops.MLPPath | None = None,
-        shard: ops.KernelShard | None = None, attend: Callable | None = None,
-    ) -> jax.Array | tuple[jax.Array, ...]:  # fmt: skip
+        self, x: jax.Array, splits: int = 1, attend: Callable | None = None
+    ) -> jax.Array | tuple[jax.Array, ...]:
         """x (..., D_in) -> (..., D_out); `splits=n` returns the n equal column blocks of the
         output as a tuple, each from its own matmul on a slice of W (for a fused q/k/v kernel:
         one (..., 3D) output split afterwards costs a copy forward and a concat backward; XLA's
         dot merger may still re-merge small ones, as at GPT-2 batch 16, not at batch 64). The
-        bias gradient is a float32 sum over the rows (_add_bias). `gelu`: y = gelu(x) W (+ b),
-        GELU's backward on that path (ops.gelu_matmul, `shard` as there). `attend`: returns
+        bias gradient is a float32 sum over the rows (_add_bias). `attend`: returns
         attend(x, W, b) (x and W in compute_dtype, b the float32 bias or None), an op that owns
-        the projection (ops.qkv_attention)."""
+        the projection (ops.qkv_attention, ops.gelu_mlp)."""
         d_in = x.shape[-1]
         w = self.param("kernel", self.kernel_init, (d_in, self.features))
         b = self.param("bias", nn.initializers.zeros, (self.features,)) if self.use_bias else None
         xc, cd = x.astype(self.compute_dtype), self.compute_dtype
         if attend is not None:
             return attend(xc, w.astype(cd), b)
-        if gelu is None:
-            ys = tuple(jnp.dot(xc, wi.astype(cd)) for wi in jnp.split(w, splits, 1))
-        elif splits == 1:
-            ys = (ops.gelu_matmul(xc, w.astype(cd), gelu, shard),)
-        else:
-            raise ValueError(f"Linear: gelu= takes splits=1, got splits={splits}")
+        ys = tuple(jnp.dot(xc, wi.astype(cd)) for wi in jnp.split(w, splits, 1))
         ys = ys if b is None else _add_bias(ys, b)
         return ys[0] if splits == 1 else ys
 
@@ -307,14 +300,20 @@ class FeedForward(nn.Module):
     kernel_init: Initializer = nn.initializers.normal(0.02)
     out_init: Initializer = nn.initializers.normal(0.02)
     compute_dtype: Dtype = jnp.float32
-    path: ops.MLPPath = "xla"  # GELU's backward (and the proj's dX GEMM): ops.gelu_matmul
+    path: ops.MLPPath = "xla"  # pallas_mgpu: both GEMMs in one op, ops.gelu_mlp
     shard: ops.KernelShard | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
-        fc = Linear(self.d_ff, self.use_bias, self.kernel_init, self.compute_dtype, name="fc")
-        proj = Linear(x.shape[-1], self.use_bias, self.out_init, self.compute_dtype, name="proj")
-        y = proj(fc(x), gelu=self.path, shard=self.shard)
+        cd = self.compute_dtype
+        fc = Linear(self.d_ff, self.use_bias, self.kernel_init, cd, name="fc")
+        proj = Linear(x.shape[-1], self.use_bias, self.out_init, cd, name="proj")
+        if self.path == "xla":
+            y = proj(F.gelu(fc(x)))
+        else:  # proj's weights first (a (d_ff,) input only shapes them), then one op for both
+            w2, b2 = proj(jnp.zeros((self.d_ff,), cd), attend=lambda _, w, b: (w, b))
+            y = fc(x, attend=lambda xc, w1, b1: ops.gelu_mlp(xc, w1, b1, w2, self.shard))
+            y = y if b2 is None else _add_bias((y,), b2)[0]
         return nn.Dropout(self.dropout)(y, deterministic)
 
 

@@ -36,9 +36,11 @@ kernel: execution.kernel_backend picks; `auto` takes Mosaic GPU wherever its ker
                                    as in evaluation, runs the Triton forward kernel where jax
                                    has the Triton lowering)
   conv       xla | pallas[_mgpu]   depthwise conv1d
-  mlp        xla | pallas_mgpu     GPT-2's MLP backward: XLA's GEMM then GELU's backward, or one
-                                   Mosaic GPU kernel (pallas_kernels.matmul_dgelu; a call whose
-                                   rows per device are not a multiple of 128 runs XLA's)
+  mlp        xla | pallas_mgpu     GPT-2's GELU MLP: XLA's GEMMs and fusions, or Mosaic GPU
+                                   kernels with GELU in the epilogues of the fc GEMM and of the
+                                   backward's dX GEMM (pallas_kernels.matmul_gelu, matmul_dgelu;
+                                   a call whose rows per device are not a multiple of 128 runs
+                                   XLA's)
 """
 
 from __future__ import annotations
@@ -539,38 +541,52 @@ def depthwise_conv1d(
     return F.depthwise_conv1d(u, w, b, mode)
 
 
-def gelu_matmul(
-    h: jax.Array, w: jax.Array, path: MLPPath, shard: KernelShard | None = None
-) -> jax.Array:
-    """gelu(h) @ w, h (..., F) the MLP's hidden pre-activation and w (F, D), in one dtype. On the
-    pallas_mgpu path the backward's dh = (dy @ w^T) * gelu'(h) is one kernel."""
-    if path == "xla":
-        return jnp.dot(F.gelu(h), w)
-    return _gelu_matmul(h, w, shard)
+def gelu_mlp(
+    x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array,
+    shard: KernelShard | None = None,
+) -> jax.Array:  # fmt: skip
+    """gelu(x @ w1 + b1) @ w2 on the Mosaic GPU path (mlp: pallas_mgpu): x (..., D), w1 (D, F),
+    w2 (F, D) in x's dtype, b1 (F,) float32 or None. One kernel writes h = x w1 + b1 and gelu(h)
+    (pallas_kernels.matmul_gelu), then cuBLAS's GEMM; the backward's dh = (dy w2^T) * gelu'(h)
+    is one kernel (matmul_dgelu), db1 a float32 sum over the rows. Rows (per device) not a
+    multiple of MLP_ROWS run XLA's ops."""
+    return _gelu_mlp(x, w1, b1, w2, shard)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _gelu_matmul(h: jax.Array, w: jax.Array, shard: KernelShard | None) -> jax.Array:
-    return jnp.dot(F.gelu(h), w)
+def _kernel_rows(shard: KernelShard | None, rows: int) -> bool:
+    return (shard.rows_per_device(rows) if shard else rows) % MLP_ROWS == 0
 
 
-def _gelu_matmul_fwd(h, w, shard):
-    a = F.gelu(h)
-    # h saved as a no-op rounding, as jaxllm.functional's GELU saves it (why: there)
-    f = jnp.finfo(h.dtype)
-    return jnp.dot(a, w), (jax.lax.reduce_precision(h, f.nexp, f.nmant), a, w)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _gelu_mlp(x, w1, b1, w2, shard):
+    return _gelu_mlp_fwd(x, w1, b1, w2, shard)[0]
 
 
-def _gelu_matmul_bwd(shard, res, dy):
-    h, a, w = res
-    rows = math.prod(h.shape[:-1])
-    h2, a2, dy2 = h.reshape(rows, -1), a.reshape(rows, -1), dy.reshape(rows, -1)
-    if (shard.rows_per_device(rows) if shard else rows) % MLP_ROWS:
-        dh = jax.vjp(F.gelu, h2)[1](jnp.dot(dy2, w.T))[0]
+def _gelu_mlp_fwd(x, w1, b1, w2, shard):
+    rows, f = math.prod(x.shape[:-1]), w1.shape[1]
+    x2 = x.reshape(rows, -1)
+    b = jnp.zeros((f,), jnp.float32) if b1 is None else b1.astype(jnp.float32)
+    if _kernel_rows(shard, rows):
+        kernel = pallas_kernels.matmul_gelu
+        h, a = _per_shard(shard, kernel, (x2, w1, b), (True, False, False), (True, True))
     else:
-        args = (dy2, w.T, h2)
+        h = jnp.dot(x2, w1) + b.astype(x.dtype)
+        a = F.gelu(h)
+    y = jnp.dot(a, w2)
+    return y.reshape(*x.shape[:-1], -1), (x2, w1, b1, w2, h, a)
+
+
+def _gelu_mlp_bwd(shard, res, dy):
+    x2, w1, b1, w2, h, a = res
+    dy2 = dy.reshape(h.shape[0], -1)
+    if _kernel_rows(shard, h.shape[0]):
+        args = (dy2, w2.T, h)
         dh = _per_shard(shard, pallas_kernels.matmul_dgelu, args, (True, False, True), True)
-    return dh.reshape(h.shape), jnp.dot(a2.T, dy2)
+    else:
+        dh = jax.vjp(F.gelu, h)[1](jnp.dot(dy2, w2.T))[0]
+    db1 = None if b1 is None else jnp.sum(dh, axis=0, dtype=jnp.float32).astype(b1.dtype)
+    dx = jnp.dot(dh, w1.T).reshape(*dy.shape[:-1], -1)
+    return dx, jnp.dot(x2.T, dh), db1, jnp.dot(a.T, dy2)
 
 
-_gelu_matmul.defvjp(_gelu_matmul_fwd, _gelu_matmul_bwd)
+_gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)

@@ -1,5 +1,5 @@
 """Pallas GPU kernels (fused attention softmax, layer norm and RMSNorm, depthwise conv1d,
-LM-head cross-entropy, causal flash attention and GELU's backward in a GEMM on Mosaic GPU) with
+LM-head cross-entropy, causal flash attention and GELU in the MLP's GEMMs on Mosaic GPU) with
 custom VJPs.
 
 Each op is `<op>.py` (the public function: argument checks, the custom VJP, the choice of
@@ -21,7 +21,7 @@ from .flash_attention import (
     flash_attention_refusal,
 )
 from .layer_norm import add_layer_norm, add_rms_norm, layer_norm, mosaic_norm_refusal, rms_norm
-from .matmul_dgelu import matmul_dgelu, matmul_dgelu_refusal
+from .matmul_dgelu import matmul_dgelu, matmul_dgelu_refusal, matmul_gelu
 from .reference import (
     add_layer_norm_ref,
     add_rms_norm_ref,
@@ -31,6 +31,7 @@ from .reference import (
     layer_norm_ref,
     linear_cross_entropy_ref,
     matmul_dgelu_ref,
+    matmul_gelu_ref,
     rms_norm_ref,
 )
 
@@ -57,6 +58,8 @@ __all__ = [
     "matmul_dgelu",
     "matmul_dgelu_ref",
     "matmul_dgelu_refusal",
+    "matmul_gelu",
+    "matmul_gelu_ref",
     "mosaic_gpu_refusal",
     "mosaic_loss_refusal",
     "mosaic_norm_refusal",

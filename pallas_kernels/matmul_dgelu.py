@@ -1,9 +1,13 @@
-"""GELU's backward fused into the MLP's dX GEMM: dh = (dy @ w) * gelu'(h) in one kernel.
+"""GELU in the MLP's GEMM epilogues: the fc forward writing h and gelu(h), and GELU's backward
+fused into the dX GEMM, dh = (dy @ w) * gelu'(h), each one kernel.
 
-GPT-2's MLP is gelu(h) @ W2 (h = x @ W1 + b1); its backward needs dh = (dy @ W2^T) * gelu'(h),
-which XLA runs as a cuBLAS GEMM writing dy @ W2^T and a fusion reading it back with h.
-matmul_dgelu_mgpu.py's Mosaic GPU kernel (Hopper+) applies gelu'(h) in the GEMM's epilogue.
-jaxllm.ops owns the custom VJP that calls it; reference.matmul_dgelu_ref is the jnp reference.
+GPT-2's MLP is gelu(h) @ W2, h = x @ W1 + b1. Its forward needs h (for the backward) and gelu(h),
+which cuBLAS's GELU-aux-bias epilogue writes from one GEMM; `matmul_gelu` does the same in less
+time. Its backward needs dh = (dy @ W2^T) * gelu'(h), which XLA runs as a cuBLAS GEMM writing
+dy @ W2^T and a fusion reading it back with h; `matmul_dgelu` applies gelu'(h) in the GEMM's
+epilogue. Both are matmul_dgelu_mgpu.py's Mosaic GPU kernels (Hopper+). jaxllm.ops owns the
+custom VJP that calls them; reference.matmul_gelu_ref and matmul_dgelu_ref are the jnp
+references.
 """
 
 from __future__ import annotations
@@ -55,3 +59,23 @@ def matmul_dgelu(
     check_config(config, "mosaic_gpu", mgpu.Config)
     cfg = config or mgpu.Config()
     return first_order_only("matmul_dgelu", lambda *a: mgpu.matmul_dgelu(*a, cfg), dy, w, h)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def matmul_gelu(
+    x: jax.Array, w: jax.Array, b: jax.Array, *, config: mgpu.Config | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """(h, gelu(h)), h = x @ w + b: x (M, K), w (K, N) both bfloat16 or both float16, b (N,)
+    float32 -> two (M, N) in x's dtype, both rounded from the float32 h. Shapes, configs and
+    GPUs as matmul_dgelu's."""
+    if x.ndim != 2 or w.ndim != 2 or w.shape[0] != x.shape[1] or b.shape != (w.shape[1],):
+        raise ValueError(f"matmul_gelu needs x (M, K), w (K, N), b (N,), got {x.shape}, "
+                         f"{w.shape}, {b.shape}")  # fmt: skip
+    if x.dtype not in DTYPES or w.dtype != x.dtype or b.dtype != jnp.float32:
+        raise ValueError(f"x and w must both be bfloat16 or float16 and b float32, got {x.dtype}, "
+                         f"{w.dtype}, {b.dtype}")  # fmt: skip
+    if (refusal := common.mosaic_gpu_refusal()) is not None:
+        raise ValueError(f"matmul_gelu needs {refusal}")
+    check_config(config, "mosaic_gpu", mgpu.Config)
+    cfg = config or mgpu.Config()
+    return first_order_only("matmul_gelu", lambda *a: mgpu.matmul_gelu(*a, cfg), x, w, b)

@@ -1,26 +1,32 @@
-"""GELU's backward in the epilogue of the MLP's dX GEMM, on Pallas' Mosaic GPU lowering (Hopper).
+"""GELU in the epilogues of the MLP's GEMMs, on Pallas' Mosaic GPU lowering (Hopper).
 
-dh = (dy @ w) * gelu'(h): dy (M, K), w (K, N), h (M, N) 16-bit -> dh (M, N) in h's dtype, the
-product accumulated in float32 and multiplied by gelu'(h) (GPT-2's tanh form, float32) before
-the one rounding. XLA's cuBLAS path writes dy @ w and reads it back in a second kernel; here it
-never leaves the SM.
+Forward (`matmul_gelu`): h = x @ w + b and a = gelu(h): x (M, K), w (K, N) 16-bit, b (N,)
+float32 -> h, a (M, N) in x's dtype, from one float32 accumulator (what cuBLAS's GELU-aux-bias
+epilogue writes). Backward (`matmul_dgelu`): dh = (dy @ w) * gelu'(h): dy (M, K), w (K, N), h
+(M, N) -> dh (M, N) in h's dtype, the product multiplied by gelu'(h) (GPT-2's tanh form,
+float32) before the one rounding. XLA's cuBLAS path writes dy @ w and reads it back in a second
+kernel; here it never leaves the SM.
 
 Persistent, "ping-pong" (CUTLASS's name): one CUDA block per SM runs the output tiles p, p + P,
 ... (P CUDA blocks; block_m x block_n each, the N tiles of a row of tiles consecutive, so that
-CUDA blocks running together read the same rows of dy from L2). Warpgroup 2 streams the tiles'
-dy and w k-blocks, in tile order, through one ring of `stages` shared-memory slots; tile i
-belongs to compute warpgroup i % 2, so the slots of the next tile fill while this one's last
-matmuls run, and one warpgroup's epilogue (gelu'(h), the store) overlaps the other's matmuls.
-Each compute warpgroup owns a block_m x block_n buffer: the copy warpgroup loads the tile's h
-into it during the tile's matmuls, the epilogue overwrites it with dh in place and a TMA store
-writes it out (the next h load waits until that store has read it).
+CUDA blocks running together read the same rows of the left operand from L2). Warpgroup 2
+streams the tiles' k-blocks, in tile order, through one ring of `stages` shared-memory slots;
+tile i belongs to compute warpgroup i % 2, so the slots of the next tile fill while this one's
+last matmuls run, and one warpgroup's epilogue overlaps the other's matmuls. Each compute
+warpgroup owns a block_m x block_n output buffer. Backward: the copy warpgroup loads the
+tile's h into it during the tile's matmuls, the epilogue overwrites it with dh in place and a
+TMA store writes it out (the next h load waits until that store has read it). Forward: the
+epilogue writes h into it, stores it, computes gelu(h) meanwhile, and writes and stores that
+once h's store has read the buffer.
 
-Memory traffic (s bytes per element): read h and write dh once (2 M N s), read dy once per
-column of tiles and w once per row of tiles, mostly from L2 (about M K s + K N s from memory);
-the GEMM alone writes M N s. At GPT-2's shape on an H200 it takes 1.27x cuBLAS's time for
-dy @ w alone, against 1.7x for cuBLAS's GEMM and XLA's fusion of gelu'; the matmuls alone run at
-cuBLAS's speed, and the epilogue is not hidden, most of its excess h's load and dh's store; it
-is not bound by shared-memory bandwidth (ncu: 59% of its peak; benchmarks/RESULTS.md).
+Memory traffic (s bytes per element): read h and write dh (backward) or write h and a
+(forward) once, 2 M N s; read the left operand once per column of tiles and w once per row of
+tiles, mostly from L2 (about M K s + K N s from memory); the GEMM alone writes M N s. At GPT-2's
+shape on an H200 the backward takes 1.27x cuBLAS's time for dy @ w alone, against 1.7x for
+cuBLAS's GEMM and XLA's fusion of gelu'; the matmuls alone run at cuBLAS's speed, and the
+epilogue is not hidden, most of its excess h's load and dh's store; it is not bound by
+shared-memory bandwidth (ncu: 59% of its peak; benchmarks/RESULTS.md). The forward takes 0.90x
+the time of cuBLAS's GEMM with its GELU-aux-bias epilogue (1.28x its plain GEMM).
 Refused (ValueError): M not a multiple of block_m, N of block_n, K of block_k.
 """
 
@@ -72,6 +78,11 @@ def check(cfg: Config, m: int, n: int, k: int) -> None:
             raise ValueError(f"matmul_dgelu needs {name} a multiple of {block}, got {size}")
 
 
+def gelu(x: jax.Array) -> jax.Array:
+    """GPT-2's tanh GELU, x * 0.5 * (1 + tanh(c (x + 0.044715 x^3)))."""
+    return 0.5 * x * (1.0 + jnp.tanh(x * (_GELU_C + (_GELU_C * 0.044715) * (x * x))))
+
+
 def gelu_grad(x: jax.Array) -> jax.Array:
     """d/dx of GPT-2's tanh GELU, x * 0.5 * (1 + tanh(u)), u = c (x + 0.044715 x^3):
     0.5 (1 + t) + 0.5 x u' (1 - t^2), t = tanh(u), with 0.5 x u' = 1.5 u - c x. Written in 3
@@ -84,8 +95,10 @@ def gelu_grad(x: jax.Array) -> jax.Array:
     return (0.5 + 0.5 * t) + (1.5 * u - _GELU_C * x) * (1.0 - t * t)
 
 
-def _kernel(dy_g, w_g, h_g, dh_g, sm, *, cfg: Config, n_ctas: int):
-    m, k = dy_g.shape
+def _kernel(lhs_g, w_g, h_g, sm, *, cfg: Config, n_ctas: int, epilogue):
+    """lhs_g (M, K) @ w_g (K, N) by tiles; h_g the backward's h, loaded for each tile's epilogue
+    (None: the forward); epilogue(acc, wg, m0, n0) writes a tile's outputs."""
+    m, k = lhs_g.shape
     tiles_n, steps = w_g.shape[1] // cfg.block_n, k // cfg.block_k
     p = jax.lax.axis_index("p")
     count = (m // cfg.block_m * tiles_n - 1 - p) // n_ctas + 1  # tiles p, p + n_ctas, ...
@@ -99,22 +112,22 @@ def _kernel(dy_g, w_g, h_g, dh_g, sm, *, cfg: Config, n_ctas: int):
     @pl.when(wg == COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(40, action="decrease")
-        _copy_wg(dy_g, w_g, h_g, sm, count, origin, steps, cfg)
+        _copy_wg(lhs_g, w_g, h_g, sm, count, origin, steps, cfg)
 
     @pl.when(wg < COMPUTE_WGS)
     def _():
         plgpu.set_max_registers(232, action="increase")
-        _compute_wg(dh_g, sm, wg, count, origin, steps, cfg)
+        _compute_wg(sm, wg, count, origin, steps, cfg, h_g is not None, epilogue)
 
 
 def _slot(g, stages: int):
     return jax.lax.rem(g, jnp.int32(stages))
 
 
-def _copy_wg(dy_g, w_g, h_g, sm, count, origin, steps: int, cfg: Config) -> None:
+def _copy_wg(lhs_g, w_g, h_g, sm, count, origin, steps: int, cfg: Config) -> None:
     """The copy warpgroup: ring step g (tile g // steps, k-block g % steps) into slot g % stages
-    once its last use is released, arriving on the tile owner's barriers; each tile's h into its
-    owner's output buffer."""
+    once its last use is released, arriving on the tile owner's barriers; each tile's h (if
+    any) into its owner's output buffer."""
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages
 
     def tile(i, g):
@@ -125,18 +138,19 @@ def _copy_wg(dy_g, w_g, h_g, sm, count, origin, steps: int, cfg: Config) -> None
             slot = _slot(g, stages)
             pl.when(g >= stages)(lambda: plgpu.barrier_wait(sm["free"].at[slot]))
             bar = owner * stages + slot
-            plgpu.copy_gmem_to_smem(dy_g.at[pl.ds(m0, bm), pl.ds(kk * bk, bk)],
-                                    sm["dy"].at[slot], sm["dy_bar"].at[bar])  # fmt: skip
+            plgpu.copy_gmem_to_smem(lhs_g.at[pl.ds(m0, bm), pl.ds(kk * bk, bk)],
+                                    sm["lhs"].at[slot], sm["lhs_bar"].at[bar])  # fmt: skip
             plgpu.copy_gmem_to_smem(w_g.at[pl.ds(kk * bk, bk), pl.ds(n0, bn)],
                                     sm["w"].at[slot], sm["w_bar"].at[bar])  # fmt: skip
 
-            # h once the owner has started this tile (its last store has then read the buffer):
-            # waited for once the ring is full, it lands during the tile's matmuls
-            @pl.when(kk == min(stages, steps) - 1)
-            def _():
-                pl.when(i >= COMPUTE_WGS)(lambda: plgpu.barrier_wait(sm["h_free"].at[owner]))
-                plgpu.copy_gmem_to_smem(h_g.at[pl.ds(m0, bm), pl.ds(n0, bn)],
-                                        sm["out"].at[owner], sm["h_bar"].at[owner])  # fmt: skip
+            if h_g is not None:  # h once the owner has started this tile (its last store has then
+                # read the buffer): waited for once the ring is full, it lands during the matmuls
+
+                @pl.when(kk == min(stages, steps) - 1)
+                def _():
+                    pl.when(i >= COMPUTE_WGS)(lambda: plgpu.barrier_wait(sm["h_free"].at[owner]))
+                    plgpu.copy_gmem_to_smem(h_g.at[pl.ds(m0, bm), pl.ds(n0, bn)],
+                                            sm["out"].at[owner], sm["h_bar"].at[owner])  # fmt: skip
 
             return g + 1
 
@@ -151,11 +165,11 @@ def _copy_wg(dy_g, w_g, h_g, sm, count, origin, steps: int, cfg: Config) -> None
     jax.lax.fori_loop(jnp.maximum(g - stages, 0), g, drain, None)
 
 
-def _compute_wg(dh_g, sm, wg, count, origin, steps: int, cfg: Config) -> None:
+def _compute_wg(sm, wg, count, origin, steps: int, cfg: Config, loads_h: bool, epilogue):
     """Compute warpgroup wg: tiles wg, wg + 2, ... of the CUDA block, each accumulated in
-    float32 (wgmma, one k-block in flight while the next is issued), then multiplied by gelu'(h)
-    and stored from the output buffer without waiting."""
-    stages, out = cfg.stages, sm["out"].at[wg]
+    float32 (wgmma, one k-block in flight while the next is issued), then handed to the
+    epilogue, whose stores are not waited for."""
+    stages = cfg.stages
 
     def tile(j, carry):
         i = COMPUTE_WGS * j + wg
@@ -165,14 +179,16 @@ def _compute_wg(dh_g, sm, wg, count, origin, steps: int, cfg: Config) -> None:
         def matmuls(acc_ref):
             def step(kk, carry):
                 slot = _slot(base + kk, stages)
-                plgpu.barrier_wait(sm["dy_bar"].at[wg * stages + slot])
+                plgpu.barrier_wait(sm["lhs_bar"].at[wg * stages + slot])
                 plgpu.barrier_wait(sm["w_bar"].at[wg * stages + slot])
-                plgpu.wgmma(acc_ref, sm["dy"].at[slot], sm["w"].at[slot])
+                plgpu.wgmma(acc_ref, sm["lhs"].at[slot], sm["w"].at[slot])
 
-                @pl.when((kk == 0) & (j > 0))
-                def _():  # the last tile's dh has left `out`: the next h may come in
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    plgpu.barrier_arrive(sm["h_free"].at[wg])
+                if loads_h:
+
+                    @pl.when((kk == 0) & (j > 0))
+                    def _():  # the last tile's dh has left `out`: the next h may come in
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        plgpu.barrier_arrive(sm["h_free"].at[wg])
 
                 plgpu.wgmma_wait(1)  # the previous k-block's matmul is done: release it
                 last = sm["free"].at[_slot(base + kk - 1, stages)]
@@ -185,15 +201,37 @@ def _compute_wg(dh_g, sm, wg, count, origin, steps: int, cfg: Config) -> None:
             return acc_ref[...]
 
         acc = pl.run_scoped(matmuls, plgpu.ACC((cfg.block_m, cfg.block_n), jnp.float32))
-        plgpu.barrier_wait(sm["h_bar"].at[wg])
-        h = rows.cast(out[...], plgpu.Layout.WGMMA).astype(jnp.float32)
-        out[...] = (acc * gelu_grad(h)).astype(dh_g.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out, dh_g.at[pl.ds(m0, cfg.block_m), pl.ds(n0, cfg.block_n)])
+        epilogue(acc, wg, m0, n0)
         return carry
 
     jax.lax.fori_loop(jnp.int32(0), (count - wg + 1) // COMPUTE_WGS, tile, None)
     plgpu.wait_smem_to_gmem(0)
+
+
+def _launch(name, lhs, w, extra, out_type, cfg, interpret, body):
+    """The kernel `name` over lhs (M, K) @ w (K, N): body(lhs_g, w_g, extra_g, *out_gs, sm,
+    n_ctas=) with `extra` (h or b) as the third operand."""
+    (m, k), n = lhs.shape, w.shape[1]
+    check(cfg, m, n, k)
+    n_ctas = min(m // cfg.block_m * (n // cfg.block_n), cfg.ctas or core_count())
+    swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
+    st = cfg.stages
+    scratch = dict(
+        lhs=plgpu.SMEM((st, cfg.block_m, cfg.block_k), lhs.dtype, **swizzled),
+        w=plgpu.SMEM((st, cfg.block_k, cfg.block_n), w.dtype, **swizzled),
+        out=plgpu.SMEM((COMPUTE_WGS, cfg.block_m, cfg.block_n), lhs.dtype, **swizzled),
+        lhs_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS * st),  # per owner: each waits its own
+        w_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS * st),
+        free=plgpu.Barrier(num_barriers=st),
+        h_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS),
+        h_free=plgpu.Barrier(num_barriers=COMPUTE_WGS),
+    )
+
+    def kernel(*refs, **sm):
+        body(*refs, sm, n_ctas=n_ctas)
+
+    return rows.launch(kernel, name, out_type, scratch, {"p": n_ctas}, 0, interpret,
+                       (lhs, w, extra), approx_math=True, threads=COMPUTE_WGS + 1)  # fmt: skip
 
 
 def matmul_dgelu(dy: jax.Array, w: jax.Array, h: jax.Array, cfg: Config | None = None,
@@ -201,25 +239,45 @@ def matmul_dgelu(dy: jax.Array, w: jax.Array, h: jax.Array, cfg: Config | None =
     """(dy @ w) * gelu'(h): dy (M, K), w (K, N), h (M, N) -> (M, N) in h's dtype.
 
     `interpret`: jax's Mosaic GPU interpreter parameters, for CPU tests of the kernel itself."""
-    (m, k), n, cfg = dy.shape, w.shape[1], cfg or Config()
-    check(cfg, m, n, k)
-    n_ctas = min(m // cfg.block_m * (n // cfg.block_n), cfg.ctas or core_count())
-    swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
-    st = cfg.stages
-    scratch = dict(
-        dy=plgpu.SMEM((st, cfg.block_m, cfg.block_k), dy.dtype, **swizzled),
-        w=plgpu.SMEM((st, cfg.block_k, cfg.block_n), w.dtype, **swizzled),
-        out=plgpu.SMEM((COMPUTE_WGS, cfg.block_m, cfg.block_n), h.dtype, **swizzled),
-        dy_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS * st),  # per owner: each waits its own
-        w_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS * st),
-        free=plgpu.Barrier(num_barriers=st),
-        h_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS),
-        h_free=plgpu.Barrier(num_barriers=COMPUTE_WGS),
-    )
+    cfg = cfg or Config()
 
-    def kernel(dy_g, w_g, h_g, dh_g, **sm):
-        _kernel(dy_g, w_g, h_g, dh_g, sm, cfg=cfg, n_ctas=n_ctas)
+    def body(dy_g, w_g, h_g, dh_g, sm, n_ctas):
+        def epilogue(acc, wg, m0, n0):
+            out = sm["out"].at[wg]
+            plgpu.barrier_wait(sm["h_bar"].at[wg])
+            h = rows.cast(out[...], plgpu.Layout.WGMMA).astype(jnp.float32)
+            out[...] = (acc * gelu_grad(h)).astype(dh_g.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out, dh_g.at[pl.ds(m0, cfg.block_m), pl.ds(n0, cfg.block_n)])
 
-    out_type = jax.ShapeDtypeStruct((m, n), h.dtype)
-    return rows.launch(kernel, "matmul_dgelu_mgpu", out_type, scratch, {"p": n_ctas}, 0, interpret,
-                       (dy, w, h), approx_math=True, threads=COMPUTE_WGS + 1)  # fmt: skip
+        _kernel(dy_g, w_g, h_g, sm, cfg=cfg, n_ctas=n_ctas, epilogue=epilogue)
+
+    out_type = jax.ShapeDtypeStruct((dy.shape[0], w.shape[1]), h.dtype)
+    return _launch("matmul_dgelu_mgpu", dy, w, h, out_type, cfg, interpret, body)
+
+
+def matmul_gelu(x: jax.Array, w: jax.Array, b: jax.Array, cfg: Config | None = None,
+                interpret: Any = None) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """(h, gelu(h)), h = x @ w + b: x (M, K), w (K, N), b (N,) float32 -> two (M, N) in x's
+    dtype, both from the float32 h. `interpret` as in matmul_dgelu."""
+    cfg = cfg or Config()
+
+    def body(x_g, w_g, b_g, h_g, a_g, sm, n_ctas):
+        def epilogue(acc, wg, m0, n0):
+            out, tile = sm["out"].at[wg], (pl.ds(m0, cfg.block_m), pl.ds(n0, cfg.block_n))
+            bias = rows.load(b_g.at[pl.ds(n0, cfg.block_n)], plgpu.Layout.WGMMA.reduce(0))
+            h = acc + jax.lax.broadcast_in_dim(bias, acc.shape, [1])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's a has left `out`
+            out[...] = h.astype(h_g.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out, h_g.at[tile])
+            a = gelu(h).astype(a_g.dtype)  # while h's store reads the buffer
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            out[...] = a
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out, a_g.at[tile])
+
+        _kernel(x_g, w_g, None, sm, cfg=cfg, n_ctas=n_ctas, epilogue=epilogue)
+
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
+    return _launch("matmul_gelu_mgpu", x, w, b, (out, out), cfg, interpret, body)

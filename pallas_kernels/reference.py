@@ -140,6 +140,14 @@ def add_rms_norm_ref(
     return s, rms_norm_ref(s, gamma, eps)
 
 
+def matmul_gelu_ref(x: jax.Array, w: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(h, gelu(h)), h = x @ w + b, gelu GPT-2's tanh form: x (M, K), w (K, N), b (N,) -> x's
+    dtype, both from the unrounded h."""
+    ct = _compute_dtype(x.dtype)
+    h = jnp.dot(x.astype(ct), w.astype(ct)) + b.astype(ct)
+    return h.astype(x.dtype), jax.nn.gelu(h, approximate=True).astype(x.dtype)
+
+
 def matmul_dgelu_ref(dy: jax.Array, w: jax.Array, h: jax.Array) -> jax.Array:
     """(dy @ w) * gelu'(h), gelu GPT-2's tanh form: dy (M, K), w (K, N), h (M, N) -> h's dtype
     (the gradient of gelu(h) @ w.T with respect to h, given dy)."""

@@ -1,5 +1,6 @@
-"""pallas_kernels.matmul_dgelu (GELU's backward in the dX GEMM's epilogue, Mosaic GPU) and the
-MLP path that calls it (jaxllm.ops.gelu_matmul, execution.mlp_impl)."""
+"""pallas_kernels.matmul_gelu and matmul_dgelu (GELU in the epilogues of the MLP's fc GEMM and
+of its backward's dX GEMM, Mosaic GPU) and the MLP path that calls them (jaxllm.ops.gelu_mlp,
+execution.mlp_impl)."""
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,16 @@ def _check_close(float64_ref, out, dy, w, h):
 def test_interpreted_kernel_matches_float64_reference(float64_ref, cfg, m, k, n):
     dy, w, h = _inputs(m, k, n)
     _check_close(float64_ref, mgpu.matmul_dgelu(dy, w, h, cfg, InterpretGPUParams()), dy, w, h)
+    x, b = dy, jax.random.normal(jax.random.PRNGKey(4), (n,))
+    _check_fwd_close(float64_ref, mgpu.matmul_gelu(x, w, b, cfg, InterpretGPUParams()), x, w, b)
+
+
+def _check_fwd_close(float64_ref, outs, x, w, b):
+    """h and gelu(h) within two roundings of x's 16-bit dtype of the float64 reference."""
+    for out, ref in zip(outs, float64_ref(pallas_kernels.matmul_gelu_ref, x, w, b), strict=True):
+        err = np.abs(np.asarray(out, np.float64) - ref).max()
+        tol = 2 * float(jnp.finfo(x.dtype).eps) * np.abs(ref).max()
+        assert out.dtype == x.dtype and err <= tol, (err, tol)
 
 
 def test_kernels_gelu_grad_is_autodiffs_in_float64():
@@ -61,6 +72,8 @@ def test_kernels_gelu_grad_is_autodiffs_in_float64():
 def test_compiled_kernel_matches_float64_reference(float64_ref, m, k, n, dtype):
     dy, w, h = _inputs(m, k, n, dtype)
     _check_close(float64_ref, pallas_kernels.matmul_dgelu(dy, w, h), dy, w, h)
+    b = jax.random.normal(jax.random.PRNGKey(4), (n,))
+    _check_fwd_close(float64_ref, pallas_kernels.matmul_gelu(dy, w, b), dy, w, b)
 
 
 @pytest.mark.parametrize(
@@ -83,6 +96,24 @@ def test_bad_inputs_raise(monkeypatch, shapes, dtype, match):
         jax.eval_shape(pallas_kernels.matmul_dgelu, *args)
 
 
+@pytest.mark.parametrize(
+    "shapes, dtypes, match",
+    [
+        (((256, 64), (64, 128), (64,)), "bf16 bf16 f32", "b \\(N,\\)"),
+        (((256, 64), (64, 128), (128,)), "bf16 bf16 bf16", "b float32"),
+        (((200, 64), (64, 128), (128,)), "bf16 bf16 f32", "M a multiple of 128, got 200"),
+    ],
+)
+def test_bad_forward_inputs_raise(monkeypatch, shapes, dtypes, match):
+    import pallas_kernels.common as common
+
+    monkeypatch.setattr(common, "mosaic_gpu_capable", lambda: True)
+    names = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+    args = [jax.ShapeDtypeStruct(s, names[t]) for s, t in zip(shapes, dtypes.split(), strict=True)]
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(pallas_kernels.matmul_gelu, *args)
+
+
 def test_refused_without_a_hopper_gpu(monkeypatch):
     import pallas_kernels.common as common
 
@@ -91,22 +122,34 @@ def test_refused_without_a_hopper_gpu(monkeypatch):
         pallas_kernels.matmul_dgelu(*_inputs(128, 64, 128))
 
 
-@pytest.mark.parametrize("rows", [(2, 128), (3, 5)])  # a multiple of 128 rows, and not (XLA's)
-def test_gelu_matmul_pallas_path_has_the_xla_paths_values_and_gradients(monkeypatch, rows):
-    """The custom VJP around the kernel (stood in by its reference on the CPU): same output,
-    dh and dw as autodiff of the XLA path."""
+def _kernels_as_references(monkeypatch):
+    monkeypatch.setattr(pallas_kernels, "matmul_gelu", pallas_kernels.matmul_gelu_ref)
     monkeypatch.setattr(pallas_kernels, "matmul_dgelu", pallas_kernels.matmul_dgelu_ref)
-    keys = jax.random.split(jax.random.PRNGKey(1), 3)
-    h = 2 * jax.random.normal(keys[0], (*rows, 256))
-    w = jax.random.normal(keys[1], (256, 64)) / 16
-    g = jax.random.normal(keys[2], (*rows, 64))
 
-    def run(path):
-        y, vjp = jax.vjp(lambda h, w: ops.gelu_matmul(h, w, path), h, w)
-        return y, *vjp(g)
 
-    for got, want in zip(run("pallas_mgpu"), run("xla"), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("rows", [(2, 128), (3, 5)])  # a multiple of 128 rows, and not (XLA's)
+@pytest.mark.parametrize("bias", [True, False])
+def test_gelu_mlp_has_autodiffs_values_and_gradients(monkeypatch, rows, bias):
+    """The custom VJP around the kernels (stood in by their references on the CPU): the same
+    output and gradients (x, w1, b1, w2) as autodiff of gelu(x w1 + b1) w2."""
+    _kernels_as_references(monkeypatch)
+    keys = jax.random.split(jax.random.PRNGKey(1), 5)
+    x = jax.random.normal(keys[0], (*rows, 64))
+    w1, w2 = jax.random.normal(keys[1], (64, 256)) / 8, jax.random.normal(keys[2], (256, 64)) / 16
+    b1 = jax.random.normal(keys[3], (256,)) if bias else None
+    g = jax.random.normal(keys[4], (*rows, 64))
+
+    def xla(x, w1, b1, w2):
+        return jnp.dot(jax.nn.gelu(jnp.dot(x, w1) + (0 if b1 is None else b1)), w2)
+
+    for fn in (ops.gelu_mlp, xla):
+        y, vjp = jax.vjp(fn, x, w1, b1, w2)
+        if fn is xla:
+            want = (y, *vjp(g))
+        else:
+            got = (y, *vjp(g))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_gpt2_mlp_on_the_kernel_path_has_the_xla_paths_gradients(monkeypatch):
@@ -115,11 +158,13 @@ def test_gpt2_mlp_on_the_kernel_path_has_the_xla_paths_gradients(monkeypatch):
     reference, up to the bf16 rounding of dh (the reference rounds once, XLA after each op)."""
     from jaxllm.layers import FeedForward
 
-    monkeypatch.setattr(pallas_kernels, "matmul_dgelu", pallas_kernels.matmul_dgelu_ref)
+    _kernels_as_references(monkeypatch)
     x = jax.random.normal(jax.random.PRNGKey(2), (2, 128, 64))
     g = jax.random.normal(jax.random.PRNGKey(3), (2, 128, 64))
     mlp = {p: FeedForward(256, compute_dtype=jnp.bfloat16, path=p) for p in ("xla", "pallas_mgpu")}
     params = mlp["xla"].init(jax.random.PRNGKey(0), x)
+    kernel_params = mlp["pallas_mgpu"].init(jax.random.PRNGKey(0), x)  # the same, also in value
+    jax.tree.map(np.testing.assert_array_equal, kernel_params, params)
 
     def run(path):
         y, vjp = jax.vjp(lambda p, x: mlp[path].apply(p, x), params, x)
@@ -135,15 +180,15 @@ def test_a_second_derivative_is_one_clear_error(monkeypatch):
     import pallas_kernels.common as common
 
     monkeypatch.setattr(common, "mosaic_gpu_capable", lambda: True)
-    h = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
-    w = jnp.zeros((256, 64), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
+    w1, w2 = jnp.zeros((64, 256), jnp.bfloat16), jnp.zeros((256, 64), jnp.bfloat16)
 
-    def grad_norm(h):
-        g = jax.grad(lambda h: jnp.sum(ops.gelu_matmul(h, w, "pallas_mgpu").astype(jnp.float32)))
-        return jnp.sum(g(h).astype(jnp.float32))
+    def grad_norm(x):
+        g = jax.grad(lambda x: jnp.sum(ops.gelu_mlp(x, w1, None, w2).astype(jnp.float32)))
+        return jnp.sum(g(x).astype(jnp.float32))
 
-    with pytest.raises(NotImplementedError, match="matmul_dgelu: the Pallas kernel has first"):
-        jax.eval_shape(jax.grad(grad_norm), h)
+    with pytest.raises(NotImplementedError, match="matmul_.?gelu: the Pallas kernel has first"):
+        jax.eval_shape(jax.grad(grad_norm), x)
 
 
 def test_plan_takes_the_kernel_only_where_it_runs(monkeypatch):

@@ -235,7 +235,7 @@ def test_model_reaches_every_mosaic_kernel_when_planned(monkeypatch):
     text = jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
     for op in ("add_layer_norm", "attention_softmax", "depthwise_conv1d"):
         assert f"{op}_fwd_mgpu" in text and f"{op}_bwd_mgpu" in text, op
-    assert "matmul_dgelu_mgpu" in text
+    assert "matmul_gelu_mgpu" in text and "matmul_dgelu_mgpu" in text
     # a batch shorter than the context: without Triton the Mosaic softmax takes it padded
     monkeypatch.setattr(tb, "pltriton", None)
     short = jnp.zeros((2, 40), jnp.int32)
@@ -245,7 +245,7 @@ def test_model_reaches_every_mosaic_kernel_when_planned(monkeypatch):
 
     text = jax.jit(jax.grad(short_loss)).trace(params).lower(lowering_platforms=("cuda",))
     assert "attention_softmax_bwd_mgpu" in text.as_text()
-    assert "matmul_dgelu_mgpu" not in text.as_text()
+    assert "matmul_gelu_mgpu" not in text.as_text() and "matmul_dgelu_mgpu" not in text.as_text()
 
 
 def test_flash_path_lowers_the_qkv_projection_and_kernels_as_one_op(monkeypatch):

@@ -690,28 +690,32 @@ def _check_pallas_on_mesh() -> None:
         grad = jax.jit(jax.grad(conv_loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
         out[name] = [np.asarray(x).tolist() for x in jax.tree.leaves(grad(u, w, b, sh))]
 
-    # GELU's backward in the dX GEMM (mlp_impl=pallas), the kernel stood in by its reference:
-    # per shard, 128 of the 1024 rows a device, against one call
+    # GELU in the MLP's GEMMs (mlp_impl=pallas), the kernels stood in by their references: per
+    # shard, 128 of the 1024 rows a device, against one call
     import pallas_kernels
 
     mlp_rows = set()
+
+    def gelu_fwd(x, w, b):
+        mlp_rows.add(x.shape[0])
+        return pallas_kernels.matmul_gelu_ref(x, w, b)
 
     def dgelu(dy, w, h):
         mlp_rows.add(h.shape[0])
         return pallas_kernels.matmul_dgelu_ref(dy, w, h)
 
-    pallas_kernels.matmul_dgelu = dgelu
-    h, w = (
+    pallas_kernels.matmul_gelu, pallas_kernels.matmul_dgelu = gelu_fwd, dgelu
+    x, w1, b1, w2 = (
         jax.random.normal(jax.random.PRNGKey(5 + i), s)
-        for i, s in enumerate([(1024, 64), (64, 32)])
+        for i, s in enumerate([(1024, 64), (64, 32), (32,), (32, 64)])
     )
 
-    def mlp_loss(h, w, shard):
-        return jnp.sum(jnp.sin(ops.gelu_matmul(h, w, "pallas_mgpu", shard)))
+    def mlp_loss(x, w1, b1, w2, shard):
+        return jnp.sum(jnp.sin(ops.gelu_mlp(x, w1, b1, w2, shard)))
 
     for name, sh in [("mlp_single", None), ("mlp_sharded", shard)]:
-        grad = jax.jit(jax.grad(mlp_loss, argnums=(0, 1)), static_argnums=2)
-        out[name] = [np.asarray(x).tolist() for x in grad(h, w, sh)]
+        grad = jax.jit(jax.grad(mlp_loss, argnums=(0, 1, 2, 3)), static_argnums=4)
+        out[name] = [np.asarray(x).tolist() for x in grad(x, w1, b1, w2, sh)]
     out["mlp_rows"] = sorted(mlp_rows)
 
     # data 4 x pipeline 2: 4 rows do not split over 8 devices, so a kernel call splits them over
@@ -752,7 +756,7 @@ def test_pallas_kernels_run_per_batch_shard_and_match_one_device():
     assert {"add_layer_norm_fwd", "add_layer_norm_bwd", "attention_softmax_bwd"} <= set(kernels)
     _assert_trees_close(out.pop("conv_sharded"), out.pop("conv_single"), 1e-6, "conv")
     _assert_trees_close(out.pop("mlp_sharded"), out.pop("mlp_single"), 1e-5, "mlp")
-    assert out.pop("mlp_rows") == [128, 1024]  # the MLP's backward kernel ran per shard
+    assert out.pop("mlp_rows") == [128, 1024]  # the MLP's kernels ran per shard
     split = out.pop("prefix_split")
     assert set(split["rows_seen"]) == {1} and split["grad_err"] < 1e-6, split  # 4 rows / data 4
     assert out.pop("process_rows") == [0, 16]
