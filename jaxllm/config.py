@@ -167,8 +167,9 @@ class ExecutionConfig(Section):
     # Training loss: "xla" = logits, then softmax_loss; "pallas" = the fused LM head +
     # cross-entropy kernel (pallas_kernels.linear_cross_entropy), which never keeps the logits.
     loss_impl: Literal["xla", "pallas"] = "xla"
-    # GPT-2's MLP backward: "xla" = cuBLAS's dX GEMM, then a fusion applying GELU's backward;
-    # "pallas" = one Mosaic GPU kernel doing both (pallas_kernels.matmul_dgelu; Hopper-class
+    # GPT-2's GELU MLP: "xla" = cuBLAS's GEMMs (the fc GEMM's epilogue writing h and gelu(h))
+    # and a fusion applying GELU's backward after the dX GEMM; "pallas" = Mosaic GPU kernels
+    # with GELU in both GEMMs' epilogues (pallas_kernels.matmul_gelu, matmul_dgelu; Hopper-class
     # GPUs, 16-bit matmuls; elsewhere XLA's, and the `ops:` line says so).
     mlp_impl: Literal["xla", "pallas"] = "xla"
     # The Pallas kernels' lowering (norms, attention softmax, conv, fused loss): "auto" = Mosaic

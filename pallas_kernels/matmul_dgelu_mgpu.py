@@ -25,8 +25,8 @@ tiles, mostly from L2 (about M K s + K N s from memory); the GEMM alone writes M
 shape on an H200 the backward takes 1.27x cuBLAS's time for dy @ w alone, against 1.7x for
 cuBLAS's GEMM and XLA's fusion of gelu'; the matmuls alone run at cuBLAS's speed, and the
 epilogue is not hidden, most of its excess h's load and dh's store; it is not bound by
-shared-memory bandwidth (ncu: 59% of its peak; benchmarks/RESULTS.md). The forward takes 0.90x
-the time of cuBLAS's GEMM with its GELU-aux-bias epilogue (1.28x its plain GEMM).
+shared-memory bandwidth (ncu: 59% of its peak; benchmarks/RESULTS.md). The forward takes 0.92x
+the time of cuBLAS's GEMM with its GELU-aux-bias epilogue (1.30x its plain GEMM).
 Refused (ValueError): M not a multiple of block_m, N of block_n, K of block_k.
 """
 
