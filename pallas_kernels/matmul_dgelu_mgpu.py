@@ -63,19 +63,19 @@ def smem_bytes(cfg: Config, itemsize: int = 2) -> int:
     return (ring + COMPUTE_WGS * cfg.block_m * cfg.block_n) * itemsize
 
 
-def check(cfg: Config, m: int, n: int, k: int) -> None:
-    """A config against the GEMM's (M, N, K) and the shared memory."""
+def check(cfg: Config, m: int, n: int, k: int, kernel: str = "matmul_dgelu") -> None:
+    """A config against the GEMM's (M, N, K) and the shared memory; `kernel` names the caller."""
     if cfg.block_m != 128 or cfg.block_n not in (64, 128, 192) or cfg.block_k != 64:
-        raise ValueError(f"invalid matmul_dgelu config {cfg}: block_m 128, block_n 64, 128 or "
-                         "192, block_k 64")  # fmt: skip
+        raise ValueError(f"invalid {kernel} config {cfg}: block_m 128, block_n 64, 128 or 192, "
+                         "block_k 64")  # fmt: skip
     if cfg.stages < 2 or cfg.ctas < 0:
-        raise ValueError(f"invalid matmul_dgelu config {cfg}: stages >= 2, ctas >= 0")
+        raise ValueError(f"invalid {kernel} config {cfg}: stages >= 2, ctas >= 0")
     if smem_bytes(cfg) + 1024 > rows.SMEM_BYTES:
-        raise ValueError(f"matmul_dgelu config {cfg} needs {smem_bytes(cfg)} bytes of shared "
+        raise ValueError(f"{kernel} config {cfg} needs {smem_bytes(cfg)} bytes of shared "
                          f"memory; at most {rows.SMEM_BYTES - 1024}")  # fmt: skip
     for name, size, block in (("M", m, cfg.block_m), ("N", n, cfg.block_n), ("K", k, cfg.block_k)):
         if size % block:
-            raise ValueError(f"matmul_dgelu needs {name} a multiple of {block}, got {size}")
+            raise ValueError(f"{kernel} needs {name} a multiple of {block}, got {size}")
 
 
 def gelu(x: jax.Array) -> jax.Array:
@@ -212,7 +212,7 @@ def _launch(name, lhs, w, extra, out_type, cfg, interpret, body):
     """The kernel `name` over lhs (M, K) @ w (K, N): body(lhs_g, w_g, extra_g, *out_gs, sm,
     n_ctas=) with `extra` (h or b) as the third operand."""
     (m, k), n = lhs.shape, w.shape[1]
-    check(cfg, m, n, k)
+    check(cfg, m, n, k, name.removesuffix("_mgpu"))
     n_ctas = min(m // cfg.block_m * (n // cfg.block_n), cfg.ctas or core_count())
     swizzled = dict(transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
     st = cfg.stages

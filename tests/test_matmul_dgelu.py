@@ -101,7 +101,7 @@ def test_bad_inputs_raise(monkeypatch, shapes, dtype, match):
     [
         (((256, 64), (64, 128), (64,)), "bf16 bf16 f32", "b \\(N,\\)"),
         (((256, 64), (64, 128), (128,)), "bf16 bf16 bf16", "b float32"),
-        (((200, 64), (64, 128), (128,)), "bf16 bf16 f32", "M a multiple of 128, got 200"),
+        (((200, 64), (64, 128), (128,)), "bf16 bf16 f32", "matmul_gelu needs M a multiple of 128"),
     ],
 )
 def test_bad_forward_inputs_raise(monkeypatch, shapes, dtypes, match):
