@@ -305,7 +305,7 @@ def _mlp_path(cfg: ModelConfig, ex: ExecutionConfig, backend: str, notes: list[s
     elif backend != "gpu":
         refusal = f"a GPU (backend here: {backend})"
     else:
-        refusal = pallas_kernels.matmul_dgelu_refusal(cfg.d_model, cfg.ffn_dim, ex.compute_dtype)
+        refusal = pallas_kernels.matmul_gelu_refusal(cfg.d_model, cfg.ffn_dim, ex.compute_dtype)
     if refusal is None:
         return "pallas_mgpu"
     notes.append(f"mlp_impl=pallas needs {refusal}: the MLP runs on xla")

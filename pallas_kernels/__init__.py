@@ -21,7 +21,7 @@ from .flash_attention import (
     flash_attention_refusal,
 )
 from .layer_norm import add_layer_norm, add_rms_norm, layer_norm, mosaic_norm_refusal, rms_norm
-from .matmul_dgelu import matmul_dgelu, matmul_dgelu_refusal, matmul_gelu
+from .matmul_gelu import matmul_dgelu, matmul_gelu, matmul_gelu_refusal
 from .reference import (
     add_layer_norm_ref,
     add_rms_norm_ref,
@@ -57,9 +57,9 @@ __all__ = [
     "linear_cross_entropy_ref",
     "matmul_dgelu",
     "matmul_dgelu_ref",
-    "matmul_dgelu_refusal",
     "matmul_gelu",
     "matmul_gelu_ref",
+    "matmul_gelu_refusal",
     "mosaic_gpu_refusal",
     "mosaic_loss_refusal",
     "mosaic_norm_refusal",

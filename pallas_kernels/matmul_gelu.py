@@ -5,7 +5,7 @@ GPT-2's MLP is gelu(h) @ W2, h = x @ W1 + b1. Its forward needs h (for the backw
 which cuBLAS's GELU-aux-bias epilogue writes from one GEMM; `matmul_gelu` does the same in less
 time. Its backward needs dh = (dy @ W2^T) * gelu'(h), which XLA runs as a cuBLAS GEMM writing
 dy @ W2^T and a fusion reading it back with h; `matmul_dgelu` applies gelu'(h) in the GEMM's
-epilogue. Both are matmul_dgelu_mgpu.py's Mosaic GPU kernels (Hopper+). jaxllm.ops owns the
+epilogue. Both are matmul_gelu_mgpu.py's Mosaic GPU kernels (Hopper+). jaxllm.ops owns the
 custom VJP that calls them; reference.matmul_gelu_ref and matmul_dgelu_ref are the jnp
 references.
 """
@@ -18,13 +18,13 @@ import jax
 import jax.numpy as jnp
 
 from . import common
-from . import matmul_dgelu_mgpu as mgpu
+from . import matmul_gelu_mgpu as mgpu
 from .common import check_config, first_order_only
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def matmul_dgelu_refusal(d_model: int, d_ff: int, compute_dtype) -> str | None:
+def matmul_gelu_refusal(d_model: int, d_ff: int, compute_dtype) -> str | None:
     """Why the kernel cannot run an MLP (d_model -> d_ff -> d_model) here, as "needs ..." would
     end (None: it can): a Hopper-class GPU, 16-bit matmuls, widths its tiles divide. Rows (batch
     x context) must be a multiple of block_m too, checked per call."""
@@ -46,7 +46,7 @@ def matmul_dgelu(
     """(dy @ w) * gelu'(h): dy (M, K), w (K, N), h (M, N), all bfloat16 or all float16 -> (M, N)
     in h's dtype; float32 accumulation and epilogue. M a multiple of 128, N of the config's
     block_n, K of 64. Needs a Hopper-class GPU (tests run the kernel in jax's Mosaic GPU
-    interpreter through matmul_dgelu_mgpu.matmul_dgelu)."""
+    interpreter through matmul_gelu_mgpu.matmul_dgelu)."""
     two_d = dy.ndim == 2 and w.ndim == 2
     if not two_d or w.shape[0] != dy.shape[1] or h.shape != (dy.shape[0], w.shape[1]):
         raise ValueError(f"matmul_dgelu needs dy (M, K), w (K, N), h (M, N), got {dy.shape}, "

@@ -10,7 +10,7 @@ from conftest import tiny_model
 
 import pallas_kernels
 from jaxllm import ops
-from pallas_kernels import matmul_dgelu_mgpu as mgpu
+from pallas_kernels import matmul_gelu_mgpu as mgpu
 from pallas_kernels.common import mosaic_gpu_capable
 
 try:  # jax 0.10's Mosaic GPU interpreter (private API); jax 0.11 moved it
