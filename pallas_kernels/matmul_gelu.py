@@ -25,7 +25,7 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def matmul_gelu_refusal(d_model: int, d_ff: int, compute_dtype) -> str | None:
-    """Why the kernel cannot run an MLP (d_model -> d_ff -> d_model) here, as "needs ..." would
+    """Why the kernels cannot run an MLP (d_model -> d_ff -> d_model) here, as "needs ..." would
     end (None: it can): a Hopper-class GPU, 16-bit matmuls, widths its tiles divide. Rows (batch
     x context) must be a multiple of block_m too, checked per call."""
     if (refusal := common.mosaic_gpu_refusal()) is not None:

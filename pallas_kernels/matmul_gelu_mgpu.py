@@ -58,7 +58,7 @@ class Config(NamedTuple):
 
 
 def smem_bytes(cfg: Config, itemsize: int = 2) -> int:
-    """The ring's dy and w slots and the two compute warpgroups' h / dh buffers."""
+    """The ring's left-operand and w slots and the two compute warpgroups' output buffers."""
     ring = cfg.stages * (cfg.block_m + cfg.block_n) * cfg.block_k
     return (ring + COMPUTE_WGS * cfg.block_m * cfg.block_n) * itemsize
 
