@@ -54,11 +54,7 @@ def matmul_dgelu(
     if dy.dtype not in DTYPES or w.dtype != dy.dtype or h.dtype != dy.dtype:
         raise ValueError(f"dy, w, h must all be bfloat16 or float16, got {dy.dtype}, {w.dtype}, "
                          f"{h.dtype}")  # fmt: skip
-    if (refusal := common.mosaic_gpu_refusal()) is not None:
-        raise ValueError(f"matmul_dgelu needs {refusal}")
-    check_config(config, "mosaic_gpu", mgpu.Config)
-    cfg = config or mgpu.Config()
-    return first_order_only("matmul_dgelu", lambda *a: mgpu.matmul_dgelu(*a, cfg), dy, w, h)
+    return _run("matmul_dgelu", mgpu.matmul_dgelu, config, dy, w, h)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -74,8 +70,13 @@ def matmul_gelu(
     if x.dtype not in DTYPES or w.dtype != x.dtype or b.dtype != jnp.float32:
         raise ValueError(f"x and w must both be bfloat16 or float16 and b float32, got {x.dtype}, "
                          f"{w.dtype}, {b.dtype}")  # fmt: skip
+    return _run("matmul_gelu", mgpu.matmul_gelu, config, x, w, b)
+
+
+def _run(name: str, kernel, config: mgpu.Config | None, *arrays: jax.Array):
+    """kernel(*arrays, config) once the GPU and the config pass, first derivatives only."""
     if (refusal := common.mosaic_gpu_refusal()) is not None:
-        raise ValueError(f"matmul_gelu needs {refusal}")
+        raise ValueError(f"{name} needs {refusal}")
     check_config(config, "mosaic_gpu", mgpu.Config)
     cfg = config or mgpu.Config()
-    return first_order_only("matmul_gelu", lambda *a: mgpu.matmul_gelu(*a, cfg), x, w, b)
+    return first_order_only(name, lambda *a: kernel(*a, cfg), *arrays)
