@@ -77,6 +77,5 @@ def _run(name: str, kernel, config: mgpu.Config | None, *arrays: jax.Array):
     """kernel(*arrays, config) once the GPU and the config pass, first derivatives only."""
     if (refusal := common.mosaic_gpu_refusal()) is not None:
         raise ValueError(f"{name} needs {refusal}")
-    check_config(config, "mosaic_gpu", mgpu.Config)
-    cfg = config or mgpu.Config()
-    return first_order_only(name, lambda *a: kernel(*a, cfg), *arrays)
+    check_config(config, "mosaic_gpu", mgpu.Config)  # None: the kernel's default
+    return first_order_only(name, lambda *a: kernel(*a, config), *arrays)

@@ -208,9 +208,9 @@ def _compute_wg(sm, wg, count, origin, steps: int, cfg: Config, loads_h: bool, e
     plgpu.wait_smem_to_gmem(0)
 
 
-def _launch(name, lhs, w, extra, out_type, cfg, interpret, body):
+def _launch(name, lhs, w, extra, out_type, cfg, interpret, body, loads_h: bool):
     """The kernel `name` over lhs (M, K) @ w (K, N): body(lhs_g, w_g, extra_g, *out_gs, sm,
-    n_ctas=) with `extra` (h or b) as the third operand."""
+    n_ctas=) with `extra` (h if `loads_h`, else b) as the third operand."""
     (m, k), n = lhs.shape, w.shape[1]
     check(cfg, m, n, k, name.removesuffix("_mgpu"))
     n_ctas = min(m // cfg.block_m * (n // cfg.block_n), cfg.ctas or core_count())
@@ -223,9 +223,10 @@ def _launch(name, lhs, w, extra, out_type, cfg, interpret, body):
         lhs_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS * st),  # per owner: each waits its own
         w_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS * st),
         free=plgpu.Barrier(num_barriers=st),
-        h_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS),
-        h_free=plgpu.Barrier(num_barriers=COMPUTE_WGS),
     )
+    if loads_h:  # h's arrival in a compute warpgroup's buffer, and the buffer's release
+        scratch.update(h_bar=plgpu.Barrier(num_barriers=COMPUTE_WGS),
+                       h_free=plgpu.Barrier(num_barriers=COMPUTE_WGS))  # fmt: skip
 
     def kernel(*refs, **sm):
         body(*refs, sm, n_ctas=n_ctas)
@@ -253,7 +254,7 @@ def matmul_dgelu(dy: jax.Array, w: jax.Array, h: jax.Array, cfg: Config | None =
         _kernel(dy_g, w_g, h_g, sm, cfg=cfg, n_ctas=n_ctas, epilogue=epilogue)
 
     out_type = jax.ShapeDtypeStruct((dy.shape[0], w.shape[1]), h.dtype)
-    return _launch("matmul_dgelu_mgpu", dy, w, h, out_type, cfg, interpret, body)
+    return _launch("matmul_dgelu_mgpu", dy, w, h, out_type, cfg, interpret, body, loads_h=True)
 
 
 def matmul_gelu(x: jax.Array, w: jax.Array, b: jax.Array, cfg: Config | None = None,
@@ -280,4 +281,4 @@ def matmul_gelu(x: jax.Array, w: jax.Array, b: jax.Array, cfg: Config | None = N
         _kernel(x_g, w_g, None, sm, cfg=cfg, n_ctas=n_ctas, epilogue=epilogue)
 
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
-    return _launch("matmul_gelu_mgpu", x, w, b, (out, out), cfg, interpret, body)
+    return _launch("matmul_gelu_mgpu", x, w, b, (out, out), cfg, interpret, body, loads_h=False)
