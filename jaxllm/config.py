@@ -170,7 +170,8 @@ class ExecutionConfig(Section):
     # GPT-2's GELU MLP: "xla" = cuBLAS's GEMMs (the fc GEMM's epilogue writing h and gelu(h))
     # and a fusion applying GELU's backward after the dX GEMM; "pallas" = Mosaic GPU kernels
     # with GELU in both GEMMs' epilogues (pallas_kernels.matmul_gelu, matmul_dgelu; Hopper-class
-    # GPUs, 16-bit matmuls; elsewhere XLA's, and the `ops:` line says so).
+    # GPUs, 16-bit matmuls; elsewhere XLA's, and the `ops:` line says so). Faster than "xla"
+    # up to GPT-2 XL's widths, slower at 2560 x 10240 (benchmarks/RESULTS.md).
     mlp_impl: Literal["xla", "pallas"] = "xla"
     # The Pallas kernels' lowering (norms, attention softmax, conv, fused loss): "auto" = Mosaic
     # GPU wherever its kernel can run (a Hopper-class GPU and the shapes it takes), Triton
