@@ -8,8 +8,9 @@ float32) before the one rounding. XLA's cuBLAS path writes dy @ w and reads it b
 kernel; here it never leaves the SM.
 
 Persistent, "ping-pong" (CUTLASS's name): one CUDA block per SM runs the output tiles p, p + P,
-... (P CUDA blocks; block_m x block_n each, the N tiles of a row of tiles consecutive, so that
-CUDA blocks running together read the same rows of the left operand from L2). Warpgroup 2
+... (P CUDA blocks; block_m x block_n each, taken down a group of group_m rows of tiles, then
+along it, so that CUDA blocks running together read the same rows of the left operand and
+columns of w from L2; default_config groups only where w outgrows L2). Warpgroup 2
 streams the tiles' k-blocks, in tile order, through one ring of `stages` shared-memory slots;
 tile i belongs to compute warpgroup i % 2, so the slots of the next tile fill while this one's
 last matmuls run, and one warpgroup's epilogue overlaps the other's matmuls. Each compute
@@ -55,6 +56,19 @@ class Config(NamedTuple):
     # benchmarks/logs/kernels_2026-11-29c); 5 x 32 KB + 2 x 32 KB fits in shared memory
     stages: int = 5
     ctas: int = 0  # at most this many CUDA blocks (0: one per SM)
+    group_m: int = 1  # rows of tiles per group (default_config): the tiles a wave runs share w
+
+
+GROUP_W_BYTES = 32 * 2**20  # w larger than this: tiles in groups of 8 rows of tiles
+
+
+def default_config(k: int, n: int, itemsize: int = 2) -> Config:
+    """The kernels' config for w (K, N). A row of tiles after another (group_m 1) has the
+    CUDA blocks running together read all of w; where w does not stay in L2 (50 MB), groups of
+    8 rows of tiles read an eighth of it. At 32768 rows, bf16, H200 (benchmarks/RESULTS.md,
+    2026-11-30): w 2560 x 10240 (52 MB) 3.23 -> 2.84 ms backward, 3.26 -> 2.87 forward; w
+    1280 x 5120 (13 MB) 0.77 -> 0.79 backward, 0.78 either way forward."""
+    return Config(group_m=8) if k * n * itemsize > GROUP_W_BYTES else Config()
 
 
 def smem_bytes(cfg: Config, itemsize: int = 2) -> int:
@@ -68,8 +82,8 @@ def check(cfg: Config, m: int, n: int, k: int, kernel: str = "matmul_dgelu") -> 
     if cfg.block_m != 128 or cfg.block_n not in (64, 128, 192) or cfg.block_k != 64:
         raise ValueError(f"invalid {kernel} config {cfg}: block_m 128, block_n 64, 128 or 192, "
                          "block_k 64")  # fmt: skip
-    if cfg.stages < 2 or cfg.ctas < 0:
-        raise ValueError(f"invalid {kernel} config {cfg}: stages >= 2, ctas >= 0")
+    if cfg.stages < 2 or cfg.ctas < 0 or cfg.group_m < 1:
+        raise ValueError(f"invalid {kernel} config {cfg}: stages >= 2, ctas >= 0, group_m >= 1")
     if smem_bytes(cfg) + 1024 > rows.SMEM_BYTES:
         raise ValueError(f"{kernel} config {cfg} needs {smem_bytes(cfg)} bytes of shared "
                          f"memory; at most {rows.SMEM_BYTES - 1024}")  # fmt: skip
@@ -103,9 +117,14 @@ def _kernel(lhs_g, w_g, h_g, sm, *, cfg: Config, n_ctas: int, epilogue):
     p = jax.lax.axis_index("p")
     count = (m // cfg.block_m * tiles_n - 1 - p) // n_ctas + 1  # tiles p, p + n_ctas, ...
 
+    tiles_m, group = m // cfg.block_m, cfg.group_m * tiles_n
+
     def origin(i):  # (first row, first column) of tile i of this CUDA block
-        t = p + i * n_ctas
-        return (t // tiles_n) * cfg.block_m, jax.lax.rem(t, jnp.int32(tiles_n)) * cfg.block_n
+        t = p + i * n_ctas  # down the group's group_m rows of tiles, then the next column
+        first = t // group * cfg.group_m
+        rows_g = jnp.minimum(cfg.group_m, tiles_m - first)  # the last group may be shorter
+        within = jax.lax.rem(t, jnp.int32(group))
+        return (first + jax.lax.rem(within, rows_g)) * cfg.block_m, within // rows_g * cfg.block_n
 
     wg = jax.lax.axis_index("wg")
 
@@ -240,7 +259,7 @@ def matmul_dgelu(dy: jax.Array, w: jax.Array, h: jax.Array, cfg: Config | None =
     """(dy @ w) * gelu'(h): dy (M, K), w (K, N), h (M, N) -> (M, N) in h's dtype.
 
     `interpret`: jax's Mosaic GPU interpreter parameters, for CPU tests of the kernel itself."""
-    cfg = cfg or Config()
+    cfg = cfg or default_config(*w.shape, w.dtype.itemsize)
 
     def body(dy_g, w_g, h_g, dh_g, sm, n_ctas):
         def epilogue(acc, wg, m0, n0):
@@ -261,7 +280,7 @@ def matmul_gelu(x: jax.Array, w: jax.Array, b: jax.Array, cfg: Config | None = N
                 interpret: Any = None) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """(h, gelu(h)), h = x @ w + b: x (M, K), w (K, N), b (N,) float32 -> two (M, N) in x's
     dtype, both from the float32 h. `interpret` as in matmul_dgelu."""
-    cfg = cfg or Config()
+    cfg = cfg or default_config(*w.shape, w.dtype.itemsize)
 
     def body(x_g, w_g, b_g, h_g, a_g, sm, n_ctas):
         def epilogue(acc, wg, m0, n0):

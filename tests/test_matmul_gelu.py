@@ -39,8 +39,9 @@ def _check_close(float64_ref, out, dy, w, h):
 @pytest.mark.parametrize(
     "cfg, m, k, n",
     [
-        (mgpu.Config(stages=2, ctas=3), 512, 256, 256),  # 8 tiles: 3, 3 and 2 a CUDA block
-        (mgpu.Config(block_n=64, stages=3, ctas=5), 384, 128, 320),  # fewer k-blocks than slots
+        (mgpu.Config(stages=2, ctas=3, group_m=8), 512, 256, 256),  # 8 tiles: 3, 3, 2 a block
+        # fewer k-blocks than slots; groups of 2 rows of tiles, then 1
+        (mgpu.Config(block_n=64, stages=3, ctas=5, group_m=2), 384, 128, 320),
     ],
 )
 def test_interpreted_kernel_matches_float64_reference(float64_ref, cfg, m, k, n):
