@@ -30,14 +30,12 @@ from jaxllm.data.documents import (
     iter_file_documents,
     iter_hf_documents,
 )
-from jaxllm.data.token_file import FORMAT, FORMAT_VERSION, AtomicTokenFile, token_dtype
+from jaxllm.data.token_file import IDENTITY, AtomicTokenFile, token_dtype
 from jaxllm.data.tokenizer import (
     BPE_DIR_ENV,
-    BPE_SHA256,
     EOT_ID,
     EOT_TEXT,
     N_VOCAB,
-    TOKENIZER_NAME,
     BPEFiles,
     find_gpt2_bpe_files,
     gpt2_encoding,
@@ -164,16 +162,8 @@ def write_token_files(
                 f"val_fraction={val_fraction} gives no validation documents out of {total_docs}; "
                 f"use a larger fraction{hint if split else ''}"
             )
-        meta = {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "tokenizer": TOKENIZER_NAME,
-            "bpe_sha256": BPE_SHA256,
-            "n_vocab": N_VOCAB,
-            "eot_id": EOT_ID,
-            "dtype": token_dtype(N_VOCAB).name,
-            "val_fraction": val_fraction,
-        } | source_meta
+        meta = IDENTITY | {"n_vocab": N_VOCAB, "eot_id": EOT_ID, "val_fraction": val_fraction}
+        meta |= source_meta
         names = ["train", "val"] if len(outputs) == 2 else ["all"]
         # both files complete on disk before either is renamed into place: a pair stays a pair
         metas = [o.finish(meta | {"split": n}) for o, n in zip(outputs, names, strict=True)]

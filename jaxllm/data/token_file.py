@@ -31,6 +31,16 @@ def token_dtype(n_vocab: int) -> np.dtype:
     return np.dtype(np.uint16 if n_vocab <= 1 << 16 else np.uint32)
 
 
+# What every sidecar records and load_tokens checks: this format, the GPT-2 BPE, its dtype
+IDENTITY = {
+    "format": FORMAT,
+    "version": FORMAT_VERSION,
+    "tokenizer": TOKENIZER_NAME,
+    "bpe_sha256": BPE_SHA256,
+    "dtype": token_dtype(N_VOCAB).name,
+}
+
+
 def sidecar_path(path: str | Path) -> Path:
     """Path of the JSON sidecar of a token file: `<path>.json`."""
     path = Path(path)
@@ -132,15 +142,8 @@ def load_tokens(
             f"{sidecar} holds a {type(meta).__name__}, not a sidecar object; re-run "
             "jaxllm.data.prepare"
         )
-    expected = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "tokenizer": TOKENIZER_NAME,
-        "bpe_sha256": BPE_SHA256,
-        "dtype": token_dtype(N_VOCAB).name,
-    }
     problems = [
-        f"{k}={meta.get(k)!r}, expected {v!r}" for k, v in expected.items() if meta.get(k) != v
+        f"{k}={meta.get(k)!r}, expected {v!r}" for k, v in IDENTITY.items() if meta.get(k) != v
     ]
     num_tokens, max_id = meta.get("num_tokens"), meta.get("max_id")
     if max_id is not None and (type(max_id) is not int or max_id < 0):
