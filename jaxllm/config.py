@@ -171,7 +171,8 @@ class ExecutionConfig(Section):
     # and a fusion applying GELU's backward after the dX GEMM; "pallas" = Mosaic GPU kernels
     # with GELU in both GEMMs' epilogues (pallas_kernels.matmul_gelu, matmul_dgelu; Hopper-class
     # GPUs, 16-bit matmuls; elsewhere XLA's, and the `ops:` line says so). Faster than "xla"
-    # at the GPT-2 family's widths, by less the wider (benchmarks/RESULTS.md).
+    # up to GPT-2 XL's widths, less so the wider; at the 2.7B size's about 0.95x backward and
+    # a tie forward (estimated across calls, benchmarks/RESULTS.md).
     mlp_impl: Literal["xla", "pallas"] = "xla"
     # The Pallas kernels' lowering (norms, attention softmax, conv, fused loss): "auto" = Mosaic
     # GPU wherever its kernel can run (a Hopper-class GPU and the shapes it takes), Triton

@@ -8,9 +8,10 @@ float32) before the one rounding. XLA's cuBLAS path writes dy @ w and reads it b
 kernel; here it never leaves the SM.
 
 Persistent, "ping-pong" (CUTLASS's name): one CUDA block per SM runs the output tiles p, p + P,
-... (P CUDA blocks; block_m x block_n each, taken down a group of group_m rows of tiles, then
-along it, so that CUDA blocks running together read the same rows of the left operand and
-columns of w from L2; default_config groups only where w outgrows L2). Warpgroup 2
+... (P CUDA blocks; block_m x block_n each, column by column within each group of group_m
+rows of tiles, row by row at group_m 1, so that CUDA blocks running together read the same
+rows of the left operand and columns of w from L2; default_config groups only where w outgrows
+L2). Warpgroup 2
 streams the tiles' k-blocks, in tile order, through one ring of `stages` shared-memory slots;
 tile i belongs to compute warpgroup i % 2, so the slots of the next tile fill while this one's
 last matmuls run, and one warpgroup's epilogue overlaps the other's matmuls. Each compute
@@ -22,7 +23,8 @@ once h's store has read the buffer.
 
 Memory traffic (s bytes per element): read h and write dh (backward) or write h and a
 (forward) once, 2 M N s; read the left operand once per column of tiles and w once per row of
-tiles, mostly from L2 (about M K s + K N s from memory); the GEMM alone writes M N s. At GPT-2's
+tiles, mostly from L2 (about M K s + K N s from memory where w stays in L2; otherwise w about
+once per group of group_m rows of tiles); the GEMM alone writes M N s. At GPT-2's
 shape on an H200 the backward takes 1.27x cuBLAS's time for dy @ w alone, against 1.7x for
 cuBLAS's GEMM and XLA's fusion of gelu'; the matmuls alone run at cuBLAS's speed, and the
 epilogue is not hidden, most of its excess h's load and dh's store; it is not bound by
@@ -56,7 +58,7 @@ class Config(NamedTuple):
     # benchmarks/logs/kernels_2026-11-29c); 5 x 32 KB + 2 x 32 KB fits in shared memory
     stages: int = 5
     ctas: int = 0  # at most this many CUDA blocks (0: one per SM)
-    group_m: int = 1  # rows of tiles per group (default_config): the tiles a wave runs share w
+    group_m: int = 1  # rows of tiles per group (default_config): a wave spans fewer columns of w
 
 
 GROUP_W_BYTES = 32 * 2**20  # w larger than this: tiles in groups of 8 rows of tiles
@@ -64,10 +66,11 @@ GROUP_W_BYTES = 32 * 2**20  # w larger than this: tiles in groups of 8 rows of t
 
 def default_config(k: int, n: int, itemsize: int = 2) -> Config:
     """The kernels' config for w (K, N). A row of tiles after another (group_m 1) has the
-    CUDA blocks running together read all of w; where w does not stay in L2 (50 MB), groups of
-    8 rows of tiles read an eighth of it. At 32768 rows, bf16, H200 (benchmarks/RESULTS.md,
-    2026-11-30): w 2560 x 10240 (52 MB) 3.23 -> 2.84 ms backward, 3.26 -> 2.87 forward; w
-    1280 x 5120 (13 MB) 0.77 -> 0.79 backward, 0.78 either way forward."""
+    CUDA blocks running together read all of w, which then comes from memory once per row of
+    tiles where it does not stay in L2 (50 MB); groups of 8 rows of tiles read it once per
+    group. At 32768 rows, bf16, H200 (benchmarks/RESULTS.md, 2026-11-30): w 2560 x 10240
+    (52 MB) 3.23 -> 2.84 ms backward, 3.26 -> 2.87 forward; w 1280 x 5120 (13 MB) 0.77 -> 0.79
+    backward, 0.78 either way forward. The threshold lies between those; 20-52 MB untimed."""
     return Config(group_m=8) if k * n * itemsize > GROUP_W_BYTES else Config()
 
 
@@ -114,10 +117,9 @@ def _kernel(lhs_g, w_g, h_g, sm, *, cfg: Config, n_ctas: int, epilogue):
     (None: the forward); epilogue(acc, wg, m0, n0) writes a tile's outputs."""
     m, k = lhs_g.shape
     tiles_n, steps = w_g.shape[1] // cfg.block_n, k // cfg.block_k
-    p = jax.lax.axis_index("p")
-    count = (m // cfg.block_m * tiles_n - 1 - p) // n_ctas + 1  # tiles p, p + n_ctas, ...
-
     tiles_m, group = m // cfg.block_m, cfg.group_m * tiles_n
+    p = jax.lax.axis_index("p")
+    count = (tiles_m * tiles_n - 1 - p) // n_ctas + 1  # tiles p, p + n_ctas, ...
 
     def origin(i):  # (first row, first column) of tile i of this CUDA block
         t = p + i * n_ctas  # down the group's group_m rows of tiles, then the next column

@@ -39,7 +39,8 @@ def _check_close(float64_ref, out, dy, w, h):
 @pytest.mark.parametrize(
     "cfg, m, k, n",
     [
-        (mgpu.Config(stages=2, ctas=3, group_m=8), 512, 256, 256),  # 8 tiles: 3, 3, 2 a block
+        # 8 tiles: 3, 3, 2 a block; one group of 4 rows of tiles, shorter than 8
+        (mgpu.Config(stages=2, ctas=3, group_m=8), 512, 256, 256),
         # fewer k-blocks than slots; groups of 2 rows of tiles, then 1
         (mgpu.Config(block_n=64, stages=3, ctas=5, group_m=2), 384, 128, 320),
     ],
@@ -75,6 +76,16 @@ def test_compiled_kernel_matches_float64_reference(float64_ref, m, k, n, dtype):
     _check_close(float64_ref, pallas_kernels.matmul_dgelu(dy, w, h), dy, w, h)
     b = jax.random.normal(jax.random.PRNGKey(4), (n,))
     _check_fwd_close(float64_ref, pallas_kernels.matmul_gelu(dy, w, b), dy, w, b)
+
+
+@pytest.mark.skipif(not mosaic_gpu_capable(), reason="needs a Hopper-class GPU")
+def test_compiled_kernels_in_groups_of_rows_of_tiles(float64_ref):
+    """group_m 8 (default_config's for a w past L2) over 10 rows of tiles: 8, then 2."""
+    cfg = mgpu.Config(group_m=8)
+    dy, w, h = _inputs(1280, 256, 1024)
+    _check_close(float64_ref, pallas_kernels.matmul_dgelu(dy, w, h, config=cfg), dy, w, h)
+    b = jax.random.normal(jax.random.PRNGKey(4), (1024,))
+    _check_fwd_close(float64_ref, pallas_kernels.matmul_gelu(dy, w, b, config=cfg), dy, w, b)
 
 
 @pytest.mark.parametrize(
