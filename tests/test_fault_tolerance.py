@@ -89,8 +89,7 @@ def _token_file(path, ids):
 
     out = tf.AtomicTokenFile(path)
     out.write(np.asarray(ids, np.uint16), 1)
-    out.finish({"format": tf.FORMAT, "version": tf.FORMAT_VERSION, "tokenizer": tf.TOKENIZER_NAME,
-                "bpe_sha256": tf.BPE_SHA256, "dtype": "uint16"})  # fmt: skip
+    out.finish(dict(tf.IDENTITY))
     out.publish()
 
 
